@@ -1,0 +1,106 @@
+"""What the outer algorithms share: operations on dicts of named fp32 tensors.
+
+A model's state travels through protocol/ as `NamedTensors`, a dict name -> torch.Tensor. The
+outer state (φ, momentum, residual) is always fp32 (PROTOCOLS.md §0), so every entry point
+copies its inputs with `fp32_clone` and checks layouts with `check_same_layout` before any
+arithmetic. Functions here never modify their arguments; they return new dicts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from protocol.errors import LayoutError
+
+NamedTensors = dict[str, torch.Tensor]
+"""name -> tensor, e.g. a model's parameters; protocol/ keeps these in fp32."""
+
+
+def fp32_clone(tensors: Mapping[str, torch.Tensor], *, what: str = "tensors") -> NamedTensors:
+    """Detached, contiguous fp32 copies, so that later in-place training cannot alias our state."""
+    if not isinstance(tensors, Mapping):
+        raise LayoutError(f"{what} must be a mapping of name to tensor, got {type(tensors).__name__}.")
+    copies: NamedTensors = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise LayoutError(f"{what} has a non-string name {name!r}.")
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise LayoutError(f"{what}[{name!r}] must be a floating-point tensor.")
+        copies[name] = tensor.detach().to(dtype=torch.float32, copy=True).contiguous()
+    return copies
+
+
+def check_same_layout(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor],
+                      *, what: str) -> None:
+    """Raise LayoutError unless `other` holds exactly the names and shapes of `reference`."""
+    if not isinstance(other, Mapping):
+        raise LayoutError(f"{what} must be a mapping of name to tensor, got {type(other).__name__}.")
+    if reference.keys() != other.keys():
+        missing = sorted(set(reference) - set(other))
+        extra = sorted(set(other) - set(reference))
+        raise LayoutError(f"{what} has different tensor names: missing {missing[:5]}, extra {extra[:5]}.")
+    for name, ref in reference.items():
+        tensor = other[name]
+        if not isinstance(tensor, torch.Tensor):
+            raise LayoutError(f"{what}[{name!r}] is a {type(tensor).__name__}, not a tensor.")
+        if tensor.shape != ref.shape:
+            raise LayoutError(f"{what}[{name!r}] has shape {tuple(tensor.shape)}, "
+                              f"expected {tuple(ref.shape)}.")
+
+
+def zeros_like(tensors: Mapping[str, torch.Tensor]) -> NamedTensors:
+    """fp32 zeros with the layout of `tensors` (initial momentum and residual)."""
+    return {name: torch.zeros_like(t, dtype=torch.float32) for name, t in tensors.items()}
+
+
+def difference(minuend: Mapping[str, torch.Tensor],
+               subtrahend: Mapping[str, torch.Tensor]) -> NamedTensors:
+    """minuend − subtrahend per name, in fp32 (both pseudo-gradient signs are built from this)."""
+    check_same_layout(minuend, subtrahend, what="subtrahend")
+    return {name: minuend[name].float() - subtrahend[name].float() for name in minuend}
+
+
+def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]]) -> NamedTensors:
+    """Elementwise mean of several dicts, summed in the order given.
+
+    Summation order is part of the result in floating point: callers that need bitwise equal
+    means on several nodes (DiLoCo, DiLoCoX) must pass the dicts in one canonical order. The
+    iterable is consumed lazily, so only the running sum and one summand are held at a time.
+    """
+    total: NamedTensors | None = None
+    count = 0
+    for tensors in tensor_dicts:
+        if total is None:
+            total = fp32_clone(tensors, what="first summand")
+        else:
+            check_same_layout(total, tensors, what=f"summand {count}")
+            for name, tensor in tensors.items():
+                total[name].add_(tensor.to(torch.float32))
+        count += 1
+    if total is None:
+        raise LayoutError("mean of no tensor dicts is undefined; pass at least one.")
+    for tensor in total.values():
+        tensor.div_(count)
+    return total
+
+
+def numel(tensors: Mapping[str, torch.Tensor]) -> int:
+    """Total number of elements over all named tensors."""
+    return sum(t.numel() for t in tensors.values())
+
+
+def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
+    """BLAKE2b-128 hex digest of names, shapes and fp32 bytes, in sorted name order.
+
+    Nodes publish it every round to detect diverged φ (PROTOCOLS.md §3 "Consistency"); equal
+    digests mean bitwise equal weights.
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to(device="cpu", dtype=torch.float32).contiguous()
+        digest.update(name.encode("utf-8") + b"\0" + repr(tuple(tensor.shape)).encode("ascii"))
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,172 @@
+"""Low-rank codec, PowerSGD style (PROTOCOLS.md §3 "Compression"), with quantized factors.
+
+A tensor of shape (rows, …) is viewed as a matrix M of rows × cols (cols = the product of the
+other dimensions) and sent as M ≈ P·Qᵀ of rank k, by ONE warm-started power iteration a round:
+
+    P = M·Q_prev ;  P ← orthonormal basis of P (torch.linalg.qr) ;  Q = Mᵀ·P
+
+Q is kept per tensor name as the next round's warm start (encoder state, `state_dict`), so the
+subspace keeps improving across rounds. Since P is orthonormal, the energy kept is
+ε = ‖P·Qᵀ‖²/‖M‖² = ‖Q‖²/‖M‖², reported in `Encoded.energy_kept` for the controller.
+P and Q are quantized to `bits` (8 or 4) with one absmax scale per column.
+
+1-D tensors, tensors under `min_elements`, and tensors where rank k would not save bytes
+(k·(rows + cols) ≥ rows·cols) fall back to blockwise 8-bit; their `energy_kept` is None.
+
+Description: {"codec": "lowrank", "shape": [...], "rank": k, "bits": 8|4}.
+Payload: k fp32 scales of P, k fp32 scales of Q, then P's codes column by column, then Q's
+(each packed as in protocol/codecs/blockwise.py).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from protocol.codecs.base import Codec, DescriptionReader, Encoded, integer_parameter, payload_view, \
+    register_codec, tensor_to_bytes
+from protocol.codecs.blockwise import SUPPORTED_BITS, BlockwiseCodec, dequantize_groups, pack_codes, \
+    packed_length, quantize_groups, read_scales, unpack_codes
+from protocol.errors import CodecError
+
+MAX_RANK = 4096
+_KEYS = frozenset({"codec", "shape", "rank", "bits"})
+
+
+def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, cols) of the matrix a tensor of `shape` (2-D or more) is compressed as."""
+    return shape[0], math.prod(shape[1:])
+
+
+@register_codec
+class LowRankCodec(Codec):
+    """Rank-k P·Qᵀ with per-column quantized factors; rank per tensor name, bits shared."""
+
+    name = "lowrank"
+    decodes = ("lowrank", "blockwise")
+
+    def __init__(self, rank: int = 4, bits: int = 8, min_elements: int = 4096,
+                 fallback_block_size: int = 64, seed: int = 0) -> None:
+        self.default_rank = integer_parameter(rank, "lowrank rank", 1, MAX_RANK)
+        self.bits = bits  # validated by the property setter
+        self.min_elements = integer_parameter(min_elements, "lowrank min_elements", 0, 1 << 40)
+        self.seed = integer_parameter(seed, "lowrank seed", 0, (1 << 32) - 1)
+        self._fallback = BlockwiseCodec(bits=8, block_size=fallback_block_size)
+        self._ranks: dict[str, int] = {}
+        self._warm_start: dict[str, torch.Tensor] = {}  # name -> Q of the last round (cols × k)
+
+    # ------------------------------------------------------------------ settings
+    @property
+    def bits(self) -> int:
+        """Bits of the quantized factors P and Q (8 or 4)."""
+        return self._bits
+
+    @bits.setter
+    def bits(self, bits: int) -> None:
+        if type(bits) is not int or bits not in SUPPORTED_BITS:
+            raise CodecError(f"lowrank bits must be one of {list(SUPPORTED_BITS)}, got {bits!r}.")
+        self._bits = bits
+
+    def rank_of(self, name: str) -> int:
+        """The rank asked for tensor `name` (the effective rank is also capped by its shape)."""
+        return self._ranks.get(name, self.default_rank)
+
+    def set_rank(self, name: str, rank: int) -> None:
+        """Ask for rank `rank` on tensor `name` from the next encode on (the warm start adapts)."""
+        self._ranks[name] = integer_parameter(rank, f"lowrank rank of {name!r}", 1, MAX_RANK)
+
+    @property
+    def ranks(self) -> dict[str, int]:
+        """Ranks set per tensor name (others use `default_rank`)."""
+        return dict(self._ranks)
+
+    def uses_low_rank(self, shape: tuple[int, ...] | torch.Size, name: str = "") -> bool:
+        """Whether a tensor of `shape` is sent as P·Qᵀ (else as blockwise 8-bit)."""
+        if len(shape) < 2 or math.prod(shape) < max(self.min_elements, 1):
+            return False
+        rows, cols = matrix_view_shape(tuple(shape))
+        rank = min(self.rank_of(name), rows, cols)
+        return rank * (rows + cols) < rows * cols
+
+    def params(self) -> dict[str, Any]:
+        return {"rank": self.default_rank, "bits": self.bits, "min_elements": self.min_elements,
+                "fallback_block_size": self._fallback.block_size, "seed": self.seed}
+
+    # ------------------------------------------------------------------ encode
+    def _encode(self, values: torch.Tensor, name: str) -> Encoded:
+        if not self.uses_low_rank(values.shape, name):
+            return self._fallback.encode(values, name)
+        rows, cols = matrix_view_shape(tuple(values.shape))
+        rank = min(self.rank_of(name), rows, cols)
+        matrix = values.reshape(rows, cols)
+        left = torch.linalg.qr(matrix @ self._start(name, cols, rank)).Q  # P, orthonormal columns
+        right = matrix.T @ left                                          # Q = Mᵀ·P
+        self._warm_start[name] = right.clone()
+        total = float(matrix.square().sum())
+        energy = min(1.0, float(right.square().sum()) / total) if total > 0 else 1.0
+        left_scales, left_codes = quantize_groups(left.T.contiguous(), self.bits)
+        right_scales, right_codes = quantize_groups(right.T.contiguous(), self.bits)
+        payload = (tensor_to_bytes(left_scales) + tensor_to_bytes(right_scales)
+                   + pack_codes(left_codes, self.bits) + pack_codes(right_codes, self.bits))
+        description = {"codec": self.name, "shape": list(values.shape), "rank": rank,
+                       "bits": self.bits}
+        return Encoded(description, payload, energy_kept=energy)
+
+    def _start(self, name: str, cols: int, rank: int) -> torch.Tensor:
+        """Last round's Q for `name`, resized to `rank` columns; fresh seeded columns if needed."""
+        previous = self._warm_start.get(name)
+        if previous is not None and previous.shape[0] == cols and previous.shape[1] >= rank:
+            return previous[:, :rank]
+        generator = torch.Generator().manual_seed(self.seed ^ zlib.crc32(name.encode("utf-8")))
+        fresh = torch.randn(cols, rank, generator=generator)
+        if previous is not None and previous.shape[0] == cols:
+            fresh[:, :previous.shape[1]] = previous  # keep the learnt subspace when k grows
+        return fresh
+
+    # ------------------------------------------------------------------ decode
+    def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:
+        if isinstance(description, dict) and description.get("codec") == "blockwise":
+            return self._fallback.decode(description, payload, max_elements)
+        reader = DescriptionReader(description, ("lowrank",), _KEYS)
+        shape = reader.shape(max_elements)
+        if len(shape) < 2:
+            raise CodecError(f"lowrank description shape {list(shape)} has fewer than 2 dimensions.")
+        rows, cols = matrix_view_shape(shape)
+        if rows * cols == 0:
+            raise CodecError(f"lowrank description shape {list(shape)} is empty; empty tensors "
+                             "are sent as blockwise.")
+        rank = reader.integer("rank", 1, min(rows, cols, MAX_RANK))
+        bits = reader.choice("bits", SUPPORTED_BITS)
+        left_bytes, right_bytes = packed_length(rows * rank, bits), packed_length(cols * rank, bits)
+        view = payload_view(payload, 8 * rank + left_bytes + right_bytes, self.name)
+        left_scales = read_scales(view[:4 * rank], self.name)
+        right_scales = read_scales(view[4 * rank:8 * rank], self.name)
+        left_codes = unpack_codes(view[8 * rank:8 * rank + left_bytes], rows * rank, bits, self.name)
+        right_codes = unpack_codes(view[8 * rank + left_bytes:], cols * rank, bits, self.name)
+        left = dequantize_groups(left_scales, left_codes.reshape(rank, rows), bits)
+        right = dequantize_groups(right_scales, right_codes.reshape(rank, cols), bits)
+        return (left.T @ right).reshape(shape)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """Warm starts and per-tensor ranks, so a restarted node keeps its subspaces."""
+        return {"warm_start": {name: q.clone() for name, q in self._warm_start.items()},
+                "ranks": dict(self._ranks), "bits": self.bits}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        try:
+            warm_start, ranks, bits = state["warm_start"], state["ranks"], state["bits"]
+        except (KeyError, TypeError) as missing:
+            raise CodecError(f"lowrank state lacks the field {missing}.") from None
+        for name, q in warm_start.items():
+            if not isinstance(q, torch.Tensor) or q.dim() != 2:
+                raise CodecError(f"lowrank warm start of {name!r} must be a 2-D tensor.")
+        self.bits = bits
+        self._ranks = {}
+        for name, rank in ranks.items():
+            self.set_rank(name, rank)
+        self._warm_start = {name: q.detach().to(torch.float32).clone() for name, q in warm_start.items()}

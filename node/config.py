@@ -9,6 +9,8 @@ value and what is allowed. Values are data, never code: TOML is parsed, nothing 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import json
 import math
 import tomllib
 import typing
@@ -107,9 +109,14 @@ class Config:
 
 # --------------------------------------------------------------------------- validation
 
-def _type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
+_TYPE_NAMES = {int: ("an integer", "integers"), float: ("a number", "numbers"),
+               str: ("a string", "strings"), bool: ("true or false", "booleans")}
+
+
+def _type_name(tp: Any, plural: bool = False) -> str:
+    if typing.get_origin(tp) is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0], plural=True)}"
+    return _TYPE_NAMES[tp][plural]
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -119,7 +126,7 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         (item_tp,) = typing.get_args(tp)
         if not isinstance(value, list):
             raise ConfigError(f"config key '{key}' has the wrong type: got {value!r}, "
-                              f"expected a list of {_type_name(item_tp)}s")
+                              f"expected {_type_name(tp)}")
         return [_coerce(f"{key}[{i}]", v, item_tp) for i, v in enumerate(value)]
     if tp is bool:
         ok = isinstance(value, bool)
@@ -167,7 +174,9 @@ def build_section(cls: type, values: dict[str, Any], prefix: str, base: Any = No
     fields, hints = _fields(cls), _hints(cls)
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}': allowed keys in "
+        close = difflib.get_close_matches(unknown[0], fields, n=1)
+        hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+        raise ConfigError(f"unknown config key '{prefix}{unknown[0]}': {hint}allowed keys in "
                           f"[{prefix.rstrip('.') or 'top level'}] are {', '.join(sorted(fields))}")
     obj = base if base is not None else cls()
     for name, value in values.items():
@@ -178,7 +187,7 @@ def build_section(cls: type, values: dict[str, Any], prefix: str, base: Any = No
     return obj
 
 
-def _check_cross_fields(cfg: Config) -> None:
+def _check_cross_fields(cfg: Any) -> None:
     """Rules that involve more than one key."""
     m, d, t = cfg.model, cfg.data, cfg.train
     if m.dim % m.n_heads or (m.dim // m.n_heads) % 2:
@@ -267,7 +276,7 @@ def build_config(layers: list[dict[str, Any]], cls: type = Config) -> Any:
                 raise ConfigError(f"config section '{name}' must be a table of keys, "
                                   f"got {values!r}")
             build_section(section_cls, values, f"{name}.", getattr(cfg, name))
-    if cls is Config:
+    if all(hasattr(cfg, section) for section in ("model", "data", "train")):
         _check_cross_fields(cfg)
     return cfg
 
@@ -279,6 +288,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: 
         layers.append(read_toml(Path(path)))
     layers.append(_nest([parse_override(o) for o in overrides]))
     return build_config(layers, cls)
+
+
+def toml_value(value: Any) -> str:
+    """One TOML value for the scalar and list types the config tree uses."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def to_toml(tree: dict[str, dict[str, Any]]) -> str:
+    """Sections of flat values as TOML text (what `config` prints and init-swarm writes)."""
+    lines = []
+    for section, values in tree.items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {toml_value(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)
 
 
 def describe(cls: type = Config) -> list[tuple[str, str, Any, str]]:

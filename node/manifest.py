@@ -1,0 +1,162 @@
+"""Swarm manifests: what every member of a swarm must agree on, in configs/swarms/<id>.toml.
+
+A manifest fixes the model, the data recipe, the inner optimizer, the protocol and its
+hyper-parameters, the bootstrap peers and admission. Its digest (BLAKE2b of the canonical JSON of
+everything but the bootstrap peers and how one machine runs, which may differ between members) travels in every message
+header: a peer on another manifest is refused, and `differences` names the fields that differ.
+Manifests are validated by the same typed machinery as run configs (node/config.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from node.config import (CONFIG_DIR, ConfigError, DataConfig, ModelConfig, TrainConfig,
+                         build_config, read_toml, spec, to_toml)
+
+SWARM_DIR = CONFIG_DIR / "swarms"
+SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+# How one machine runs, not what the swarm computes: members may differ in these.
+NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
+                         "eval_batches")
+
+
+@dataclass
+class SwarmSection:
+    id: str = spec("local", "the swarm's name: lowercase letters, digits, '-' and '_'")
+    description: str = spec("", "one line for humans")
+
+
+@dataclass
+class ProtocolSection:
+    name: str = spec("noloco", "the outer protocol", choices=("noloco", "dilocox"))
+    inner_steps: int = spec(50, "H: inner steps per round", min=1, max=1_000_000)
+    # NoLoCo (PROTOCOLS.md §1)
+    momentum: float = spec(0.5, "NoLoCo α", min=0.0, max=1.0)
+    progress_weight: float = spec(0.7, "NoLoCo β", min=0.0, max=10.0, min_exclusive=True)
+    consensus_weight: float = spec(0.7, "NoLoCo γ", min=0.0, max=10.0)
+    timing: str = spec("overlap", "overlap: use the pair formed during a round at its end; "
+                       "blocking: wait for a pair after the round", choices=("overlap", "blocking"))
+    max_staleness: int = spec(2, "largest round difference between partners", min=0, max=1000)
+    pair_deadline_s: float = spec(60.0, "blocking timing: longest wait for a partner",
+                                  min=0.0, max=3600.0, min_exclusive=True)
+    wire_dtype: str = spec("bf16", "dtype of NoLoCo snapshots on the wire",
+                           choices=("bf16", "fp16", "fp32"))
+    # DiLoCoX (PROTOCOLS.md §3)
+    outer_lr: float = spec(0.7, "DiLoCoX outer learning rate η", min=0.0, max=10.0,
+                           min_exclusive=True)
+    outer_momentum: float = spec(0.9, "DiLoCoX outer Nesterov momentum μ", min=0.0, max=1.0)
+    delay: int = spec(1, "DiLoCoX: 1 applies round r's messages at the end of round r+1; 0 waits",
+                      choices=(0, 1))
+    codec: str = spec("lowrank", "DiLoCoX pseudo-gradient codec",
+                      choices=("lowrank", "blockwise", "bf16", "fp16", "identity"))
+    rank: int = spec(4, "DiLoCoX starting rank of the low-rank codec", min=1, max=4096)
+    bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
+    fan_out: int = spec(32, "DiLoCoX: most peers a message is sent to", min=1, max=4096)
+    message_deadline_s: float = spec(120.0, "DiLoCoX: a message later than this is dropped",
+                                     min=0.0, max=3600.0, min_exclusive=True)
+
+
+@dataclass
+class NetworkSection:
+    bootstrap_peers: list[str] = spec([], "multiaddrs of DHT nodes to join through")
+
+
+@dataclass
+class AdmissionSection:
+    mode: str = spec("open", "open: anyone may join; allowlist: only the keys below",
+                     choices=("open", "allowlist"))
+    public_keys: list[str] = spec([], "allowed members' peer ids (12D3KooW...)")
+
+
+@dataclass
+class ContributionSection:
+    max_norm_ratio: float = spec(10.0, "refuse a contribution whose norm exceeds this multiple "
+                                 "of the node's own", min=1.0, max=1e6)
+    ban_after: int = spec(3, "refused contributions before a peer is banned", min=1, max=1000)
+    ban_seconds: float = spec(600.0, "how long a ban lasts", min=0.0, max=1e7)
+
+
+@dataclass
+class Manifest:
+    swarm: SwarmSection = field(default_factory=SwarmSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    protocol: ProtocolSection = field(default_factory=ProtocolSection)
+    network: NetworkSection = field(default_factory=NetworkSection)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
+    contributions: ContributionSection = field(default_factory=ContributionSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def agreed(self) -> dict[str, Any]:
+        """What every member must share: all but bootstrap peers and node-local train keys."""
+        values = self.to_dict()
+        values.pop("network")
+        for key in NODE_LOCAL_TRAIN_KEYS:
+            values["train"].pop(key)
+        return values
+
+    @property
+    def digest(self) -> str:
+        canonical = json.dumps(self.agreed(), sort_keys=True, separators=(",", ":"))
+        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+
+
+def _validate(manifest: Manifest) -> Manifest:
+    if not SWARM_ID.match(manifest.swarm.id):
+        raise ConfigError(f"manifest key 'swarm.id' = {manifest.swarm.id!r} is not a valid "
+                          f"swarm id: use lowercase letters, digits, '-' and '_' (1-63 chars)")
+    if manifest.admission.mode == "allowlist" and not manifest.admission.public_keys:
+        raise ConfigError("manifest key 'admission.public_keys' is empty but admission.mode = "
+                          "'allowlist': list the members' peer ids or use mode = 'open'")
+    return manifest
+
+
+def load_manifest(path: str | Path, overrides: dict[str, Any] | None = None) -> Manifest:
+    return _validate(build_config([read_toml(Path(path)), overrides or {}], Manifest))
+
+
+def manifest_from_dict(values: dict[str, Any]) -> Manifest:
+    """A manifest received from a peer: validated exactly like a file."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"a manifest must be a table of sections, got {type(values).__name__}")
+    return _validate(build_config([values], Manifest))
+
+
+def find_manifest(swarm_id: str) -> Path:
+    """configs/swarms/<id>.toml, or a sentence saying which swarms exist."""
+    path = SWARM_DIR / f"{swarm_id}.toml"
+    if not SWARM_ID.match(swarm_id) or not path.is_file():
+        known = ", ".join(sorted(p.stem for p in SWARM_DIR.glob("*.toml"))) or "none"
+        raise ConfigError(f"no manifest for swarm '{swarm_id}' in {SWARM_DIR} (known: {known}): "
+                          f"use --manifest PATH for a private swarm, or `lowcomm-node init-swarm`")
+    return path
+
+
+def differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
+    """The dotted names of fields whose values differ, e.g. ['protocol.inner_steps (50 vs 20)']."""
+    found = []
+    for key in sorted(set(ours) | set(theirs)):
+        a, b = ours.get(key), theirs.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found.extend(differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            found.append(f"{prefix}{key} ({a!r} here vs {b!r} there)")
+    return found
+
+
+def write_manifest(manifest: Manifest, path: Path) -> Path:
+    _validate(manifest)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (f"# Swarm manifest for '{manifest.swarm.id}'. Every member must use the same values\n"
+              f"# (bootstrap peers excepted); digest {manifest.digest}.\n\n")
+    path.write_text(header + to_toml(manifest.to_dict()), encoding="utf-8")
+    return path

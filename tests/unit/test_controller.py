@@ -1,0 +1,112 @@
+"""The adaptive controller (protocol/controller.py) with made-up measurements."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from protocol.codecs import LowRankCodec
+from protocol.controller import AdaptiveController, CompressionSettings, ControllerConfig, \
+    RoundMeasurements, apply_settings, settings_of
+from protocol.errors import ConfigurationError
+
+CONFIG = ControllerConfig(min_rank=1, max_rank=32, bits_choices=(4, 8), min_inner_steps=100,
+                          max_inner_steps=800, energy_target=0.8, energy_high=0.95,
+                          overlap_budget=0.8, slack_ratio=0.5)
+CONTROLLER = AdaptiveController(CONFIG)
+
+
+def _decide(ranks: dict[str, int], energies: dict[str, float], send: float, compute: float = 10.0,
+            bits: int = 8, steps: int = 100):
+    return CONTROLLER.decide(CompressionSettings(ranks, bits, steps),
+                             RoundMeasurements(energies, send, compute))
+
+
+def test_low_energy_raises_rank_and_high_energy_lowers_it() -> None:
+    decision = _decide({"a": 4, "b": 4, "c": 4}, {"a": 0.5, "b": 0.99, "c": 0.9}, send=5.0)
+    assert decision.budget == "within"
+    assert dict(decision.settings.ranks) == {"a": 8, "b": 2, "c": 4}
+    reasons = {c.setting: c.reason for c in decision.changes}
+    assert "below 0.8" in reasons["rank:a"] and "above 0.95" in reasons["rank:b"]
+    assert "rank:c" not in reasons
+
+
+def test_rank_raise_is_held_back_when_it_would_break_the_budget() -> None:
+    decision = _decide({"a": 4, "b": 4}, {"a": 0.5, "b": 0.5}, send=7.0)  # r = 0.7, ×2 -> 1.4
+    assert dict(decision.settings.ranks) == {"a": 4, "b": 4}
+    assert decision.changes == () and "held back" in decision.held_back[0]
+
+
+def test_over_budget_lowers_rank_first_then_bits_then_raises_h() -> None:
+    decision = _decide({"a": 8, "b": 1}, {"a": 0.2, "b": 0.2}, send=9.0)
+    assert decision.budget == "over" and dict(decision.settings.ranks) == {"a": 4, "b": 1}
+    assert decision.settings.bits == 8 and decision.settings.inner_steps == 100
+    at_rank_floor = _decide({"a": 1}, {"a": 0.2}, send=9.0)
+    assert at_rank_floor.settings.bits == 4 and at_rank_floor.changes[0].setting == "bits"
+    at_bits_floor = _decide({"a": 1}, {"a": 0.2}, send=9.0, bits=4)
+    assert at_bits_floor.settings.inner_steps == 200
+    assert "rank and bits floors" in at_bits_floor.changes[0].reason
+    at_every_bound = _decide({"a": 1}, {"a": 0.2}, send=9.0, bits=4, steps=800)
+    assert at_every_bound.changes == () and "all at their bounds" in at_every_bound.held_back[0]
+
+
+def test_slack_undoes_retreats_in_reverse_order_then_spends_on_rank() -> None:
+    undo_h = _decide({"a": 4}, {"a": 0.9}, send=1.0, bits=4, steps=400)
+    assert undo_h.budget == "slack" and undo_h.settings.inner_steps == 200
+    assert undo_h.settings.bits == 4
+    undo_bits = _decide({"a": 4}, {"a": 0.9}, send=1.0, bits=4, steps=100)
+    assert undo_bits.settings.bits == 8 and undo_bits.settings.inner_steps == 100
+    spend = _decide({"a": 4, "b": 4, "c": 4}, {"a": 0.9, "b": 0.99}, send=1.0)
+    assert dict(spend.settings.ranks) == {"a": 8, "b": 2, "c": 4}  # b kept well, c not measured
+    assert "far under" in {c.setting: c.reason for c in spend.changes}["rank:a"]
+
+
+def test_bounds_are_never_left() -> None:
+    top = _decide({"a": 32}, {"a": 0.1}, send=0.5)
+    assert top.settings.ranks["a"] == 32 and top.settings.bits == 8
+    bottom = _decide({"a": 1}, {"a": 1.0}, send=5.0)
+    assert bottom.settings.ranks["a"] == 1
+    near_top = AdaptiveController(ControllerConfig(max_rank=6)).decide(
+        CompressionSettings({"a": 5}, 8, 50), RoundMeasurements({"a": 0.1}, 0.1, 10.0))
+    assert near_top.settings.ranks["a"] == 6
+    with pytest.raises(ConfigurationError, match="outside"):
+        _decide({"a": 64}, {"a": 0.5}, send=1.0)
+    with pytest.raises(ConfigurationError, match="bits"):
+        _decide({"a": 4}, {"a": 0.5}, send=1.0, bits=6)
+    with pytest.raises(ConfigurationError, match="inner steps"):
+        _decide({"a": 4}, {"a": 0.5}, send=1.0, steps=5000)
+    with pytest.raises(ConfigurationError, match="without a rank"):
+        _decide({"a": 4}, {"z": 0.5}, send=1.0)
+
+
+def test_decision_record_reads_in_one_line() -> None:
+    summary = _decide({"a": 8}, {"a": 0.2}, send=9.0).summary()
+    assert summary == "send/compute 0.90 (over); rank:a 8->4; bits 8, H 100"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"min_rank": 0}, "min_rank"), ({"min_rank": 9, "max_rank": 8}, "min_rank"),
+    ({"bits_choices": (8, 4)}, "bits_choices"), ({"bits_choices": (2,)}, "bits_choices"),
+    ({"min_inner_steps": 0}, "inner steps"), ({"energy_target": 0.99}, "energy_target"),
+    ({"overlap_budget": 0.0}, "overlap_budget"), ({"slack_ratio": 1.0}, "slack_ratio"),
+    ({"rank_factor": 1.0}, "rank_factor"),
+])
+def test_config_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigurationError, match=message):
+        ControllerConfig(**kwargs)
+
+
+@pytest.mark.parametrize("send, compute, energy", [(-1.0, 1.0, 0.5), (1.0, 0.0, 0.5),
+                                                   (float("nan"), 1.0, 0.5), (1.0, 1.0, 1.5)])
+def test_measurement_validation(send: float, compute: float, energy: float) -> None:
+    with pytest.raises(ConfigurationError):
+        RoundMeasurements({"a": energy}, send, compute)
+
+
+def test_settings_travel_to_and_from_the_codec() -> None:
+    codec = LowRankCodec(rank=4, bits=8)
+    settings = settings_of(codec, ["w"], inner_steps=100)
+    decision = CONTROLLER.decide(settings, RoundMeasurements({"w": 0.3}, 1.0, 10.0))
+    apply_settings(codec, decision.settings)
+    encoded = codec.encode(torch.randn(64, 64), "w")
+    assert encoded.description["rank"] == 8 and codec.rank_of("w") == 8

@@ -2,7 +2,7 @@
 
 Pure torch + stdlib (and msgpack for the exact size of a codec description). Nothing here opens
 a socket, starts a loop or imports `node` or `p2p`. Every algorithm works on dicts of named fp32
-tensors (name -> torch.Tensor, a model's parameters):
+tensors (name -> torch.Tensor, a model's parameters). Modules include:
 
 - protocol.noloco      NoLoCo outer step with a group of any size (§1)
 - protocol.diloco      DiLoCo outer Nesterov step on torch's SGD (§2)

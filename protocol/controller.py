@@ -50,12 +50,15 @@ class ControllerConfig:
         def require(ok: bool, sentence: str) -> None:
             if not ok:
                 raise ConfigurationError(sentence)
-        require(_is_int(self.min_rank) and _is_int(self.max_rank) and 1 <= self.min_rank <= self.max_rank,
-                f"controller ranks need ints 1 <= min_rank <= max_rank, got {self.min_rank!r}, {self.max_rank!r}.")
+        require(_is_int(self.min_rank) and _is_int(self.max_rank)
+                and 1 <= self.min_rank <= self.max_rank,
+                "controller ranks need ints 1 <= min_rank <= max_rank, "
+                f"got {self.min_rank!r}, {self.max_rank!r}.")
         require(isinstance(self.bits_choices, tuple) and len(self.bits_choices) > 0
                 and list(self.bits_choices) == sorted(set(self.bits_choices))
                 and set(self.bits_choices) <= {4, 8},
-                f"controller bits_choices must be an ascending tuple from (4, 8), got {self.bits_choices!r}.")
+                "controller bits_choices must be an ascending tuple from (4, 8), "
+                f"got {self.bits_choices!r}.")
         require(_is_int(self.min_inner_steps) and _is_int(self.max_inner_steps)
                 and 1 <= self.min_inner_steps <= self.max_inner_steps,
                 "controller inner steps need ints 1 <= min_inner_steps <= max_inner_steps, got "
@@ -92,7 +95,8 @@ class RoundMeasurements:
 
     def __post_init__(self) -> None:
         if not (_is_number(self.send_seconds) and self.send_seconds >= 0):
-            raise ConfigurationError(f"send_seconds must be a finite number >= 0, got {self.send_seconds!r}.")
+            raise ConfigurationError(
+                f"send_seconds must be a finite number >= 0, got {self.send_seconds!r}.")
         if not (_is_number(self.compute_seconds) and self.compute_seconds > 0):
             raise ConfigurationError(
                 f"compute_seconds must be a finite number > 0, got {self.compute_seconds!r}.")
@@ -218,7 +222,8 @@ class AdaptiveController:
                 spend = {n: self._raise_rank(ranks[n]) for n, energy in measurements.energy_kept.items()
                          if n not in touched and ranks[n] < config.max_rank
                          and energy <= config.energy_high}
-                if spend and try_move(({**ranks, **spend}, bits, steps), f"rank raise of {sorted(spend)[:5]}"):
+                move = f"rank raise of {sorted(spend)[:5]}"
+                if spend and try_move(({**ranks, **spend}, bits, steps), move):
                     changes += [SettingChange(f"rank:{n}", ranks[n], k, reason) for n, k in spend.items()]
                     ranks.update(spend)
         return self._decision(ranks, bits, steps, ratio, budget, changes, held_back)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from protocol.codecs.base import Codec, Encoded
-from protocol.diloco import DiLoCo, DiLoCoHyperParameters, pseudo_gradient
+from protocol.diloco import DiLoCo, DiLoCoHyperParameters
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
 from protocol.tensors import NamedTensors, check_same_layout, fp32_clone, mean, zeros_like
 
@@ -142,7 +142,7 @@ class DiLoCoX:
     # ------------------------------------------------------------------ one round
     def pseudo_gradient(self, fast_weights: Mapping[str, torch.Tensor]) -> NamedTensors:
         """Δ = φ − θ at the end of a round."""
-        return pseudo_gradient(self._outer.slow_weights, fast_weights)
+        return self._outer.pseudo_gradient(fast_weights)
 
     def compress(self, delta: Mapping[str, torch.Tensor], round_index: int) -> PseudoGradientMessage:
         """c = C(Δ + e), e ← Δ + e − D(c); the message is also kept as this node's own."""
@@ -184,8 +184,10 @@ class DiLoCoX:
 
     def outer_step(self, round_index: int) -> NamedTensors:
         """At the end of round `round_index`, apply round `round_index − delay`; returns φ."""
-        target = round_index - self.hyper.delay if type(round_index) is int else None
-        if target is None or target < -1 or (target >= 0 and target <= self.last_applied_round):
+        if type(round_index) is not int or round_index < 0:
+            raise ProtocolError(f"outer_step round must be an int >= 0, got {round_index!r}.")
+        target = round_index - self.hyper.delay
+        if 0 <= target <= self.last_applied_round:
             raise ProtocolError(f"outer_step round {round_index!r} would apply round {target}, "
                                 f"but round {self.last_applied_round} was already applied.")
         if target < 0:
@@ -269,18 +271,18 @@ class DiLoCoX:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore `state_dict()` output; the codec must be of the same kind as this node's."""
         try:
-            codec_state, residual, pending = state["codec"], state["residual"], state["pending"]
-            outer, applied, compressed = state["outer"], state["last_applied_round"], \
-                state["last_compressed_round"]
+            codec_name, codec_state = state["codec"]["name"], state["codec"]["state"]
+            residual, pending, outer = state["residual"], state["pending"], state["outer"]
+            applied, compressed = state["last_applied_round"], state["last_compressed_round"]
             counters = DiLoCoXCounters(**state["counters"])
         except (KeyError, TypeError) as missing:
             raise LayoutError(f"DiLoCoX state lacks or mangles the field {missing}.") from None
-        if codec_state["name"] != self.codec.name:
-            raise ConfigurationError(f"checkpoint was written with codec {codec_state['name']!r}, "
+        if codec_name != self.codec.name:
+            raise ConfigurationError(f"checkpoint was written with codec {codec_name!r}, "
                                      f"this node uses {self.codec.name!r}.")
         check_same_layout(self._residual, residual, what="checkpoint residual")
         self._outer.load_state_dict(outer)
-        self.codec.load_state_dict(codec_state["state"])
+        self.codec.load_state_dict(codec_state)
         self._residual = fp32_clone(residual, what="checkpoint residual")
         self._pending = {int(r): {s: PseudoGradientMessage(s, int(r), {
             n: Encoded(t["description"], t["payload"]) for n, t in tensors.items()})

@@ -36,6 +36,8 @@ def fp32_clone(tensors: Mapping[str, torch.Tensor], *, what: str = "tensors") ->
 def check_same_layout(reference: Mapping[str, torch.Tensor], other: Mapping[str, torch.Tensor],
                       *, what: str) -> None:
     """Raise LayoutError unless `other` holds exactly the names and shapes of `reference`."""
+    if not isinstance(reference, Mapping):
+        raise LayoutError(f"the reference for {what} must be a mapping of name to tensor.")
     if not isinstance(other, Mapping):
         raise LayoutError(f"{what} must be a mapping of name to tensor, got {type(other).__name__}.")
     if reference.keys() != other.keys():

@@ -67,7 +67,8 @@ class DescriptionReader:
             raise CodecError("description keys must all be strings.")
         codec = description.get("codec")
         if not isinstance(codec, str) or codec not in codec_names:
-            raise CodecError(f"description names codec {_short(codec)}, expected one of {list(codec_names)}.")
+            raise CodecError(f"description names codec {_short(codec)}, "
+                             f"expected one of {list(codec_names)}.")
         if description.keys() != keys:
             missing = sorted(keys - description.keys())
             extra = sorted(description.keys() - keys)
@@ -91,7 +92,8 @@ class DescriptionReader:
         """An int that must be one of `choices` (e.g. bits)."""
         value = self.integer(key, min(choices), max(choices))
         if value not in choices:
-            raise CodecError(f"{self.codec} description field {key!r} = {value} is not one of {list(choices)}.")
+            raise CodecError(f"{self.codec} description field {key!r} = {value} "
+                             f"is not one of {list(choices)}.")
         return value
 
     def shape(self, max_elements: int) -> tuple[int, ...]:

@@ -162,6 +162,8 @@ class LowRankCodec(Codec):
             warm_start, ranks, bits = state["warm_start"], state["ranks"], state["bits"]
         except (KeyError, TypeError) as missing:
             raise CodecError(f"lowrank state lacks the field {missing}.") from None
+        if not isinstance(warm_start, Mapping) or not isinstance(ranks, Mapping):
+            raise CodecError("lowrank state fields warm_start and ranks must be mappings by name.")
         for name, q in warm_start.items():
             if not isinstance(q, torch.Tensor) or q.dim() != 2:
                 raise CodecError(f"lowrank warm start of {name!r} must be a 2-D tensor.")

@@ -90,7 +90,8 @@ VALID = _valid_encodings()
 
 
 @FUZZ
-@given(index=st.integers(0, len(VALID) - 1), field=st.sampled_from(FIELDS + ["-delete", "+add", "none", "none"]),
+@given(index=st.integers(0, len(VALID) - 1),
+       field=st.sampled_from(FIELDS + ["-delete", "+add", "none", "none"]),
        value=plain_values | shapes | st.integers(-1, 2**40), payload_edit=st.integers(0, 3),
        position=st.integers(0, 10_000), byte=st.integers(0, 255))
 def test_mutated_valid_encodings(index: int, field: str, value: Any, payload_edit: int,

@@ -10,7 +10,7 @@ import torch
 from protocol.codecs import CodecError, Encoded, get_codec
 from protocol.diloco import DiLoCo
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
-from protocol.errors import LayoutError, ProtocolError
+from protocol.errors import ConfigurationError, LayoutError, ProtocolError
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -197,3 +197,5 @@ def test_state_dict_round_trip_resumes_identically() -> None:
         for name, tensor in original.slow_weights.items():
             assert torch.equal(tensor, copy.slow_weights[name])
             assert torch.equal(original.residual[name], copy.residual[name])
+    with pytest.raises(ConfigurationError, match="codec 'lowrank'"):
+        _swarm("identity", 1, delay=1)[0].load_state_dict(nodes[0].state_dict())

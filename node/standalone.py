@@ -110,7 +110,8 @@ def run_training(cfg: Config, identity: bytes, listeners: list[Listener] = (),
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    stop = stop or StopFlag()
+    if stop is None:  # not `stop or ...`: an unset StopFlag is falsy
+        stop = StopFlag()
     try:
         corpus = load_corpus(cfg.data)
         device = pick_device(cfg.train.device)

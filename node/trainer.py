@@ -132,6 +132,18 @@ class InnerTrainer:
         for name, p in self.model.named_parameters():
             p.copy_(values[name])
 
+    def start_at(self, step: int) -> None:
+        """A late joiner starts at the swarm's position: step counter and schedule, fresh AdamW.
+
+        Batches keep coming from this node's own stream (its position is its own business).
+        """
+        self.step = step
+        self.scheduler.last_epoch = step
+        for group, base, factor in zip(self.optimizer.param_groups, self.scheduler.base_lrs,
+                                       self.scheduler.lr_lambdas):
+            group["lr"] = base * factor(step)
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
         rng = {"cpu": torch.get_rng_state()}

@@ -75,3 +75,13 @@ def test_missing_device_is_an_error():
         with pytest.raises(RuntimeError, match="train.device = 'cuda' is not available"):
             pick_device("cuda")
     assert pick_device("cpu").type == "cpu"
+
+
+def test_start_at_puts_a_late_joiner_on_the_swarms_schedule(corpus):
+    trainer = make(corpus)
+    trainer.start_at(12)
+    result = trainer.train_step()
+    cfg = load_config(overrides=SMALL)
+    expected = cfg.train.lr * lr_factor(12, cfg.train.warmup_steps, cfg.train.steps,
+                                         cfg.train.min_lr_ratio)
+    assert trainer.step == 13 and result.lr == pytest.approx(expected)

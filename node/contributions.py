@@ -1,0 +1,96 @@
+"""Checks on every tensor a peer sends before it is used, and the bans that follow.
+
+A contribution is refused when its names or shapes differ from the node's own tensors, when a
+value is not finite, or when its norm exceeds `max_norm_ratio` times the norm of the node's own
+matching tensor set (a poisoned or scaled update). A refusal drops the contribution, counts one
+strike against the sender, and `ban_after` strikes ban the sender for `ban_seconds`.
+
+Invariant: a refused contribution never reaches the outer step; a banned peer's messages are
+refused before their payload is read (the network layer asks `is_banned` first).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+
+class ContributionRefused(ValueError):
+    """Why a contribution was dropped: `reason` is a short code, str() one sentence."""
+
+    def __init__(self, reason: str, sentence: str):
+        super().__init__(sentence)
+        self.reason = reason
+
+
+def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float(t.float().pow(2).sum()) for t in tensors.values()))
+
+
+def check_contribution(sender: str, received: Mapping[str, torch.Tensor],
+                       reference: Mapping[str, torch.Tensor], reference_norm: float,
+                       max_norm_ratio: float, what: str) -> None:
+    """Raises ContributionRefused naming the first problem; returns quietly when usable.
+
+    `reference` is the node's own tensors of the same meaning (its φ for a peer's φ, its Δ for a
+    peer's Δ), `reference_norm` their global norm (computed once per round by the caller).
+    """
+    if set(received) != set(reference):
+        missing = sorted(set(reference) - set(received))[:3]
+        extra = sorted(set(received) - set(reference))[:3]
+        raise ContributionRefused("layout", f"{what} from {sender} has the wrong tensor names "
+                                  f"(missing {missing}, unexpected {extra}); dropped")
+    for name, tensor in received.items():
+        if tuple(tensor.shape) != tuple(reference[name].shape):
+            raise ContributionRefused("layout", f"{what} from {sender} has tensor {name} of shape "
+                                      f"{tuple(tensor.shape)}, expected "
+                                      f"{tuple(reference[name].shape)}; dropped")
+        if not bool(torch.isfinite(tensor).all()):
+            raise ContributionRefused("not_finite", f"{what} from {sender} holds NaN or Inf in "
+                                      f"tensor {name}; dropped")
+    norm = global_norm(received)
+    # A tiny floor keeps a node whose own update is zero (first round) from refusing everyone.
+    bound = max_norm_ratio * max(reference_norm, 1e-6)
+    if norm > bound:
+        raise ContributionRefused("norm", f"{what} from {sender} has norm {norm:.4g}, more than "
+                                  f"{max_norm_ratio:g}x this node's own {reference_norm:.4g}; "
+                                  f"dropped")
+
+
+@dataclass
+class BanList:
+    """Strikes per peer and timed bans. `clock` is injectable so tests need no sleeping."""
+
+    ban_after: int
+    ban_seconds: float
+    clock: Callable[[], float] = time.monotonic
+    strikes: Counter = field(default_factory=Counter)
+    banned_until: dict[str, float] = field(default_factory=dict)
+    refused_by_reason: Counter = field(default_factory=Counter)
+
+    def strike(self, peer: str, reason: str) -> bool:
+        """Counts one refused contribution; returns True when this strike bans the peer."""
+        self.refused_by_reason[reason] += 1
+        self.strikes[peer] += 1
+        if self.strikes[peer] >= self.ban_after:
+            self.banned_until[peer] = self.clock() + self.ban_seconds
+            self.strikes[peer] = 0
+            return True
+        return False
+
+    def is_banned(self, peer: str) -> bool:
+        until = self.banned_until.get(peer)
+        if until is None:
+            return False
+        if self.clock() >= until:
+            del self.banned_until[peer]
+            return False
+        return True
+
+    def banned(self) -> list[str]:
+        return sorted(p for p in list(self.banned_until) if self.is_banned(p))

@@ -1,0 +1,97 @@
+"""NoLoCo's end of a round in the training thread (PROTOCOLS.md §1; the math is protocol/noloco.py).
+
+At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), hands it to the exchange
+(the event loop), and gets back at most one partner snapshot:
+- `overlap` (default): the snapshot a partner swapped with us *during* round r (one round old);
+  the call returns at once, so training never waits on the network;
+- `blocking`: the exchange pairs and swaps S_r now, waiting at most `pair_deadline_s`.
+Whatever arrives is checked (names, shapes, finite, norm) before use; no partner, or a refused
+one, gives the local update of G = {self}, counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from node.contributions import ContributionRefused, check_contribution, global_norm
+from node.trainer import InnerTrainer
+from node.wire_tensors import from_wire, to_wire
+from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
+
+PHI, DELTA = "phi/", "delta/"
+
+
+@dataclass
+class PartnerSnapshot:
+    peer: str
+    round_index: int
+    message: Any  # p2p ReceivedMessage with PHI and DELTA tensors
+
+
+class NoLoCoLink(Protocol):
+    """The event loop's side, called from the training thread."""
+
+    def finish_round(self, round_index: int, snapshot: list, wait_s: float) -> PartnerSnapshot | None:
+        """Offers this round's snapshot to partners; returns the partner snapshot to use."""
+
+    def refused(self, peer: str, reason: str, sentence: str) -> None:
+        """Counts a refused contribution against `peer` (and may ban it)."""
+
+
+def encode_snapshot(snapshot: NoLoCoSnapshot, wire_dtype: str) -> list:
+    return (to_wire(snapshot.slow_weights, wire_dtype, PHI)
+            + to_wire(snapshot.local_progress, wire_dtype, DELTA))
+
+
+def decode_snapshot(message: Any) -> NoLoCoSnapshot:
+    return NoLoCoSnapshot(slow_weights=from_wire(message, PHI),
+                          local_progress=from_wire(message, DELTA))
+
+
+class NoLoCoRound:
+    def __init__(self, trainer: InnerTrainer, hyper: NoLoCoHyperParameters, link: NoLoCoLink,
+                 wire_dtype: str, timing: str, pair_deadline_s: float, max_norm_ratio: float):
+        self.trainer, self.link = trainer, link
+        self.outer = NoLoCo({k: v.detach() for k, v in trainer.named_parameters().items()}, hyper)
+        self.wire_dtype, self.timing = wire_dtype, timing
+        self.pair_deadline_s, self.max_norm_ratio = pair_deadline_s, max_norm_ratio
+        self.local_updates = 0
+        self.partner_updates = 0
+
+    def end_round(self, round_index: int) -> dict[str, Any]:
+        own = self.outer.snapshot(self.trainer.named_parameters())
+        wait = self.pair_deadline_s if self.timing == "blocking" else 0.0
+        partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), wait)
+        partners, refused = [], None
+        if partner is not None:
+            try:
+                snapshot = decode_snapshot(partner.message)
+                for what, theirs, mine in (("slow weights", snapshot.slow_weights, own.slow_weights),
+                                           ("progress", snapshot.local_progress, own.local_progress)):
+                    check_contribution(partner.peer, theirs, mine, global_norm(mine),
+                                       self.max_norm_ratio, f"NoLoCo {what}")
+                partners.append(snapshot)
+            except (ContributionRefused, ValueError) as exc:
+                reason = getattr(exc, "reason", "malformed")
+                refused = str(exc)
+                self.link.refused(partner.peer, reason, refused)
+        phi = self.outer.outer_step(own, partners)
+        self.trainer.load_parameters(phi)
+        if partners:
+            self.partner_updates += 1
+        else:
+            self.local_updates += 1
+        return {"partner": partner.peer if partners else None,
+                "partner_round": partner.round_index if partners else None,
+                "local_update": not partners, "refused": refused,
+                "local_updates": self.local_updates, "partner_updates": self.partner_updates}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"noloco": self.outer.state_dict(), "local_updates": self.local_updates,
+                "partner_updates": self.partner_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.outer.load_state_dict(state["noloco"])
+        self.local_updates = int(state["local_updates"])
+        self.partner_updates = int(state["partner_updates"])

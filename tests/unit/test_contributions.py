@@ -1,0 +1,42 @@
+import pytest
+import torch
+
+from node.contributions import BanList, ContributionRefused, check_contribution, global_norm
+
+OWN = {"a": torch.ones(3, 4), "b": torch.ones(5)}
+
+
+def check(received, ratio=10.0):
+    check_contribution("peerX", received, OWN, global_norm(OWN), ratio, "NoLoCo progress")
+
+
+def test_a_sound_contribution_passes():
+    check({"a": torch.full((3, 4), 2.0), "b": -torch.ones(5)})
+
+
+@pytest.mark.parametrize("received, reason, fragment", [
+    ({"a": torch.ones(3, 4)}, "layout", "wrong tensor names (missing ['b']"),
+    ({"a": torch.ones(4, 3), "b": torch.ones(5)}, "layout", "tensor a of shape (4, 3), expected (3, 4)"),
+    ({"a": torch.full((3, 4), float("nan")), "b": torch.ones(5)}, "not_finite", "NaN or Inf in tensor a"),
+    ({"a": torch.ones(3, 4), "b": torch.full((5,), float("inf"))}, "not_finite", "NaN or Inf in tensor b"),
+    ({"a": 1000 * torch.ones(3, 4), "b": torch.ones(5)}, "norm", "more than 10x this node's own"),
+])
+def test_bad_contributions_are_refused_with_a_reason(received, reason, fragment):
+    with pytest.raises(ContributionRefused) as err:
+        check(received)
+    assert err.value.reason == reason and fragment in str(err.value)
+    assert str(err.value).startswith("NoLoCo progress from peerX")
+
+
+def test_repeat_offenders_are_banned_for_a_while():
+    now = [0.0]
+    bans = BanList(ban_after=3, ban_seconds=60, clock=lambda: now[0])
+    assert not bans.strike("p", "norm") and not bans.strike("p", "norm")
+    assert not bans.is_banned("p")
+    assert bans.strike("p", "not_finite")
+    assert bans.is_banned("p") and bans.banned() == ["p"]
+    assert bans.refused_by_reason == {"norm": 2, "not_finite": 1}
+    now[0] = 59.9
+    assert bans.is_banned("p")
+    now[0] = 60.0
+    assert not bans.is_banned("p") and bans.banned() == []

@@ -56,6 +56,8 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from node.simulator.cli import add_simulate_command
+
     parser = argparse.ArgumentParser(
         prog="lowcomm-node",
         description="A peer-to-peer volunteer training node. Trains a language model locally "
@@ -78,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(config)
     config.add_argument("--keys", action="store_true", help="list every key, type and default")
     config.set_defaults(func=cmd_config)
+    add_simulate_command(sub)
     return parser
 
 

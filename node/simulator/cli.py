@@ -1,0 +1,146 @@
+"""`lowcomm-node simulate`: N replicas of one protocol in this process; JSON, plot and table.
+
+Imports stay light at module level (the CLI builds every subcommand's parser on each start);
+torch and the simulator load in the handler.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+# Protocol-specific flags, and the protocols each one applies to: giving one to another
+# protocol is refused, since it would silently do nothing.
+APPLIES_TO = {
+    "timing": ("noloco",), "deadline_steps": ("noloco",), "snapshot_codec": ("noloco",),
+    "max_staleness": ("noloco",), "alpha": ("noloco",), "beta": ("noloco",), "gamma": ("noloco",),
+    "delay": ("dilocox",), "codec": ("dilocox",), "rank": ("dilocox",), "bits": ("dilocox",),
+    "outer_lr": ("diloco", "dilocox"), "outer_momentum": ("diloco", "dilocox"),
+    "drop_probability": ("noloco", "dilocox"),
+}
+SETTING_OF_FLAG = {"alpha": "noloco_momentum", "beta": "noloco_progress_weight",
+                   "gamma": "noloco_consensus_weight"}
+
+
+def add_simulate_command(subparsers) -> argparse.ArgumentParser:
+    from node.simulator.settings import PROTOCOLS, TIMINGS
+
+    p = subparsers.add_parser(
+        "simulate", help="train N replicas in this process with one protocol (no network)",
+        description="Train N replicas in this process, exchanging through memory with the same "
+                    "protocol code the daemon runs; write per-round metrics (JSON), a plot of "
+                    "validation loss against tokens (PNG) and print a table.")
+    p.add_argument("--protocol", required=True, choices=PROTOCOLS)
+    p.add_argument("--workers", type=int, default=8, metavar="N", help="replicas (default 8)")
+    p.add_argument("-H", "--inner-steps", type=int, metavar="H",
+                   help="inner steps per round (default: noloco 50, others 100)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="inner steps per replica in all, a multiple of "
+                        "H (default: train.steps of the config)")
+    length.add_argument("--rounds", type=int, help="rounds to run (instead of --steps)")
+    p.add_argument("--eval-every", type=int, default=1, metavar="ROUNDS",
+                   help="validate every this many rounds, and after the last (default 1)")
+    net = p.add_argument_group("the simulated exchange")
+    latency = net.add_mutually_exclusive_group()
+    latency.add_argument("--latency-steps", type=int, metavar="STEPS",
+                         help="one message's travel time in inner steps (default 0)")
+    latency.add_argument("--latency-rounds", type=float, metavar="ROUNDS",
+                         help="one message's travel time in rounds of H steps")
+    net.add_argument("--drop-probability", type=float, metavar="P",
+                     help="chance that a point-to-point message is lost (noloco, dilocox)")
+    outer = p.add_argument_group("DiLoCo and DiLoCoX outer Nesterov")
+    outer.add_argument("--outer-lr", type=float, help="η (default 0.7)")
+    outer.add_argument("--outer-momentum", type=float, help="μ (default 0.9; the NoLoCo paper's "
+                       "DiLoCo baseline used 0.3)")
+    noloco = p.add_argument_group("NoLoCo")
+    noloco.add_argument("--timing", choices=TIMINGS, help="overlap (default) or blocking")
+    noloco.add_argument("--deadline-steps", type=int, help="blocking: longest wait for the "
+                        "partner's snapshot, in inner steps (default H)")
+    noloco.add_argument("--alpha", type=float, help="outer momentum α (default 0.5)")
+    noloco.add_argument("--beta", type=float, help="progress weight β (default 0.7)")
+    noloco.add_argument("--gamma", type=float, help="consensus weight γ (default 0.7)")
+    noloco.add_argument("--snapshot-codec", help="codec of the snapshots sent (default bf16)")
+    noloco.add_argument("--max-staleness", type=int, help="largest round difference of a pair (default 2)")
+    dilocox = p.add_argument_group("DiLoCoX")
+    dilocox.add_argument("--delay", type=int, choices=(0, 1), help="rounds between sending and "
+                         "applying the pseudo-gradients (default 1)")
+    dilocox.add_argument("--codec", help="pseudo-gradient codec: lowrank (default), blockwise, "
+                         "bf16, fp16, identity")
+    dilocox.add_argument("--rank", type=int, help="lowrank: rank k (default: the codec's, 4)")
+    dilocox.add_argument("--bits", type=int, choices=(4, 8), help="lowrank, blockwise: bits (default 8)")
+    cfg = p.add_argument_group("model, data and inner optimizer (the node config)")
+    cfg.add_argument("--model", metavar="PRESET", help="model preset in configs/models/ (default tiny)")
+    cfg.add_argument("--config", type=Path, metavar="PATH", help="a node config TOML file")
+    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override one config value, e.g. --set model.dim=64 (repeatable)")
+    cfg.add_argument("--seed", type=int, default=0, help="seed of weights, streams, pairs and losses")
+    cfg.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    p.add_argument("--out", type=Path, metavar="DIR", help="output directory "
+                   "(default runs/simulate/PROTOCOL-N)")
+    p.set_defaults(func=cmd_simulate)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace, default_steps: int):
+    """SimulationSettings from the parsed flags; SimulationError names a misplaced flag."""
+    from node.simulator.settings import DEFAULT_INNER_STEPS, SimulationError, SimulationSettings
+
+    given = {flag: value for flag in APPLIES_TO if (value := getattr(args, flag)) is not None}
+    for flag in given:
+        if args.protocol not in APPLIES_TO[flag]:
+            raise SimulationError(f"--{flag.replace('_', '-')} does not apply to {args.protocol}: "
+                                  f"it is for {' and '.join(APPLIES_TO[flag])}.")
+    inner_steps = args.inner_steps or DEFAULT_INNER_STEPS[args.protocol]
+    if args.rounds is not None:
+        rounds = args.rounds
+    else:
+        steps = args.steps if args.steps is not None else default_steps
+        if steps % inner_steps or steps < inner_steps:
+            raise SimulationError(f"--steps {steps} is not a whole number of rounds of H = "
+                                  f"{inner_steps}: use a multiple of {inner_steps}, or --rounds.")
+        rounds = steps // inner_steps
+    latency = args.latency_steps if args.latency_steps is not None else 0
+    if args.latency_rounds is not None:
+        latency = round(args.latency_rounds * inner_steps)
+    values = {SETTING_OF_FLAG.get(flag, flag): value for flag, value in given.items()}
+    return SimulationSettings(protocol=args.protocol, workers=args.workers,
+                              inner_steps=inner_steps, rounds=rounds, seed=args.seed,
+                              eval_every=args.eval_every, latency_steps=latency,
+                              **values).validated()
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from node.config import load_config
+    from node.simulator.report import human_bytes, plot_validation_loss, round_table, write_json
+    from node.simulator.runner import run_simulation
+
+    overrides = list(args.overrides)
+    if args.model:
+        overrides.insert(0, f"model.preset={json.dumps(args.model)}")
+    if args.threads is not None:
+        overrides.append(f"train.threads={args.threads}")
+    config = load_config(args.config, overrides)
+    settings = settings_from_args(args, config.train.steps)
+    out = args.out or Path("runs/simulate") / f"{settings.protocol}-{settings.workers}"
+    console = Console()
+    if not console.is_terminal:  # a pipe or a log: do not squeeze the table into 80 columns
+        console = Console(width=140)
+    console.print(f"simulating {settings.describe()} with {settings.workers} replicas, "
+                  f"{settings.rounds} rounds of {settings.inner_steps} steps")
+
+    def progress(record) -> None:
+        loss = f"{record.val_loss_mean:.4f}" if record.val_loss_mean is not None else "-"
+        console.print(f"round {record.round}/{settings.rounds}: val loss {loss}, sent "
+                      f"{human_bytes(record.bytes_sent_per_replica)}/replica, "
+                      f"{record.wall_seconds:.0f} s")
+
+    result = run_simulation(settings, config, on_round=progress)
+    json_path = write_json(result, out / "metrics.json")
+    png_path = plot_validation_loss([result], out / "validation_loss.png",
+                                    f"{result.method}, {settings.workers} replicas")
+    console.print(round_table(result))
+    console.print(f"wrote {json_path} and {png_path}")
+    return 0

@@ -1,0 +1,54 @@
+"""What every simulated method shares: the replicas, the exchange, counters, the inner phase."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from node.simulator.exchange import InMemoryExchange
+from node.simulator.replica import Replica
+from node.simulator.settings import SimulationSettings
+from protocol.tensors import NamedTensors
+
+
+@dataclass
+class MethodCounters:
+    """Running totals beyond the exchange's own; the runner reports them every round."""
+
+    local_updates: int = 0       # NoLoCo outer steps with no partner snapshot (G = {i})
+    late_messages: int = 0       # arrived after the round they were needed in: not applied
+    resyncs: int = 0             # DiLoCoX nodes that re-downloaded φ and m from the majority
+    pairs_last_round: list[tuple[str, str]] = field(default_factory=list)
+
+
+class Method(ABC):
+    """One round of one protocol over all replicas, in lockstep."""
+
+    def __init__(self, settings: SimulationSettings, replicas: list[Replica],
+                 exchange: InMemoryExchange) -> None:
+        self.settings, self.replicas, self.exchange = settings, replicas, exchange
+        self.counters = MethodCounters()
+        self.round_train_losses: list[float] = []
+
+    def inner_phase(self) -> None:
+        """H inner steps on every replica, one after another (they are all at the same time)."""
+        losses = []
+        for replica in self.replicas:
+            losses.extend(replica.train(self.settings.inner_steps))
+        self.exchange.compute(self.settings.inner_steps)
+        self.round_train_losses = losses
+
+    @abstractmethod
+    def run_round(self, round_index: int) -> None:
+        """Train one round and exchange; afterwards every replica's θ is what it evaluates."""
+
+    def finish(self, rounds: int) -> None:
+        """After the last of `rounds` rounds: settle what is still owed (nothing, by default)."""
+
+    def replica_weights(self) -> list[NamedTensors]:
+        """Each replica's θ after the round (= its φ where the protocol keeps one)."""
+        return [replica.weights() for replica in self.replicas]
+
+    @property
+    def names(self) -> list[str]:
+        return [replica.name for replica in self.replicas]

@@ -1,0 +1,103 @@
+"""What one simulation runs: the protocol, its settings, and the exchange's latency and loss.
+
+The model, data and inner optimizer come from the ordinary node config (node/config.py); this is
+everything on top. `validated()` refuses what does not fit with one sentence per problem, and
+fills the settings a protocol leaves open with its documented defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
+TIMINGS = ("overlap", "blocking")
+# H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (PROTOCOLS.md §1, §2); for
+# data-parallel and local training a "round" is only the interval between evaluations.
+DEFAULT_INNER_STEPS = {"data-parallel": 100, "diloco": 100, "noloco": 50, "dilocox": 100, "local": 100}
+CODEC_PARAMETERS = {"lowrank": ("rank", "bits"), "blockwise": ("bits",)}
+
+
+class SimulationError(ValueError):
+    """The simulation cannot run as asked; the message says what to change."""
+
+
+@dataclass
+class SimulationSettings:
+    protocol: str
+    workers: int = 8
+    inner_steps: int | None = None         # H; None: DEFAULT_INNER_STEPS[protocol]
+    rounds: int = 6
+    seed: int = 0
+    eval_every: int = 1                    # evaluate every this many rounds (and the last)
+    # the exchange
+    latency_steps: int = 0                 # one message's travel time, in inner steps
+    drop_probability: float = 0.0          # per point-to-point message (noloco, dilocox)
+    # DiLoCo and DiLoCoX outer Nesterov (PROTOCOLS.md §2 defaults)
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    # NoLoCo (PROTOCOLS.md §1 defaults)
+    timing: str = "overlap"
+    deadline_steps: int | None = None      # blocking: longest wait for the partner; None: H
+    noloco_momentum: float = 0.5           # α
+    noloco_progress_weight: float = 0.7    # β
+    noloco_consensus_weight: float = 0.7   # γ
+    snapshot_codec: str = "bf16"
+    max_staleness: int = 2
+    # DiLoCoX (PROTOCOLS.md §3)
+    delay: int = 1
+    codec: str = "lowrank"
+    rank: int | None = None                # lowrank only; None: the codec's default
+    bits: int | None = None                # lowrank and blockwise; None: the codec's default
+
+    @property
+    def total_inner_steps(self) -> int:
+        return self.rounds * self.inner_steps
+
+    def codec_parameters(self) -> dict[str, int]:
+        """The keyword arguments for get_codec(self.codec, ...)."""
+        return {name: getattr(self, name) for name in CODEC_PARAMETERS.get(self.codec, ())
+                if getattr(self, name) is not None}
+
+    def validated(self) -> SimulationSettings:
+        """A copy with defaults filled in; SimulationError on the first problem found."""
+        s = dataclasses.replace(self)
+        if s.protocol not in PROTOCOLS:
+            raise SimulationError(f"protocol {s.protocol!r} is unknown: choose one of {', '.join(PROTOCOLS)}.")
+        if s.inner_steps is None:
+            s.inner_steps = DEFAULT_INNER_STEPS[s.protocol]
+        if s.deadline_steps is None:
+            s.deadline_steps = s.inner_steps
+        for name, low in (("workers", 1), ("inner_steps", 1), ("rounds", 1), ("eval_every", 1),
+                          ("latency_steps", 0), ("deadline_steps", 0), ("max_staleness", 0),
+                          ("seed", 0)):
+            value = getattr(s, name)
+            if type(value) is not int or value < low:
+                raise SimulationError(f"{name.replace('_', ' ')} must be a whole number >= {low}, got {value!r}.")
+        if not 0.0 <= s.drop_probability < 1.0:
+            raise SimulationError(f"drop probability must be in [0, 1), got {s.drop_probability}.")
+        if s.drop_probability and s.protocol not in ("noloco", "dilocox"):
+            raise SimulationError(f"{s.protocol} exchanges by a collective, which the simulator does "
+                                  "not drop messages of: a drop probability applies to noloco and dilocox only.")
+        if s.timing not in TIMINGS:
+            raise SimulationError(f"timing {s.timing!r} is unknown: choose overlap or blocking.")
+        if s.delay not in (0, 1):
+            raise SimulationError(f"DiLoCoX delay must be 0 or 1 rounds, got {s.delay!r}.")
+        unused = [name for name in ("rank", "bits") if getattr(s, name) is not None
+                  and name not in CODEC_PARAMETERS.get(s.codec, ())]
+        if unused:
+            raise SimulationError(f"codec {s.codec!r} takes no {unused[0]}: rank is for lowrank, "
+                                  "bits for lowrank and blockwise.")
+        return s
+
+    def describe(self) -> str:
+        """One line naming the method as the results table shows it."""
+        if self.protocol == "noloco":
+            return f"NoLoCo H={self.inner_steps} {self.timing}"
+        if self.protocol == "dilocox":
+            params = ", ".join(f"{k}={v}" for k, v in self.codec_parameters().items())
+            codec = f"{self.codec}({params})" if params else self.codec
+            return f"DiLoCoX H={self.inner_steps} {codec} delay {self.delay}"
+        if self.protocol == "diloco":
+            return f"DiLoCo H={self.inner_steps}"
+        return {"data-parallel": "data-parallel", "local": "local only"}[self.protocol]

@@ -1,0 +1,188 @@
+"""The simulator (node/simulator/): every method on a very small model, a few rounds each."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from node.config import load_config
+from node.data import load_corpus, stream_seed
+from node.simulator import Simulation, SimulationError, SimulationSettings
+from node.simulator.exchange import InMemoryExchange, ring_allreduce_bytes
+from node.simulator.replica import weight_spread
+from node.trainer import InnerTrainer
+from protocol.codecs import description_size
+from protocol.tensors import weights_digest
+
+VERY_SMALL = ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "model.ffn_hidden=64",
+              "data.seq_len=32", "train.micro_batch_size=4", "train.tokens_per_step=128",
+              "train.warmup_steps=2", "train.eval_batches=2", "train.lr=1e-2", "train.threads=1"]
+INITIAL_LOSS = math.log(256)  # a byte vocabulary at random initialisation
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(overrides=VERY_SMALL)
+
+
+@pytest.fixture(scope="module")
+def corpus(config):
+    return load_corpus(config.data)
+
+
+def simulate(config, corpus, protocol, **settings):
+    settings = {"workers": 4, "inner_steps": 8, "rounds": 3, **settings}
+    simulation = Simulation(SimulationSettings(protocol, **settings), config, corpus)
+    return simulation, simulation.run()
+
+
+def model_elements(simulation):
+    return sum(t.numel() for t in simulation.method.replicas[0].trainer.named_parameters().values())
+
+
+# ---------------------------------------------------------------------------- byte accounting
+@pytest.mark.parametrize("elements, workers", [(10, 1), (10, 2), (1001, 3), (1869504, 8), (7, 8)])
+def test_ring_allreduce_sends_two_n_minus_one_over_n_of_the_vector(elements, workers):
+    sent = ring_allreduce_bytes(elements, 4, workers)
+    assert len(sent) == workers
+    assert sum(sent) == 2 * (workers - 1) * elements * 4  # mean: exactly 2(N-1)/N x bytes
+    assert max(sent) - min(sent) <= 2 * 4                 # uneven chunks differ by an element
+
+
+def test_exchange_delivers_by_time_and_counts_losses():
+    exchange = InMemoryExchange(["a", "b"], latency_steps=5, drop_probability=0.5, seed=1)
+    results = [exchange.send("a", "b", "t", 0, i, 10) for i in range(200)]
+    assert exchange.bytes_sent == {"a": 2000, "b": 0}
+    assert exchange.counters.messages_dropped == results.count(False) and 60 < results.count(False) < 140
+    assert exchange.collect("b", "t") == []                  # in transit
+    exchange.compute(5)
+    assert [e.payload for e in exchange.collect("b", "t")] == [i for i, ok in enumerate(results) if ok]
+    with pytest.raises(ValueError, match="distinct replicas"):
+        exchange.send("a", "a", "t", 0, None, 1)
+
+
+# ---------------------------------------------------------------------------- baselines
+def test_data_parallel_matches_train_step_and_keeps_replicas_identical(config, corpus):
+    one, result = simulate(config, corpus, "data-parallel", workers=1, inner_steps=4, rounds=1)
+    cfg = copy.deepcopy(one.config)
+    reference = InnerTrainer(cfg.model, cfg.train, corpus, cfg.data.seq_len,
+                             stream_seed(b"replica-0", 0), torch.device("cpu"))
+    for _ in range(4):
+        reference.train_step()
+    ours = one.method.replicas[0].trainer.named_parameters()
+    assert all(torch.equal(ours[n], p) for n, p in reference.named_parameters().items())
+
+    three, result = simulate(config, corpus, "data-parallel", workers=3, inner_steps=4, rounds=2)
+    assert result.final.weight_spread == 0.0
+    assert len({weights_digest(w) for w in three.method.replica_weights()}) == 1
+    per_step = ring_allreduce_bytes(model_elements(three), 4, 3)
+    assert three.method.exchange.bytes_sent == {f"replica-{i}": 8 * per_step[i] for i in range(3)}
+    assert result.final_val_loss < INITIAL_LOSS - 1.0
+
+
+def test_diloco_replicas_share_phi_and_send_a_ring_allreduce_per_round(config, corpus):
+    simulation, result = simulate(config, corpus, "diloco", outer_momentum=0.3)
+    assert all(r.weight_spread == 0.0 for r in result.records)
+    assert len({weights_digest(w) for w in simulation.method.replica_weights()}) == 1
+    per_round = ring_allreduce_bytes(model_elements(simulation), 4, 4)
+    assert result.final.bytes_sent_per_replica == 3 * sum(per_round) / 4
+    assert result.final.bytes_sent_per_replica == pytest.approx(3 * 2 * 3 / 4 * 4 * model_elements(simulation))
+    assert result.final_val_loss < result.records[0].val_loss_mean < INITIAL_LOSS
+
+
+def test_local_only_sends_nothing_and_replicas_drift_apart(config, corpus):
+    _, result = simulate(config, corpus, "local")
+    assert result.final.bytes_sent_per_replica == 0 and result.final.messages_sent == 0
+    assert result.final.weight_spread > result.records[0].weight_spread > 0
+    assert result.final_val_loss < INITIAL_LOSS - 1.0
+
+
+# ---------------------------------------------------------------------------- DiLoCoX
+def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):
+    diloco, diloco_result = simulate(config, corpus, "diloco")
+    dilocox, dilocox_result = simulate(config, corpus, "dilocox", delay=0, codec="identity")
+    for ours, theirs in zip(diloco.method.replica_weights(), dilocox.method.replica_weights()):
+        assert weights_digest(ours) == weights_digest(theirs)
+    assert [r.val_loss_mean for r in diloco_result.records] == [r.val_loss_mean for r in dilocox_result.records]
+
+
+def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus):
+    simulation, result = simulate(config, corpus, "dilocox", codec="lowrank", rank=2, delay=1,
+                                  outer_momentum=0.3)
+    method = simulation.method
+    node = method.nodes["replica-0"]
+    message = node.compress(node.pseudo_gradient(method.replicas[0].trainer.named_parameters()), 99)
+    digests_per_round = 16 * 3
+    expected = 3 * (3 * message.size_bytes + digests_per_round) + digests_per_round  # + final flush
+    assert result.final.bytes_sent_per_replica == expected
+    assert 3 * message.size_bytes < model_elements(simulation) * 4 / 3  # well under fp32 broadcast
+    assert result.final.weight_spread == 0.0 and result.final.resyncs == 0
+    assert result.final_val_loss < INITIAL_LOSS - 0.5
+
+
+def test_dilocox_lost_messages_are_counted_and_phi_is_resynchronised(config, corpus):
+    simulation, result = simulate(config, corpus, "dilocox", drop_probability=0.3, codec="bf16",
+                                  rounds=4, outer_momentum=0.3)
+    assert result.final.messages_dropped > 0
+    assert result.final.messages_dropped == simulation.method.exchange.counters.messages_dropped
+    assert result.final.resyncs > 0                 # some replica missed a message and diverged
+    assert all(r.weight_spread == 0.0 for r in result.records)  # and was brought back each round
+
+
+def test_dilocox_messages_slower_than_a_round_are_late(config, corpus):
+    _, result = simulate(config, corpus, "dilocox", latency_steps=9, delay=1, codec="bf16")
+    assert result.final.messages_late > 0 and result.final.messages_dropped == 0
+
+
+# ---------------------------------------------------------------------------- NoLoCo
+def test_noloco_pairs_vary_losses_fall_and_snapshot_bytes_are_exact(config, corpus):
+    simulation, result = simulate(config, corpus, "noloco", rounds=6, timing="blocking")
+    pairings = {tuple(map(tuple, r.pairs)) for r in result.records}
+    assert len(pairings) >= 2                                  # partners vary over rounds
+    assert all(len(r.pairs) == 2 for r in result.records)      # 4 replicas: 2 pairs a round
+    shapes = [t.shape for t in simulation.method.replicas[0].trainer.named_parameters().values()]
+    snapshot = 2 * sum(2 * s.numel() + description_size({"codec": "bf16", "shape": list(s)})
+                       for s in shapes)                        # φ and Δ in bf16
+    assert result.final.bytes_sent_per_replica == 6 * snapshot
+    assert result.final.local_updates == 0 and result.final.idle_steps == 0
+    assert 0 < result.final.weight_spread < 0.5                # own φ each, kept close
+    assert result.final_val_loss < result.records[0].val_loss_mean < INITIAL_LOSS
+
+
+def test_noloco_overlap_uses_last_rounds_snapshots_and_never_waits(config, corpus):
+    _, result = simulate(config, corpus, "noloco", rounds=3, latency_steps=5, timing="overlap")
+    assert result.records[0].local_updates == 4   # round 0: no earlier snapshot anywhere
+    assert result.final.local_updates == 4 and result.final.idle_steps == 0
+    _, too_slow = simulate(config, corpus, "noloco", rounds=3, latency_steps=9, timing="overlap")
+    assert too_slow.final.messages_late == 8 and too_slow.final.local_updates == 12
+
+
+def test_noloco_blocking_waits_up_to_the_deadline_and_counts_losses(config, corpus):
+    _, waits = simulate(config, corpus, "noloco", timing="blocking", latency_steps=3)
+    assert waits.final.idle_steps == 3 * 3 and waits.final.local_updates == 0
+    _, misses = simulate(config, corpus, "noloco", timing="blocking", latency_steps=9, deadline_steps=2)
+    assert misses.final.idle_steps == 3 * 2 and misses.final.local_updates == 12
+    assert misses.final.messages_late == 12
+    _, lossy = simulate(config, corpus, "noloco", timing="blocking", drop_probability=0.4, rounds=4)
+    dropped = lossy.final.messages_dropped
+    assert dropped > 0 and lossy.final.local_updates == dropped  # each loss: one local update
+
+
+def test_weight_spread_is_relative_rms_distance():
+    a = {"w": torch.tensor([1.0, 1.0])}
+    b = {"w": torch.tensor([3.0, 3.0])}
+    assert weight_spread([a, a]) == 0.0
+    assert weight_spread([a, b]) == pytest.approx(math.sqrt(2) / math.sqrt(8))
+
+
+@pytest.mark.parametrize("settings, sentence", [
+    ({"protocol": "diloco", "drop_probability": 0.1}, "noloco and dilocox only"),
+    ({"protocol": "dilocox", "codec": "blockwise", "rank": 4}, "takes no rank"),
+    ({"protocol": "noloco", "timing": "eager"}, "overlap or blocking"),
+    ({"protocol": "gossip"}, "unknown"),
+    ({"protocol": "local", "workers": 0}, "workers must be"),
+])
+def test_bad_settings_are_refused_in_one_sentence(settings, sentence):
+    with pytest.raises(SimulationError, match=sentence):
+        SimulationSettings(**settings).validated()

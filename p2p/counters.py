@@ -1,0 +1,49 @@
+"""Counters of the transport, kept for telemetry: messages and bytes per direction, refusals.
+
+Bytes are counted where this package reads and writes its streams: frame prefixes, headers,
+signatures, payloads and status frames. The libp2p layers below (yamux, TLS) add their own
+overhead, which p2pd does not report per stream, so it is not included.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+from p2p.errors import Reason
+
+_MAX_TRACKED_PEERS = 1024  # peer ids are free to mint: keep per-peer counts bounded
+
+
+@dataclass
+class TransportCounters:
+    messages_sent: int = 0          # messages whose every frame we wrote and the peer accepted
+    messages_received: int = 0      # first frames of incoming messages that reached our checks
+    messages_verified: int = 0      # complete incoming messages that passed every check
+    frames_sent: int = 0
+    frames_received: int = 0        # frames whose payload digest matched
+    bytes_sent: int = 0             # on our streams, everything we wrote
+    bytes_received: int = 0         # on our streams, everything we read
+    refused_incoming: Counter = field(default_factory=Counter)   # Reason name -> count, refusals we issued
+    refused_outgoing: Counter = field(default_factory=Counter)   # Reason name -> count, refusals we got
+    refusals_by_peer: OrderedDict = field(default_factory=OrderedDict)  # peer b58 -> refusals we issued
+
+    def count_refusal_issued(self, reason: Reason, peer: str | None) -> None:
+        self.refused_incoming[reason.name] += 1
+        if peer is not None:
+            self.refusals_by_peer[peer] = self.refusals_by_peer.pop(peer, 0) + 1
+            while len(self.refusals_by_peer) > _MAX_TRACKED_PEERS:
+                self.refusals_by_peer.popitem(last=False)
+
+    def count_refusal_received(self, reason: Reason) -> None:
+        self.refused_outgoing[reason.name] += 1
+
+    def snapshot(self) -> dict:
+        """A plain dict (JSON-ready) of every counter."""
+        return {
+            "messages_sent": self.messages_sent, "messages_received": self.messages_received,
+            "messages_verified": self.messages_verified, "frames_sent": self.frames_sent,
+            "frames_received": self.frames_received, "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received, "refused_incoming": dict(self.refused_incoming),
+            "refused_outgoing": dict(self.refused_outgoing), "refusals_by_peer": dict(self.refusals_by_peer),
+        }

@@ -1,0 +1,53 @@
+"""Replay protection: a signed frame is accepted at most once.
+
+Every frame header carries a random nonce, its frame index and the sender's clock, all signed.
+Headers whose clock is further than `window_s` from ours are refused as EXPIRED by the wire
+checks, so remembering (sender, nonce, frame) for twice that window is enough to refuse every
+identical replay. Memory is bounded per peer and in the number of peers; when a peer's share is
+full its new frames are refused BUSY rather than forgetting old ones (forgetting would reopen
+the replay window).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class ReplayGuard:
+    def __init__(self, window_s: float, max_entries_per_peer: int = 65_536, max_peers: int = 4096):
+        self.retention_s = 2 * window_s
+        self.max_entries_per_peer = max_entries_per_peer
+        self.max_peers = max_peers
+        self._seen: OrderedDict[bytes, OrderedDict[tuple, float]] = OrderedDict()
+
+    def check_and_remember(self, sender: bytes, nonce: bytes, frame: int, now: float) -> str:
+        """Return "new" (now remembered), "replayed", or "full" (this peer's share is used up)."""
+        entries = self._seen.get(sender)
+        if entries is None:
+            self._prune_peers(now)
+            if len(self._seen) >= self.max_peers:
+                return "full"
+            entries = self._seen[sender] = OrderedDict()
+        else:
+            self._seen.move_to_end(sender)
+        # Entries are appended in arrival order, so expired ones sit at the front.
+        while entries and next(iter(entries.values())) < now:
+            entries.popitem(last=False)
+        key = (nonce, frame)
+        if key in entries:
+            return "replayed"
+        if len(entries) >= self.max_entries_per_peer:
+            return "full"
+        entries[key] = now + self.retention_s
+        return "new"
+
+    def _prune_peers(self, now: float) -> None:
+        for sender in list(self._seen):
+            entries = self._seen[sender]
+            while entries and next(iter(entries.values())) < now:
+                entries.popitem(last=False)
+            if not entries:
+                del self._seen[sender]
+
+    def __len__(self) -> int:
+        return sum(len(entries) for entries in self._seen.values())

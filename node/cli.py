@@ -56,6 +56,7 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from node.ops_cli import add_ops_commands
     from node.simulator.cli import add_simulate_command
 
     parser = argparse.ArgumentParser(
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--keys", action="store_true", help="list every key, type and default")
     config.set_defaults(func=cmd_config)
     add_simulate_command(sub)
+    add_ops_commands(sub)
     return parser
 
 

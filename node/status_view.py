@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable
 from rich import box
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.live import Live
+from rich.measure import Measurement
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -277,43 +278,79 @@ def swarm_totals(docs: list[dict]) -> dict[str, Any]:
     }
 
 
+# Column, justification, and priority: on a narrow terminal the highest numbers go first.
+SWARM_COLUMNS = (("node", "left", 0), ("state", "left", 1), ("round", "right", 0),
+                 ("step", "right", 4), ("loss", "right", 0), ("val", "right", 3),
+                 ("tok/s", "right", 0), ("rnd/min", "right", 2), ("peers", "right", 1),
+                 ("sent/rnd", "right", 2), ("recv/rnd", "right", 3), ("ratio", "right", 4),
+                 ("refused", "right", 2), ("exchange", "right", 1), ("ckpt", "right", 4),
+                 ("seen", "right", 3))
+
+
+class SwarmTable:
+    """One row per node and a totals row; stragglers in yellow with a *, offline dimmed.
+    Drops the least important columns until the table fits the width it is given."""
+
+    def __init__(self, docs: Iterable[dict], title: str | None = None,
+                 now: float | None = None):
+        self.docs = sorted(docs, key=lambda d: d.get("peer_id", ""))
+        self.title = title
+        self.now = time.time() if now is None else now
+
+    def _rows(self) -> tuple[list[tuple[list[str], str | None]], set[str]]:
+        slow = stragglers(self.docs)
+        rows = []
+        for d in self.docs:
+            peer = d.get("peer_id", "?")
+            online = d.get("online", True)
+            style = "dim" if not online else ("bold yellow" if peer in slow else None)
+            seen = d.get("received_at") or d.get("updated_at")
+            rows.append(([
+                short_peer(peer) + (" *" if online and peer in slow else ""),
+                d.get("state", "?") if online else "offline",
+                str(d.get("round", "-")), str(d.get("step", "-")),
+                _num(d.get("train_loss"), ".3f"), _num(d.get("val_loss"), ".3f"),
+                _num(d.get("tokens_per_second"), ",.0f"),
+                _num(d.get("rounds_per_minute"), ".2f"),
+                f"{d.get('peers_alive', 0)}/{d.get('peers_known', 0)}",
+                human_bytes(d.get("bytes_sent_round")),
+                human_bytes(d.get("bytes_received_round")),
+                _ratio(d.get("compression_ratio")), str(sum((d.get("refused") or {}).values())),
+                human_age(d.get("last_exchange_age_s")), human_age(d.get("checkpoint_age_s")),
+                human_age(None if seen is None else max(0.0, self.now - seen))], style))
+        t = swarm_totals(self.docs)
+        rounds = "-" if t["min_round"] is None else f"{t['min_round']}-{t['max_round']}"
+        rows.append(([f"{t['online']}/{t['nodes']} online", "total", rounds, "",
+                      _num(t["mean_train_loss"], ".3f"), "", f"{t['tokens_per_second']:,.0f}",
+                      "", "", human_bytes(t["bytes_sent_round"]),
+                      human_bytes(t["bytes_received_round"]), "", str(t["refused"]), "", "",
+                      ""], "bold"))
+        return rows, slow
+
+    def table(self, max_priority: int = 4) -> Table:
+        rows, slow = self._rows()
+        keep = [i for i, (_, _, prio) in enumerate(SWARM_COLUMNS) if prio <= max_priority]
+        table = Table(title=self.title, header_style="bold", box=box.SIMPLE_HEAD,
+                      pad_edge=False, caption="yellow *: straggler (tokens/s or rounds/min "
+                      "under half the median)" if slow else None)
+        for i in keep:
+            name, justify, _ = SWARM_COLUMNS[i]
+            table.add_column(name, justify=justify, no_wrap=True)
+        for n, (cells, style) in enumerate(rows):
+            if n == len(rows) - 1:
+                table.add_section()
+            table.add_row(*[cells[i] for i in keep], style=style)
+        return table
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        unbounded = options.update(max_width=10_000)
+        for max_priority in (4, 3, 2, 1, 0):
+            table = self.table(max_priority)
+            if Measurement.get(console, unbounded, table).maximum <= options.max_width:
+                break
+        yield table
+
+
 def swarm_table(docs: Iterable[dict], title: str | None = None,
-                now: float | None = None) -> Table:
-    """One row per node, a totals row, stragglers in yellow, offline nodes dimmed."""
-    docs = sorted(docs, key=lambda d: d.get("peer_id", ""))
-    now = time.time() if now is None else now
-    slow = stragglers(docs)
-    table = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False,
-                  caption="yellow *: straggler (tokens/s or rounds/min under half the median)"
-                  if slow else None)
-    for name, justify in (("node", "left"), ("state", "left"), ("round", "right"),
-                          ("step", "right"), ("loss", "right"), ("val", "right"),
-                          ("tok/s", "right"), ("rnd/min", "right"), ("peers", "right"),
-                          ("sent/rnd", "right"), ("recv/rnd", "right"), ("ratio", "right"),
-                          ("refused", "right"), ("exchange", "right"), ("ckpt", "right"),
-                          ("seen", "right")):
-        table.add_column(name, justify=justify, no_wrap=True)
-    for d in docs:
-        peer = d.get("peer_id", "?")
-        online = d.get("online", True)
-        state = d.get("state", "?") if online else "offline"
-        style = "dim" if not online else ("bold yellow" if peer in slow else None)
-        node = short_peer(peer) + (" *" if online and peer in slow else "")
-        seen = d.get("received_at") or d.get("updated_at")
-        table.add_row(
-            node, state, str(d.get("round", "-")), str(d.get("step", "-")),
-            _num(d.get("train_loss"), ".3f"), _num(d.get("val_loss"), ".3f"),
-            _num(d.get("tokens_per_second"), ",.0f"), _num(d.get("rounds_per_minute"), ".2f"),
-            f"{d.get('peers_alive', 0)}/{d.get('peers_known', 0)}",
-            human_bytes(d.get("bytes_sent_round")), human_bytes(d.get("bytes_received_round")),
-            _ratio(d.get("compression_ratio")), str(sum((d.get("refused") or {}).values())),
-            human_age(d.get("last_exchange_age_s")), human_age(d.get("checkpoint_age_s")),
-            human_age(None if seen is None else max(0.0, now - seen)), style=style)
-    t = swarm_totals(docs)
-    table.add_section()
-    rounds = "-" if t["min_round"] is None else f"{t['min_round']}-{t['max_round']}"
-    table.add_row(f"{t['online']}/{t['nodes']} online", "total", rounds, "",
-                  _num(t["mean_train_loss"], ".3f"), "", f"{t['tokens_per_second']:,.0f}", "",
-                  "", human_bytes(t["bytes_sent_round"]), human_bytes(t["bytes_received_round"]),
-                  "", str(t["refused"]), "", "", "", style="bold")
-    return table
+                now: float | None = None) -> SwarmTable:
+    return SwarmTable(docs, title, now)

@@ -198,3 +198,17 @@ def test_sparkline_shapes():
     assert sparkline([1, 2, 3, 4, 5, 6, 7, 8]) == "▁▂▃▄▅▆▇█"
     assert sparkline([2, 2]) == "▄▄" and sparkline([1]) == "" and sparkline([]) == ""
     assert math.isnan(float("nan")) and sparkline([1.0, None, 2.0]) == "▁█"
+
+
+def test_swarm_table_drops_columns_to_fit():
+    now = time.time()
+    docs = [{**full_status(now).to_dict(now), "peer_id": f"12D3KooWnode{i}"} for i in range(3)]
+    for width, present, absent in ((160, ("ckpt", "ratio", "step"), ()),
+                                   (80, ("tok/s", "loss", "round"), ("ckpt",)),
+                                   (50, ("tok/s", "loss", "round"), ("ckpt", "state"))):
+        console = Console(record=True, width=width, color_system=None)
+        console.print(swarm_table(docs, title="swarm tiny", now=now))
+        text = console.export_text()
+        assert "3/3 online" in text and "…" not in text.split("online")[0].splitlines()[-1]
+        assert all(f"12D3KooWnode{i}" in text for i in range(3)), text
+        assert all(c in text for c in present) and not any(c in text for c in absent), text

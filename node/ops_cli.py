@@ -1,0 +1,136 @@
+"""The operator's commands: `lowcomm-node status` and `lowcomm-node monitor`, and the
+`join` options for telemetry and preemption (`add_join_ops_arguments`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def _data_dir(args: argparse.Namespace) -> Path:
+    if args.data_dir:
+        return Path(args.data_dir)
+    from node.config import load_config
+
+    return Path(load_config(args.config, list(args.overrides)).node.data_dir)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from node.control import NoDaemonError, query_status
+    from node.status_view import StatusView
+
+    data_dir = _data_dir(args)
+    doc = query_status(data_dir)  # NoDaemonError (a RuntimeError) -> main prints it, exit 1
+    if args.json:
+        print(json.dumps(doc, indent=2, sort_keys=True))
+        return 0
+    console = Console()
+    if args.once or not console.is_terminal:
+        console.print(StatusView(doc))
+        return 0
+    from rich.live import Live
+
+    try:
+        with Live(StatusView(doc), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(args.interval)
+                try:
+                    doc = query_status(data_dir)
+                except NoDaemonError as exc:
+                    live.stop()
+                    print(f"lowcomm-node: the daemon went away: {exc}", file=sys.stderr)
+                    return 1
+                live.update(StatusView(doc), refresh=True)
+    except KeyboardInterrupt:
+        return 0
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from node.monitor import collect_swarm, run_monitor
+    from node.telemetry import parse_mqtt_url
+
+    parse_mqtt_url(args.mqtt)  # a bad URL fails here, before anything connects
+    if args.once:
+        state = asyncio.run(collect_swarm(args.mqtt, args.swarm, timeout=args.timeout))
+        if args.json:
+            from node.status import json_safe
+
+            print(json.dumps(json_safe(state.summary()), indent=2, sort_keys=True))
+        else:
+            from rich.console import Console
+
+            from node.status_view import swarm_table
+
+            Console().print(swarm_table(state.docs(), title=f"swarm {args.swarm}"))
+        return 0
+    if args.json:
+        raise ValueError("--json prints one snapshot: use it with --once")
+    try:
+        asyncio.run(run_monitor(args.mqtt, args.swarm, refresh=args.interval))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def add_ops_commands(sub) -> None:
+    status = sub.add_parser(
+        "status", help="show a running daemon's status (live), or print it once as JSON",
+        description="Attach to the daemon running with this data directory (through its "
+                    "owner-only control socket) and show its live status; Ctrl-C detaches.")
+    status.add_argument("--data-dir", metavar="DIR",
+                        help="the daemon's data directory (default: node.data_dir of the "
+                        "config)")
+    status.add_argument("--config", metavar="PATH", type=Path,
+                        help="a TOML config file whose node.data_dir to use")
+    status.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append",
+                        default=[], help="override one config value (as for join)")
+    status.add_argument("--json", action="store_true",
+                        help="print the status once as JSON (the schema of node/status.py)")
+    status.add_argument("--once", action="store_true", help="print the view once and exit")
+    status.add_argument("--interval", type=float, default=1.0, metavar="S",
+                        help="refresh period of the live view (default 1 s)")
+    status.set_defaults(func=cmd_status)
+
+    monitor = sub.add_parser(
+        "monitor", help="watch a whole swarm through its MQTT telemetry",
+        description="Subscribe to the swarm's telemetry and show one row per node, with "
+                    "totals; stragglers (under half the median speed) are highlighted.")
+    monitor.add_argument("--mqtt", required=True, metavar="URL",
+                         help="broker: mqtt://[user:pass@]host[:port] or mqtts://... "
+                         "(?ca=PATH for a private CA)")
+    monitor.add_argument("--swarm", required=True, metavar="ID", help="the swarm id")
+    monitor.add_argument("--once", action="store_true",
+                         help="print one snapshot and exit (for scripts)")
+    monitor.add_argument("--json", action="store_true", help="with --once: print JSON")
+    monitor.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                         help="with --once: how long to wait for the broker (default 5 s)")
+    monitor.add_argument("--interval", type=float, default=1.0, metavar="S",
+                         help="refresh period of the live table (default 1 s)")
+    monitor.set_defaults(func=cmd_monitor)
+
+
+def add_join_ops_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options `join` needs for telemetry and preemption; read back by node.ops."""
+    from node.preemption import PROVIDERS
+
+    group = parser.add_argument_group("telemetry and preemption")
+    group.add_argument("--mqtt", metavar="URL", default=os.environ.get("LOWCOMM_MQTT"),
+                       help="publish status to this MQTT broker every few seconds "
+                       "(mqtt://[user:pass@]host[:port] or mqtts://...; env LOWCOMM_MQTT)")
+    group.add_argument("--mqtt-interval", type=float, default=5.0, metavar="S",
+                       help="telemetry period in seconds (default 5)")
+    group.add_argument("--preemption", choices=PROVIDERS,
+                       default=os.environ.get("LOWCOMM_PREEMPTION") or None,
+                       help="watch this cloud's spot/preemption notice and exit cleanly "
+                       "before the instance is taken (env LOWCOMM_PREEMPTION)")
+    group.add_argument("--metadata-url", metavar="URL",
+                       help="the cloud metadata server (default: the provider's own)")
+    group.add_argument("--preemption-interval", type=float, default=5.0, metavar="S",
+                       help="how often to poll for a notice (default 5 s)")

@@ -1,0 +1,251 @@
+"""MQTT telemetry against a real mosquitto: retained status, last will, monitor, outages."""
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiomqtt
+import pytest
+
+from node.status import DERIVED, SCHEMA_VERSION, NodeStatus
+from node.telemetry import TelemetryPublisher, parse_mqtt_url, status_topic
+
+pytestmark = pytest.mark.integration
+SCRIPT = Path(__file__).with_name("publish_status.py")
+CLI = [sys.executable, "-m", "node.cli"]
+SCHEMA_KEYS = {f.name for f in dataclasses.fields(NodeStatus)} | set(DERIVED)
+
+
+async def retained(url: str, topic: str, predicate=lambda doc: True, timeout: float = 10.0):
+    """The first message on `topic` (retained or live) whose JSON satisfies `predicate`."""
+    target = parse_mqtt_url(url)
+    async with aiomqtt.Client(target.host, target.port) as client:
+        await client.subscribe(topic, qos=1)
+
+        async def first():
+            async for message in client.messages:
+                doc = json.loads(message.payload)
+                if predicate(doc):
+                    return message, doc
+
+        return await asyncio.wait_for(first(), timeout)
+
+
+def node_status(peer: str, swarm: str, **values) -> NodeStatus:
+    s = NodeStatus(peer_id=peer, swarm=swarm, protocol="noloco", state="training", round=5,
+                   step=500, rounds_per_minute=2.0, **values)
+    s.record_train_loss(3.0)
+    return s
+
+
+def test_status_is_published_retained_with_the_schema(mosquitto_broker):
+    status = node_status("12D3KooWretained", "tele", tokens_per_second=1234.0,
+                         refused={"bad_digest": 1})
+
+    async def main():
+        pub = TelemetryPublisher(mosquitto_broker.url, "tele", "12D3KooWretained",
+                                 status.to_dict, interval=0.2)
+        pub.start()
+        try:
+            await asyncio.wait_for(pub.first_publish.wait(), 10)
+            # a subscriber that comes later gets it at once: the broker retained it
+            message, doc = await retained(mosquitto_broker.url, pub.topic)
+        finally:
+            await pub.stop()
+        _, gone = await retained(mosquitto_broker.url, pub.topic, lambda d: True)
+        return message, doc, gone
+
+    message, doc, gone = asyncio.run(main())
+    assert message.retain and str(message.topic) == "lowcomm/tele/12D3KooWretained/status"
+    assert set(doc) == SCHEMA_KEYS and doc["schema"] == SCHEMA_VERSION
+    assert doc["online"] is True and doc["tokens_per_second"] == 1234.0
+    assert doc["refused"] == {"bad_digest": 1} and doc["train_loss_trend"] == [3.0]
+    assert gone["online"] is False and gone["state"] == "offline", "a clean stop says offline"
+
+
+def test_sigkilled_publisher_is_marked_offline_by_its_last_will(mosquitto_broker):
+    url, topic = mosquitto_broker.url, status_topic("tele", "12D3KooWkilled")
+
+    async def main():
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(SCRIPT), url, "tele", "12D3KooWkilled", "0.2",
+            stdout=subprocess.PIPE)
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), 20)
+            assert line.strip() == b"published"
+            _, online = await retained(url, topic)
+            proc.send_signal(signal.SIGKILL)
+            await asyncio.wait_for(proc.wait(), 10)
+            _, offline = await retained(url, topic, lambda d: d.get("online") is False)
+            return online, offline
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+
+    online, offline = asyncio.run(main())
+    assert online["online"] is True and online["peer_id"] == "12D3KooWkilled"
+    assert offline == {**offline, "online": False, "state": "offline",
+                       "peer_id": "12D3KooWkilled", "swarm": "tele"}
+
+
+def test_monitor_once_json_lists_every_node(mosquitto_broker):
+    speeds = {"12D3KooWnodeA": 1000.0, "12D3KooWnodeB": 900.0, "12D3KooWnodeC": 100.0}
+    statuses = {peer: node_status(peer, "mon", tokens_per_second=tps)
+                for peer, tps in speeds.items()}
+
+    async def main():
+        pubs = [TelemetryPublisher(mosquitto_broker.url, "mon", peer, s.to_dict, interval=0.5)
+                for peer, s in statuses.items()]
+        other = TelemetryPublisher(mosquitto_broker.url, "another-swarm", "12D3KooWother",
+                                   node_status("12D3KooWother", "another-swarm").to_dict)
+        for p in (*pubs, other):
+            p.start()
+        try:
+            for p in (*pubs, other):
+                await asyncio.wait_for(p.first_publish.wait(), 10)
+            proc = await asyncio.create_subprocess_exec(
+                *CLI, "monitor", "--mqtt", mosquitto_broker.url, "--swarm", "mon", "--once",
+                "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 30)
+            table = await asyncio.create_subprocess_exec(
+                *CLI, "monitor", "--mqtt", mosquitto_broker.url, "--swarm", "mon", "--once",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            table_out, _ = await asyncio.wait_for(table.communicate(), 30)
+            return proc.returncode, out.decode(), err.decode(), table_out.decode()
+        finally:
+            for p in (*pubs, other):
+                await p.stop()
+
+    rc, out, err, table = asyncio.run(main())
+    assert rc == 0, err
+    snapshot = json.loads(out)
+    assert snapshot["swarm"] == "mon"
+    assert [n["peer_id"] for n in snapshot["nodes"]] == sorted(speeds)
+    assert all(n["online"] and n["schema"] == SCHEMA_VERSION for n in snapshot["nodes"])
+    assert snapshot["totals"]["online"] == 3
+    assert snapshot["totals"]["tokens_per_second"] == pytest.approx(2000.0)
+    assert snapshot["stragglers"] == ["12D3KooWnodeC"]
+    assert "3/3 online" in table and "12D3KooWnodeC *" in table
+
+
+def test_monitor_says_clearly_when_the_broker_is_away():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([*CLI, "monitor", "--mqtt", f"mqtt://127.0.0.1:{port}", "--swarm",
+                             "x", "--once", "--json", "--timeout", "2"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert result.stderr.startswith("lowcomm-node: error: cannot read swarm 'x' from the MQTT "
+                                    f"broker mqtt://127.0.0.1:{port}")
+
+
+class Ticker:
+    """A task that must keep ticking on schedule while the publisher suffers an outage."""
+
+    def __init__(self, period: float = 0.02):
+        self.period, self.max_late, self.ticks = period, 0.0, 0
+
+    async def run(self):
+        next_at = time.monotonic()
+        while True:
+            next_at += self.period
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+            self.max_late = max(self.max_late, time.monotonic() - next_at)
+            self.ticks += 1
+
+
+def outage_logs(caplog):
+    records = [r for r in caplog.records if r.name == "lowcomm.telemetry"]
+    return ([r for r in records if "unreachable" in r.getMessage()],
+            [r for r in records if "is back" in r.getMessage()])
+
+
+async def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_broker, caplog):
+    caplog.set_level(logging.INFO, logger="lowcomm.telemetry")
+    status = node_status("12D3KooWoutage", "tele")
+
+    async def main():
+        ticker = Ticker()
+        tick_task = asyncio.create_task(ticker.run())
+        pub = TelemetryPublisher(mosquitto_broker.url, "tele", "12D3KooWoutage",
+                                 status.to_dict, interval=0.05, backoff_initial=0.05,
+                                 backoff_max=0.2, timeout=2.0)
+        pub.start()
+        try:
+            await asyncio.wait_for(pub.first_publish.wait(), 10)
+            mosquitto_broker.kill()
+            await asyncio.wait_for(pub.down.wait(), 10)
+            attempts = pub.attempts
+            await wait_until(lambda: pub.attempts >= attempts + 3, 10, "reconnect attempts")
+            ticks_while_down = ticker.ticks
+            mosquitto_broker.start()
+            await asyncio.wait_for(pub.connected.wait(), 10)
+            published = pub.published
+            status.update(round=6)
+            await wait_until(lambda: pub.published > published, 10, "a publish after restart")
+            _, doc = await retained(mosquitto_broker.url, pub.topic, lambda d: d["round"] == 6)
+        finally:
+            await pub.stop()
+            tick_task.cancel()
+        return ticker, ticks_while_down, doc
+
+    ticker, ticks_while_down, doc = asyncio.run(main())
+    down, back = outage_logs(caplog)
+    assert len(down) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]
+    assert doc["online"] and doc["round"] == 6
+    assert ticks_while_down > 0 and ticker.max_late < 0.5, ticker.max_late
+
+
+def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog):
+    """The nastiest outage: TCP connects, CONNACK never comes. Each retry must also give
+    its socket back (aiomqtt leaves it open after a CONNACK timeout)."""
+    caplog.set_level(logging.INFO, logger="lowcomm.telemetry")
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        url = f"mqtt://127.0.0.1:{mute.getsockname()[1]}"
+
+        async def main():
+            ticker = Ticker()
+            tick_task = asyncio.create_task(ticker.run())
+            pub = TelemetryPublisher(url, "tele", "12D3KooWmute", NodeStatus().to_dict,
+                                     interval=0.05, backoff_initial=0.02, backoff_max=0.05,
+                                     timeout=0.15)
+            pub.start()
+            try:
+                await asyncio.wait_for(pub.down.wait(), 10)
+                await wait_until(lambda: pub.attempts >= 3, 10, "three attempts")
+                fds = len(os.listdir("/proc/self/fd"))
+                await wait_until(lambda: pub.attempts >= 9, 10, "six more attempts")
+                fds_later = len(os.listdir("/proc/self/fd"))
+            finally:
+                started = time.monotonic()
+                await pub.stop()
+                stop_took = time.monotonic() - started
+                tick_task.cancel()
+            return ticker, stop_took, fds_later - fds
+
+        ticker, stop_took, fd_growth = asyncio.run(main())
+    down, back = outage_logs(caplog)
+    assert len(down) == 1 and not back
+    assert ticker.max_late < 0.5, ticker.max_late
+    assert stop_took < 2.0
+    assert fd_growth <= 1, f"{fd_growth} file descriptors leaked over six retries"

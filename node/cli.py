@@ -46,6 +46,70 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_manifest(args: argparse.Namespace):
+    from node.manifest import find_manifest, load_manifest
+    if not args.swarm and not args.manifest and getattr(args, "swarm_default", None):
+        args.swarm = args.swarm_default
+    if bool(args.swarm) == bool(args.manifest):
+        raise ConfigError("give exactly one of --swarm ID (a manifest in configs/swarms/) or "
+                          "--manifest PATH")
+    path = args.manifest if args.manifest else find_manifest(args.swarm)
+    from node.config import nest_overrides, parse_override
+    return load_manifest(path, nest_overrides([parse_override(o) for o in args.overrides]))
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    manifest = _load_manifest(args)
+    import logging
+
+    from node.daemon import Daemon, NodeSettings
+    from p2p.host import check_peer_maddrs, run_event_loop
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = NodeSettings(Path(args.data_dir or f"runs/{manifest.swarm.id}"),
+                            listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
+                            peers=check_peer_maddrs(args.peer), grace_s=args.grace,
+                            max_steps=args.max_steps, port_mapping=args.port_mapping)
+    return run_event_loop(Daemon(manifest, settings).run())
+
+
+def cmd_local_swarm(args: argparse.Namespace) -> int:
+    if args.nodes < 1:
+        raise ConfigError(f"--nodes = {args.nodes} is out of range: it must be >= 1")
+    from node.local_swarm import run_local_swarm
+    manifest = _load_manifest(args)  # validated here, once, before any process starts
+    join_args = ["--swarm", args.swarm] if args.swarm else ["--manifest", str(args.manifest)]
+    for override in args.overrides:
+        join_args += ["--set", override]
+    if args.max_steps:
+        join_args += ["--max-steps", str(args.max_steps)]
+    base = Path(args.base_dir or f"runs/local-{manifest.swarm.id}")
+    return run_local_swarm(args.nodes, base, join_args, grace_s=args.grace)
+
+
+def cmd_init_swarm(args: argparse.Namespace) -> int:
+    from node.config import nest_overrides, parse_override
+    from node.manifest import SWARM_DIR, Manifest, manifest_from_dict, write_manifest
+    values = {"swarm": {"id": args.id, "description": args.description},
+              "model": args.model, "protocol": {"name": args.protocol},
+              "network": {"bootstrap_peers": args.bootstrap},
+              "admission": {"mode": "allowlist" if args.allow else "open",
+                            "public_keys": args.allow}}
+    manifest = manifest_from_dict(values)
+    if args.overrides:
+        from node.config import build_config
+        manifest = build_config([manifest.to_dict(), nest_overrides([parse_override(o) for o in args.overrides])],
+                                Manifest)
+    path = Path(args.out) if args.out else SWARM_DIR / f"{args.id}.toml"
+    if path.exists() and not args.force:
+        raise ConfigError(f"{path} exists: choose another --id or --out, or pass --force")
+    write_manifest(manifest, path)
+    print(f"wrote {path} (digest {manifest.digest}); members join with "
+          f"`lowcomm-node join --manifest {path}`")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.keys:
         for key, type_name, default, help_text in describe():
@@ -53,6 +117,20 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     print(to_toml(_load(args).to_dict()), end="")
     return 0
+
+
+def _swarm_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--swarm", metavar="ID", help="the swarm's id: its manifest is "
+                        "configs/swarms/<ID>.toml")
+    parser.add_argument("--manifest", metavar="PATH", type=Path,
+                        help="a manifest file instead (private swarms)")
+    parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append",
+                        default=[], help="override a manifest value (agreed values change the "
+                        "digest: peers then refuse you), e.g. --set train.threads=2")
+    parser.add_argument("--max-steps", type=int, default=0,
+                        help="stop after this many inner steps (default: the schedule's end)")
+    parser.add_argument("--grace", type=float, default=25.0,
+                        help="seconds to checkpoint and leave after SIGINT/SIGTERM (default 25)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -73,6 +151,53 @@ def build_parser() -> argparse.ArgumentParser:
                     "the data directory; Ctrl-C finishes the step, checkpoints and exits.")
     _config_arguments(train)
     train.set_defaults(func=cmd_train)
+
+    join = sub.add_parser(
+        "join", help="run a node of a swarm: train locally, exchange with peers (the daemon)",
+        description="Join a swarm and train: find its members on the DHT, train on this "
+                    "machine, and every H inner steps exchange with peers over signed streams "
+                    "(NoLoCo or DiLoCoX, as the swarm's manifest says). Resumes from the data "
+                    "directory's checkpoint; a new node joining a running swarm downloads its "
+                    "state first. Ctrl-C or SIGTERM checkpoints and leaves cleanly.")
+    _swarm_arguments(join)
+    join.add_argument("--peer", metavar="MULTIADDR", action="append", default=[],
+                      help="a member to bootstrap from, e.g. /ip4/1.2.3.4/tcp/4100/p2p/12D3KooW... "
+                      "(repeatable; added to the manifest's bootstrap peers)")
+    join.add_argument("--listen", metavar="MULTIADDR", action="append", default=[],
+                      help="where to listen (repeatable; default /ip4/0.0.0.0/tcp/0)")
+    join.add_argument("--data-dir", metavar="DIR", help="identity, checkpoints and logs "
+                      "(default runs/<swarm id>)")
+    join.add_argument("--port-mapping", action="store_true",
+                      help="ask the router for a port mapping (UPnP/NAT-PMP); off by default")
+    join.set_defaults(func=cmd_join)
+
+    local = sub.add_parser(
+        "local-swarm", help="start N nodes of a swarm on this machine (loopback) and show them",
+        description="Start N `join` daemons on loopback, each with its own data directory "
+                    "under --base-dir; node 0 bootstraps the others. Shows them together until "
+                    "they finish or Ctrl-C, which makes every node checkpoint and leave.")
+    _swarm_arguments(local)
+    local.add_argument("--nodes", type=int, default=3, help="how many nodes (default 3)")
+    local.add_argument("--base-dir", metavar="DIR", help="default runs/local-<swarm id>")
+    local.set_defaults(func=cmd_local_swarm, swarm_default="local")
+
+    init = sub.add_parser(
+        "init-swarm", help="write a new swarm manifest",
+        description="Write a swarm manifest (configs/swarms/<id>.toml unless --out): the model, "
+                    "data, protocol and admission every member must share. Tune any value with "
+                    "--set, e.g. --set protocol.inner_steps=100.")
+    init.add_argument("--id", required=True, help="swarm id: lowercase letters, digits, - and _")
+    init.add_argument("--description", default="", help="one line for humans")
+    init.add_argument("--protocol", choices=("noloco", "dilocox"), default="noloco")
+    init.add_argument("--model", default="tiny", help="model preset (configs/models/)")
+    init.add_argument("--bootstrap", metavar="MULTIADDR", action="append", default=[],
+                      help="a bootstrap peer (repeatable)")
+    init.add_argument("--allow", metavar="PEER_ID", action="append", default=[],
+                      help="admit only these peer ids (repeatable); without it the swarm is open")
+    init.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[])
+    init.add_argument("--out", metavar="PATH", help="where to write (default configs/swarms/<id>.toml)")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.set_defaults(func=cmd_init_swarm)
 
     config = sub.add_parser(
         "config", help="show the effective configuration, or list every key",

@@ -244,7 +244,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key, value
 
 
-def _nest(overrides: list[tuple[str, Any]]) -> dict[str, Any]:
+def nest_overrides(overrides: list[tuple[str, Any]]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for key, value in overrides:
         parts = key.split(".")
@@ -286,7 +286,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), cls: 
     layers = []
     if path is not None:
         layers.append(read_toml(Path(path)))
-    layers.append(_nest([parse_override(o) for o in overrides]))
+    layers.append(nest_overrides([parse_override(o) for o in overrides]))
     return build_config(layers, cls)
 
 

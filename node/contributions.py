@@ -29,7 +29,7 @@ class ContributionRefused(ValueError):
 
 
 def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float(t.float().pow(2).sum()) for t in tensors.values()))
+    return math.sqrt(sum(float(t.detach().float().pow(2).sum()) for t in tensors.values()))
 
 
 def check_contribution(sender: str, received: Mapping[str, torch.Tensor],

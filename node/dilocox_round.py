@@ -10,6 +10,8 @@ majority re-downloads φ and m from a majority peer (the exchange arranges it).
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -43,8 +45,11 @@ class DiLoCoXLink(Protocol):
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         """The group's messages of `round_index` that arrived, waiting at most `wait_s`."""
 
-    def publish_digest(self, round_index: int, digest: str) -> dict | None:
-        """Announces φ's digest after the round; returns a majority peer's state when ours differs."""
+    def publish_digest(self, round_index: int, digest: str) -> None:
+        """Announces φ's digest after the round (the exchange compares it with the majority)."""
+
+    def take_resync(self, round_index: int) -> dict | None:
+        """A majority peer's verified state after `round_index`, if ours disagreed; else None."""
 
     def refused(self, peer: str, reason: str, sentence: str) -> None: ...
 
@@ -88,6 +93,11 @@ class DiLoCoXRound:
                              codec, node_id, hyper)
         self.max_norm_ratio, self.collect_wait_s = max_norm_ratio, collect_wait_s
         self.resyncs = 0
+        self.lock = threading.Lock()  # held while φ and m change; exports take it too
+        self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
+        # The last two post-step states: a diverged peer asks for the round it compared, and we
+        # may have finished another round by the time its request arrives.
+        self.history: deque = deque(maxlen=2)
 
     def end_round(self, round_index: int) -> dict[str, Any]:
         delta = self.outer.pseudo_gradient(self.trainer.named_parameters())
@@ -102,14 +112,17 @@ class DiLoCoXRound:
                 outcome = self._admit(item, own_norm, refused)
                 if outcome is ReceiveOutcome.ACCEPTED:
                     accepted.append(item.peer)
-        phi = self.outer.outer_step(round_index)
-        digest = weights_digest(phi)
-        adopted = self.link.publish_digest(round_index, digest)
-        if adopted is not None:  # our φ disagreed with the majority: take theirs
-            self.outer.adopt_outer_state(adopted)
-            phi = self.outer.slow_weights
+        with self.lock:
+            resync = self.link.take_resync(round_index - 1)
+            if resync is not None:  # our φ of the last round disagreed with the majority's
+                self.outer.adopt_outer_state(resync)
+                self.resyncs += 1
+            phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
-            self.resyncs += 1
+            self.state_round, self.phi_digest = round_index, digest
+            self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
+                                 digest))
+        self.link.publish_digest(round_index, digest)
         self.trainer.load_parameters(phi)
         step = self.outer.last_step
         return {"applied_round": step.applied_round if step else None,
@@ -132,6 +145,24 @@ class DiLoCoXRound:
             refused.append(f"{item.peer}: {exc}")
             self.link.refused(item.peer, reason, str(exc))
             return None
+
+    def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
+        """(round, {"phi": φ, "momentum": m}, digest of φ) after `round_index` if still held,
+        else the latest: for a late joiner or a diverged peer's resync."""
+        with self.lock:
+            for held_round, groups, digest in self.history:
+                if held_round == round_index:
+                    return held_round, groups, digest
+            return (self.state_round, {"phi": self.outer.slow_weights,
+                                       "momentum": self.outer.momentum}, self.phi_digest)
+
+    def adopt(self, groups: dict) -> None:
+        """A late joiner takes the swarm's φ and m, and θ = φ."""
+        with self.lock:
+            self.outer.adopt_outer_state({"slow_weights": groups["phi"],
+                                          "momentum": groups["momentum"]})
+            self.phi_digest = weights_digest(groups["phi"])
+        self.trainer.load_parameters(groups["phi"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"dilocox": self.outer.state_dict(), "resyncs": self.resyncs}

@@ -106,8 +106,16 @@ class Manifest:
 
     @property
     def digest(self) -> str:
-        canonical = json.dumps(self.agreed(), sort_keys=True, separators=(",", ":"))
-        return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()
+        return digest_of(self.agreed())
+
+
+def canonical_json(agreed: dict[str, Any]) -> str:
+    return json.dumps(agreed, sort_keys=True, separators=(",", ":"))
+
+
+def digest_of(agreed: dict[str, Any]) -> str:
+    """The manifest digest of an `agreed()` dict (ours, or one a peer published)."""
+    return hashlib.blake2b(canonical_json(agreed).encode(), digest_size=16).hexdigest()
 
 
 def _validate(manifest: Manifest) -> Manifest:

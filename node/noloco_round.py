@@ -11,6 +11,7 @@ one, gives the local update of G = {self}, counted.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +19,7 @@ from node.contributions import ContributionRefused, check_contribution, global_n
 from node.trainer import InnerTrainer
 from node.wire_tensors import from_wire, to_wire
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
+from protocol.tensors import weights_digest
 
 PHI, DELTA = "phi/", "delta/"
 
@@ -58,6 +60,8 @@ class NoLoCoRound:
         self.pair_deadline_s, self.max_norm_ratio = pair_deadline_s, max_norm_ratio
         self.local_updates = 0
         self.partner_updates = 0
+        self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
+        self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
 
     def end_round(self, round_index: int) -> dict[str, Any]:
         own = self.outer.snapshot(self.trainer.named_parameters())
@@ -76,7 +80,9 @@ class NoLoCoRound:
                 reason = getattr(exc, "reason", "malformed")
                 refused = str(exc)
                 self.link.refused(partner.peer, reason, refused)
-        phi = self.outer.outer_step(own, partners)
+        with self.lock:
+            phi = self.outer.outer_step(own, partners)
+            self.state_round, self.phi_digest = round_index, weights_digest(phi)
         self.trainer.load_parameters(phi)
         if partners:
             self.partner_updates += 1
@@ -85,7 +91,23 @@ class NoLoCoRound:
         return {"partner": partner.peer if partners else None,
                 "partner_round": partner.round_index if partners else None,
                 "local_update": not partners, "refused": refused,
+                "phi_digest": self.phi_digest,
                 "local_updates": self.local_updates, "partner_updates": self.partner_updates}
+
+    def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
+        """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.
+        NoLoCo members hold their own φ, so only the latest state is served."""
+        with self.lock:
+            return (self.state_round, {"phi": self.outer.slow_weights,
+                                       "momentum": self.outer.outer_momentum}, self.phi_digest)
+
+    def adopt(self, groups: dict) -> None:
+        """A late joiner takes a member's φ and δ as its own, and θ = φ."""
+        with self.lock:
+            self.outer.load_state_dict({"slow_weights": groups["phi"],
+                                        "outer_momentum": groups["momentum"]})
+            self.phi_digest = weights_digest(groups["phi"])
+        self.trainer.load_parameters(groups["phi"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"noloco": self.outer.state_dict(), "local_updates": self.local_updates,

@@ -1,0 +1,277 @@
+"""`lowcomm-node join`: the daemon (ARCHITECTURE.md "Processes and threads in one daemon").
+
+Main thread: an event loop (uvloop) owning p2pd, the DHT node, the signed streams, membership
+and the protocol's exchange. Training thread: node/worker.py. The life of a node, in order:
+join (identity, admission, p2p, membership, resume or late join), train and exchange (until
+the schedule ends or a signal), leave (finish the step, checkpoint, tombstone, stop p2pd).
+
+Invariants:
+- the event loop never runs torch work longer than a copy (state exports go to a thread);
+- SIGINT/SIGTERM lead to a checkpoint and exit 0 within `grace_s`; a second signal exits at once;
+- every event of the node is one JSON line in <data_dir>/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from node.checkpoint import CheckpointStore
+from node.contributions import BanList
+from node.data import load_corpus, stream_seed
+from node.join import (STATE_KIND, ManifestWatch, check_admission, download_state,
+                       publish_manifest, swarm_round, wait_for_members)
+from node.local_swarm import ADDRESS_FILE
+from node.manifest import Manifest
+from node.members import MemberCache
+from node.standalone import MetricsLog
+from node.trainer import InnerTrainer, pick_device
+from node.wire_tensors import to_wire
+from node.worker import TrainingWorker
+from p2p.errors import Reason, Refusal
+from p2p.host import P2PHost
+from p2p.identity import NodeIdentity, identity_path
+from p2p.membership import Membership
+from p2p.messages import OutgoingMessage
+from p2p.streams import Transport
+
+log = logging.getLogger("lowcomm.daemon")
+CHECKPOINT_FORMAT = 2
+
+
+@dataclass
+class NodeSettings:
+    """How this machine runs its node: never part of the swarm's manifest."""
+
+    data_dir: Path
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    peers: list[str] = field(default_factory=list)
+    grace_s: float = 25.0
+    max_steps: int = 0            # stop after this many inner steps (0: the schedule's end)
+    member_ttl_s: float = 15.0
+    port_mapping: bool = False
+    seed: int = 0                 # for this node's choices (partners, groups), not its data
+
+
+class Daemon:
+    def __init__(self, manifest: Manifest, settings: NodeSettings):
+        self.manifest, self.settings = manifest, settings
+        self.data_dir = Path(settings.data_dir)
+        self.store = CheckpointStore(self.data_dir / "checkpoints")
+        self.stop_event = asyncio.Event()
+        self.status: dict[str, Any] = {"swarm": manifest.swarm.id,
+                                       "protocol": manifest.protocol.name}
+        self.metrics: MetricsLog | None = None
+        self.worker: TrainingWorker | None = None
+        self.cache: MemberCache | None = None
+
+    # ------------------------------------------------------------------ events
+    def event(self, kind: str, **fields) -> None:
+        """Called on the loop; the training thread goes through `_event_from_thread`."""
+        record = {"event": kind, "time": time.time(), **fields}
+        self.status[kind] = record
+        if kind == "round" and self.cache is not None:
+            # What late joiners and the DiLoCoX consensus check read: the digest of our φ.
+            self.cache.update(extra={"phi": fields["phi_digest"], "phi_round": fields["round"]})
+        if self.metrics:
+            self.metrics(record)
+        if kind in ("round", "joined", "late_join", "diverged", "resync_ready", "no_partner",
+                    "swap_failed", "stopping", "left", "failed", "resumed"):
+            log.info("%s %s", kind, {k: v for k, v in fields.items() if k != "energy_kept"})
+
+    def _event_from_thread(self, record: dict) -> None:
+        record = dict(record)
+        kind = record.pop("event")
+        if kind == "round":
+            record["peers_alive"] = self.status.get("peers_alive", 0)
+        self.loop.call_soon_threadsafe(lambda: self.event(kind, **record))
+
+    # ------------------------------------------------------------------ life
+    async def run(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self.loop.add_signal_handler(sig, self._on_signal, sig)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(self.data_dir / "metrics.jsonl")
+        identity = NodeIdentity.load_or_create(identity_path(self.data_dir))
+        peer_id = identity.peer_id.to_base58()
+        check_admission(self.manifest, peer_id)
+        m, train = self.manifest, self.manifest.train
+        if train.threads:
+            torch.set_num_threads(train.threads)
+        corpus = load_corpus(m.data)
+        trainer = InnerTrainer(m.model, train, corpus, m.data.seq_len,
+                               stream_seed(identity.public_key_bytes, train.seed),
+                               pick_device(train.device))
+        host = await P2PHost.start(identity, host_maddrs=self.settings.listen,
+                                   initial_peers=[*self.settings.peers, *m.network.bootstrap_peers],
+                                   nat_port_map=self.settings.port_mapping)
+        transport = membership = cache = exchange = None
+        try:
+            transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest)
+            await transport.start()
+            membership = Membership(host, m.swarm.id, protocol=m.protocol.name,
+                                    manifest=m.digest, ttl_s=self.settings.member_ttl_s)
+            await membership.start()
+            cache = self.cache = MemberCache(membership)
+            await cache.start()
+            await publish_manifest(host.dht, m)
+            bans = BanList(m.contributions.ban_after, m.contributions.ban_seconds)
+            policy, exchange = self._protocol(trainer, transport, cache, peer_id, bans)
+            start_round = await self._resume_or_join(trainer, policy, transport, cache)
+            transport.on_request(STATE_KIND, lambda header: self._serve_state(policy, header),
+                                 accept_round=lambda _r: True)
+            exchange.start(start_round)
+            cache.update(round=start_round, status="training")
+            addresses = await host.maddrs()
+            (self.data_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
+            self.event("joined", peer_id=peer_id, addresses=addresses, round=start_round,
+                       manifest=m.digest, corpus_digest=corpus.digest)
+            watch = ManifestWatch(host.dht, m)
+            code = await self._train(trainer, policy, corpus.digest, cache, watch, transport)
+        finally:
+            await self._leave(host, transport, membership, cache, exchange)
+        return code
+
+    def _protocol(self, trainer, transport, cache, peer_id: str, bans: BanList):
+        m, p = self.manifest, self.manifest.protocol
+        rng = random.Random(f"{self.settings.seed}:{peer_id}")
+        report = lambda kind, fields: self.event(kind, **fields)
+        if p.name == "noloco":
+            from node.noloco_exchange import NoLoCoExchange
+            from node.noloco_round import NoLoCoRound
+            from protocol.noloco import NoLoCoHyperParameters
+            exchange = NoLoCoExchange(self.loop, transport, cache, peer_id, m.digest, p.timing,
+                                      p.max_staleness, bans, m.contributions.ban_seconds,
+                                      p.pair_deadline_s, rng, report)
+            hyper = NoLoCoHyperParameters(p.momentum, p.progress_weight, p.consensus_weight)
+            policy = NoLoCoRound(trainer, hyper, exchange, p.wire_dtype, p.timing,
+                                 p.pair_deadline_s, m.contributions.max_norm_ratio)
+            return policy, exchange
+        from node.dilocox_exchange import DiLoCoXExchange
+        from node.dilocox_round import DiLoCoXRound
+        from protocol.codecs import get_codec
+        from protocol.diloco import DiLoCoHyperParameters
+        from protocol.dilocox import DiLoCoXHyperParameters
+        codec_params = {"lowrank": {"rank": p.rank, "bits": p.bits},
+                        "blockwise": {"bits": p.bits}}.get(p.codec, {})
+        exchange = DiLoCoXExchange(self.loop, transport, cache, peer_id, m.digest, p.fan_out,
+                                   p.message_deadline_s, bans, m.contributions.ban_seconds, rng,
+                                   report)
+        hyper = DiLoCoXHyperParameters(DiLoCoHyperParameters(p.outer_lr, p.outer_momentum),
+                                       p.delay)
+        policy = DiLoCoXRound(trainer, hyper, get_codec(p.codec, **codec_params), peer_id,
+                              exchange, m.contributions.max_norm_ratio, p.message_deadline_s)
+        return policy, exchange
+
+    async def _resume_or_join(self, trainer, policy, transport, cache) -> int:
+        """The round to start at: from our checkpoint, from the swarm's state, or 0."""
+        H = self.manifest.protocol.inner_steps
+        self.store.remove_stale_temporaries()
+        loaded = self.store.load_latest()
+        if loaded is not None:
+            for reason in loaded.skipped:
+                self.event("checkpoint_skipped", reason=reason)
+            state = loaded.state
+            if state.get("format") != CHECKPOINT_FORMAT or state.get("manifest") != self.manifest.digest:
+                raise RuntimeError(f"checkpoint {loaded.path.name} belongs to another swarm "
+                                   f"manifest: use a fresh --data-dir or the same manifest")
+            trainer.load_state_dict(state["trainer"])
+            policy.load_state_dict(state["policy"])
+            self.event("resumed", checkpoint=loaded.path.name, step=trainer.step)
+            return trainer.step // H
+        await wait_for_members(cache, timeout_s=2.0)
+        if swarm_round(cache.peers(), self.manifest.digest) == 0:
+            return 0
+        joined = await download_state(transport, cache, self.manifest)
+        if joined is None:
+            return 0
+        await self.loop.run_in_executor(None, policy.adopt, joined.tensors)
+        start = joined.round_index
+        trainer.start_at(start * H)
+        self.event("late_join", source=joined.source, round=start,
+                   state_round=joined.meta.get("phi_round"), digest=joined.meta.get("phi"))
+        return start
+
+    async def _serve_state(self, policy, header) -> OutgoingMessage:
+        wanted = header.meta.get("phi_round")
+        state_round, groups, digest = await self.loop.run_in_executor(
+            None, policy.export_state, wanted if isinstance(wanted, int) else None)
+        if state_round < 0:
+            raise Refusal(Reason.REFUSED, "no completed round yet")
+        tensors = await self.loop.run_in_executor(
+            None, lambda: to_wire(groups["phi"], "fp32", "phi/")
+            + to_wire(groups["momentum"], "fp32", "momentum/"))
+        round_now = self.worker.round_index if self.worker else state_round + 1
+        return OutgoingMessage(STATE_KIND, 0, tensors,
+                               {"round": round_now, "phi_round": state_round, "phi": digest})
+
+    def _checkpoint(self, trainer, policy, corpus_digest: str) -> None:
+        """Runs in the training thread, between steps."""
+        self.store.save({"format": CHECKPOINT_FORMAT, "manifest": self.manifest.digest,
+                         "corpus_digest": corpus_digest, "trainer": trainer.state_dict(),
+                         "policy": policy.state_dict()}, trainer.step)
+        self._event_from_thread({"event": "checkpoint", "step": trainer.step})
+
+    async def _train(self, trainer, policy, corpus_digest, cache, watch, transport) -> int:
+        H = self.manifest.protocol.inner_steps
+        total = self.manifest.train.steps
+        if self.settings.max_steps:
+            total = min(total, trainer.step + self.settings.max_steps)
+        eval_rounds = max(1, self.manifest.train.eval_every // H) if self.manifest.train.eval_every else 1
+        ckpt_rounds = max(1, self.manifest.train.checkpoint_every // H) \
+            if self.manifest.train.checkpoint_every else 1
+        self.worker = TrainingWorker(trainer, policy, H, total, self._event_from_thread,
+                                     lambda: self._checkpoint(trainer, policy, corpus_digest),
+                                     eval_rounds, ckpt_rounds)
+        self.worker.start()
+        finished = asyncio.ensure_future(self.loop.run_in_executor(None, self.worker.finished.wait))
+        stopping = asyncio.ensure_future(self.stop_event.wait())
+        while not finished.done():
+            await asyncio.wait({finished, stopping}, timeout=2.0,
+                               return_when=asyncio.FIRST_COMPLETED)
+            await watch.check(cache.peers())
+            self.status["peers_alive"] = len(cache.peers())
+            self.status["transport"] = transport.counters.snapshot()
+            if stopping.done() and not self.worker.stop_requested.is_set():
+                self.worker.request_stop()
+                try:
+                    await asyncio.wait_for(asyncio.shield(finished), self.settings.grace_s - 5)
+                except asyncio.TimeoutError:
+                    self.event("failed", error="the training thread did not stop within the grace "
+                               "period; exiting without a final checkpoint")
+                    return 1
+        stopping.cancel()
+        if self.worker.error is not None:
+            return 1
+        return 0
+
+    def _on_signal(self, sig: signal.Signals) -> None:
+        if self.stop_event.is_set():
+            raise SystemExit(130)  # a second signal: the user insists
+        self.event("stopping", signal=signal.Signals(sig).name)
+        self.stop_event.set()
+
+    async def _leave(self, host, transport, membership, cache, exchange) -> None:
+        """Tombstone in the DHT, stop serving, stop p2pd; each step bounded."""
+        steps = [(exchange.stop() if exchange else None), (cache.stop() if cache else None),
+                 (membership.leave() if membership else None),
+                 (transport.stop() if transport else None), host.shutdown()]
+        for step in steps:
+            if step is not None:
+                try:
+                    await asyncio.wait_for(step, timeout=5.0)
+                except Exception as exc:  # leaving must go on: each step is best effort
+                    log.warning("while leaving: %s", exc)
+        (self.data_dir / ADDRESS_FILE).unlink(missing_ok=True)
+        self.event("left")
+        if self.metrics:
+            self.metrics.close()

@@ -1,0 +1,195 @@
+"""DiLoCoX over the swarm, the event loop's side (PROTOCOLS.md §3).
+
+The training thread hands each round's compressed message to `send_round`, which pushes it to
+the round's group (every live member on our manifest, at most `fan_out`, a random subset beyond)
+in the background, over signed streams. Received messages wait in an inbox by round until the
+training thread `collect`s them (with delay = 1 they had a whole round to arrive). After each
+outer step the node announces the digest of φ; when the majority of the members that reached
+the same round announced another digest, the node downloads that majority's state from one of
+them, checks its digest, and the training thread adopts it before its next outer step.
+
+Invariants:
+- a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
+- `collect` waits at most its deadline, and only for members that already finished the round;
+- a resync state is used only if its digest equals the majority's digest for that round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import Counter
+from collections.abc import Callable
+
+from node.contributions import BanList
+from node.dilocox_round import GroupMessage
+from node.join import STATE_KIND
+from node.noloco_exchange import peer_name
+from node.wire_tensors import from_wire
+from p2p.errors import P2PError, Reason, Refusal
+from p2p.messages import OutgoingMessage, ReceivedMessage
+from protocol.tensors import weights_digest
+
+log = logging.getLogger("lowcomm.dilocox")
+PGRAD = "dilocox.pgrad"
+CONSENSUS_WAIT_S = 5.0
+
+
+class DiLoCoXExchange:
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport, members, peer_id: str,
+                 manifest_digest: str, fan_out: int, message_deadline_s: float, bans: BanList,
+                 ban_seconds: float, rng: random.Random, report: Callable[[str, dict], None]):
+        self.loop, self.transport, self.members = loop, transport, members
+        self.peer_id, self.manifest = peer_id, manifest_digest
+        self.fan_out, self.deadline_s = fan_out, message_deadline_s
+        self.bans, self.ban_seconds, self.rng, self.report = bans, ban_seconds, rng, report
+        self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
+        self.arrived = asyncio.Event()
+        self.resyncs: dict[int, dict] = {}
+        self.oldest_wanted = 0
+        self.sent_ok = self.sent_failed = 0
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, round_index: int) -> None:
+        self.oldest_wanted = max(0, round_index - 1)
+        self.transport.on_push(PGRAD, self._on_message,
+                               accept_round=lambda r: r >= self.oldest_wanted)
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coroutine) -> None:
+        task = self.loop.create_task(coroutine)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def group(self) -> list[str]:
+        peers = sorted(r.peer_id for r in self.members.peers()
+                       if r.manifest == self.manifest and r.protocol == "dilocox"
+                       and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id))
+        return peers if len(peers) <= self.fan_out else self.rng.sample(peers, self.fan_out)
+
+    # ------------------------------------------------------------------ training thread side
+    def send_round(self, round_index: int, tensors: list, wait_s: float) -> None:
+        asyncio.run_coroutine_threadsafe(self._send_all(round_index, tensors), self.loop)
+
+    def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        future = asyncio.run_coroutine_threadsafe(self._collect(round_index, wait_s), self.loop)
+        return future.result(timeout=wait_s + 30.0)
+
+    def publish_digest(self, round_index: int, digest: str) -> None:
+        self.loop.call_soon_threadsafe(self._after_round, round_index, digest)
+
+    def take_resync(self, round_index: int) -> dict | None:
+        future = asyncio.run_coroutine_threadsafe(self._pop_resync(round_index), self.loop)
+        return future.result(timeout=30.0)
+
+    def refused(self, peer: str, reason: str, sentence: str) -> None:
+        self.loop.call_soon_threadsafe(self._strike, peer, reason, sentence)
+
+    # ------------------------------------------------------------------ loop side
+    def _strike(self, peer: str, reason: str, sentence: str) -> None:
+        log.warning("%s", sentence)
+        if self.bans.strike(peer, reason):
+            log.warning("banned %s for %.0f s after repeated refused contributions", peer,
+                        self.ban_seconds)
+            self.transport.ban(peer, self.ban_seconds)
+
+    async def _send_all(self, round_index: int, tensors: list) -> None:
+        message = OutgoingMessage(PGRAD, round_index, tensors)
+        group = self.group()
+
+        async def send(peer: str) -> None:
+            try:
+                await self.transport.push(peer, message, timeout=self.deadline_s)
+                self.sent_ok += 1
+            except P2PError as exc:
+                self.sent_failed += 1
+                self.report("send_failed", {"round": round_index, "peer": peer, "error": str(exc)})
+        await asyncio.gather(*(send(p) for p in group))
+        self.report("sent", {"round": round_index, "group": group, "bytes": message.total_bytes})
+
+    async def _on_message(self, received: ReceivedMessage) -> None:
+        sender = peer_name(received.sender)
+        if self.bans.is_banned(sender):
+            raise Refusal(Reason.BANNED, "banned for refused contributions")
+        box = self.inbox.setdefault(received.round, {})
+        if sender in box:
+            raise Refusal(Reason.REPLAYED, f"a message of round {received.round} already arrived")
+        box[sender] = received
+        self.arrived.set()
+
+    def _finished(self, round_index: int) -> set[str]:
+        """Members on our manifest that announced a round past `round_index` (they sent it)."""
+        return {r.peer_id for r in self.members.peers()
+                if r.manifest == self.manifest and r.round > round_index
+                and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
+
+    async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        deadline = self.loop.time() + wait_s
+        while True:
+            box = self.inbox.get(round_index, {})
+            missing = self._finished(round_index) - set(box)
+            remaining = deadline - self.loop.time()
+            if not missing or remaining <= 0:
+                break
+            self.arrived.clear()
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout=min(remaining, 1.0))
+            except asyncio.TimeoutError:
+                pass  # members may have moved on: recompute who is missing
+        box = self.inbox.pop(round_index, {})
+        if missing:
+            self.report("missing", {"round": round_index, "peers": sorted(missing)})
+        self.oldest_wanted = round_index + 1
+        for old in [r for r in self.inbox if r < self.oldest_wanted]:
+            del self.inbox[old]
+        return [GroupMessage(peer, round_index, msg) for peer, msg in sorted(box.items())]
+
+    def _after_round(self, round_index: int, digest: str) -> None:
+        self.members.update(round=round_index + 1, status="training")
+        self._spawn(self._check_consensus(round_index, digest))
+
+    async def _check_consensus(self, round_index: int, digest: str) -> None:
+        """Waits for the members that reach this round to announce their φ, then compares."""
+        deadline = self.loop.time() + CONSENSUS_WAIT_S
+        votes: Counter = Counter()
+        holders: dict[str, list[str]] = {}
+        while self.loop.time() < deadline:
+            votes, holders = Counter({digest: 1}), {}
+            for r in self.members.peers():
+                if r.manifest == self.manifest and r.extra.get("phi_round") == round_index:
+                    votes[r.extra["phi"]] += 1
+                    holders.setdefault(r.extra["phi"], []).append(r.peer_id)
+            if sum(votes.values()) > len(self._finished(round_index - 1)):
+                break  # everyone who could vote has voted
+            await asyncio.sleep(0.5)
+        majority, count = votes.most_common(1)[0]
+        if majority == digest or count <= votes[digest]:
+            return
+        self.report("diverged", {"round": round_index, "ours": digest[:12],
+                                 "majority": majority[:12], "votes": dict(votes)})
+        for peer in holders.get(majority, []):
+            try:
+                received = await self.transport.request(
+                    peer, STATE_KIND, 0, meta={"phi_round": round_index}, timeout=self.deadline_s,
+                    streams=self.transport.limits.parallel_streams)
+            except P2PError as exc:
+                log.info("resync from %s failed: %s", peer[-8:], exc)
+                continue
+            phi = from_wire(received, "phi/")
+            if received.meta.get("phi_round") == round_index and weights_digest(phi) == majority:
+                self.resyncs[round_index] = {"slow_weights": phi,
+                                             "momentum": from_wire(received, "momentum/")}
+                self.report("resync_ready", {"round": round_index, "source": peer})
+                return
+
+    async def _pop_resync(self, round_index: int) -> dict | None:
+        state = self.resyncs.pop(round_index, None)
+        for old in [r for r in self.resyncs if r < round_index]:
+            del self.resyncs[old]
+        return state

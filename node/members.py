@@ -1,0 +1,57 @@
+"""A cached view of the swarm's members, refreshed from the DHT in the background.
+
+The matching and the DiLoCoX group read members on every decision; a DHT query each time would
+put network latency in their path, so they read this cache (at most `refresh_s` old) instead.
+Our own record's changes are published in the background, in the order they were made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from p2p.records import MemberRecord
+
+log = logging.getLogger("lowcomm.members")
+
+
+class MemberCache:
+    def __init__(self, membership, refresh_s: float = 1.0):
+        self.membership, self.refresh_s = membership, refresh_s
+        self.records: dict[str, MemberRecord] = {}
+        self.refreshed = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._updates: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._loop(), name="member-cache")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._updates:
+            await asyncio.wait(self._updates, timeout=5)
+
+    async def refresh(self) -> None:
+        self.records = await self.membership.peers()
+        self.refreshed.set()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as exc:  # the DHT can hiccup; the next refresh retries
+                log.debug("member refresh failed: %s", exc)
+
+    def peers(self) -> list[MemberRecord]:
+        return list(self.records.values())
+
+    def update(self, **fields: Any) -> None:
+        """Publishes changes of our own record without waiting (order is kept by Membership)."""
+        task = asyncio.get_running_loop().create_task(self.membership.update(**fields))
+        self._updates.add(task)
+        task.add_done_callback(self._updates.discard)

@@ -1,0 +1,225 @@
+"""NoLoCo over the swarm, the event loop's side (PROTOCOLS.md §1 "asynchronous random matching").
+
+Pairs form by signed one-way control messages (propose / accept / decline) driven by the pure
+state machine in protocol/matching.py; a formed pair swaps snapshots over one full-duplex signed
+stream, opened by the pair's initiator (the lower peer id). The training thread calls
+`finish_round` once per round (the `NoLoCoLink` of node/noloco_round.py):
+- overlap: returns the partner snapshot swapped during the round at once, offers the new one;
+- blocking: offers the new snapshot, pairs and swaps it now, waiting at most the deadline.
+
+Invariants:
+- at most one pair per round (protocol/matching.py I1); a snapshot is swapped only with the
+  peer the matching paired us with for the current round, anything else is refused;
+- the loop never waits on the training thread, and `finish_round` never waits on the network in
+  overlap timing;
+- a failed or late swap leaves the round unpaired: the worker does a local update, counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable
+
+from hivemind.p2p import PeerID
+
+from node.contributions import BanList
+from node.noloco_round import PartnerSnapshot
+from p2p.errors import P2PError, Reason, Refusal
+from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.wire import MessageHeader
+from protocol.matching import (DeclineReason, MatchingState, MatchMessage, MessageKind,
+                               ReadyAnnouncement)
+
+log = logging.getLogger("lowcomm.noloco")
+MATCH, SNAPSHOT = "noloco.match", "noloco.snapshot"
+CONTROL_TIMEOUT_S = 10.0
+
+
+def peer_name(raw: bytes | PeerID | str) -> str:
+    if isinstance(raw, str):
+        return raw
+    return (raw if isinstance(raw, PeerID) else PeerID(raw)).to_base58()
+
+
+class NoLoCoExchange:
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport, membership, peer_id: str,
+                 manifest_digest: str, timing: str, max_staleness: int, bans: BanList,
+                 ban_seconds: float, swap_timeout_s: float, rng: random.Random,
+                 report: Callable[[str, dict], None]):
+        self.loop, self.transport, self.membership = loop, transport, membership
+        self.peer_id, self.manifest = peer_id, manifest_digest
+        self.timing, self.bans, self.ban_seconds = timing, bans, ban_seconds
+        self.swap_timeout_s, self.rng, self.report = swap_timeout_s, rng, report
+        self.matching = MatchingState(peer_id, manifest_digest, 0, max_staleness)
+        self.offered: OutgoingMessage | None = None
+        self.accepting = timing == "overlap"  # blocking: only while waiting at a round's end
+        self.partners: dict[int, PartnerSnapshot] = {}
+        self.changed = asyncio.Event()
+        self.swaps_ok = self.swaps_failed = 0
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ life
+    def start(self, round_index: int) -> None:
+        self.matching = MatchingState(self.peer_id, self.manifest, round_index,
+                                      self.matching.max_staleness)
+        accept_any = lambda _round: True  # the matching checks rounds itself (staleness)
+        self.transport.on_push(MATCH, self._on_match, accept_round=accept_any)
+        self.transport.on_swap(SNAPSHOT, self._snapshot_reply, accept_round=accept_any,
+                               deliver=self._snapshot_delivered)
+        self._task = self.loop.create_task(self._matchmaker())
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    # ------------------------------------------------------------------ training thread side
+    def finish_round(self, round_index: int, snapshot: list, wait_s: float) -> PartnerSnapshot | None:
+        future = asyncio.run_coroutine_threadsafe(
+            self._finish_round(round_index, snapshot, wait_s), self.loop)
+        return future.result(timeout=wait_s + 30.0)
+
+    def refused(self, peer: str, reason: str, sentence: str) -> None:
+        self.loop.call_soon_threadsafe(self._strike, peer, reason, sentence)
+
+    def _strike(self, peer: str, reason: str, sentence: str) -> None:
+        log.warning("%s", sentence)
+        if self.bans.strike(peer, reason):
+            log.warning("banned %s for %.0f s after repeated refused contributions", peer,
+                        self.ban_seconds)
+            self.transport.ban(peer, self.ban_seconds)
+
+    async def _finish_round(self, round_index: int, snapshot: list, wait_s: float):
+        message = OutgoingMessage(SNAPSHOT, round_index, snapshot)
+        if self.timing == "overlap":
+            partner = self.partners.pop(round_index, None)
+            self.offered = message  # what partners of the next round get
+            self._next_round(round_index + 1)
+            return partner
+        # blocking: pair and swap this very snapshot, up to the deadline
+        self.offered, self.accepting = message, True
+        self.changed.set()
+        try:
+            await asyncio.wait_for(self._wait_partner(round_index), timeout=wait_s)
+        except asyncio.TimeoutError:
+            self.report("no_partner", {"round": round_index, "waited_s": wait_s})
+        self.accepting = False
+        partner = self.partners.pop(round_index, None)
+        self._next_round(round_index + 1)
+        return partner
+
+    async def _wait_partner(self, round_index: int) -> None:
+        while round_index not in self.partners:
+            self.changed.clear()
+            await self.changed.wait()
+
+    def _next_round(self, next_round: int) -> None:
+        outcome = self.matching.end_round(next_round)
+        for message in outcome.outgoing:
+            self._send_control(message)
+        self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
+        self.membership.update(round=next_round, status="ready" if self.offered else "training")
+        self.changed.set()
+
+    # ------------------------------------------------------------------ matching
+    def _announcements(self) -> list[ReadyAnnouncement]:
+        return [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)
+                for rec in self.membership.peers()
+                if rec.peer_id != self.peer_id and rec.protocol == "noloco"
+                and rec.status == "ready" and not self.bans.is_banned(rec.peer_id)]
+
+    async def _matchmaker(self) -> None:
+        """Proposes whenever this node may pair and has no partner and no proposal in flight."""
+        while True:
+            if self.accepting and self.offered is not None and self.matching.wants_partner:
+                proposal = self.matching.choose_candidate(self._announcements(), self.rng)
+                if proposal is not None:
+                    self._send_control(proposal)
+            self.changed.clear()
+            try:  # membership changes arrive by heartbeat: look again every second
+                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+
+    def _send_control(self, message: MatchMessage) -> None:
+        meta = {"k": message.kind.value, "pr": message.proposal_round, "sr": message.sender_round,
+                "why": message.reason.name if message.reason else ""}
+        outgoing = OutgoingMessage(MATCH, message.proposal_round, (), meta)
+
+        async def send() -> None:
+            try:
+                await self.transport.push(message.recipient, outgoing, timeout=CONTROL_TIMEOUT_S)
+            except P2PError as exc:
+                log.info("match %s to %s failed: %s", message.kind.value, message.recipient[-8:], exc)
+                if message.kind is MessageKind.PROPOSE:  # an unreachable peer is a decline
+                    self._handle(MatchMessage(MessageKind.DECLINE, message.recipient, self.peer_id,
+                                              message.proposal_round, message.sender_round,
+                                              self.manifest, DeclineReason.BUSY))
+        self.loop.create_task(send())
+
+    async def _on_match(self, received: ReceivedMessage) -> None:
+        meta = received.meta
+        try:
+            kind = MessageKind(meta["k"])
+            reason = DeclineReason[meta["why"]] if meta.get("why") else None
+            message = MatchMessage(kind, peer_name(received.sender), self.peer_id, int(meta["pr"]),
+                                   int(meta["sr"]), received.header.manifest, reason)
+        except (KeyError, ValueError, TypeError):
+            raise Refusal(Reason.MALFORMED, "a match message needs k, pr, sr and why") from None
+        if kind is MessageKind.PROPOSE and not (self.accepting and self.offered is not None):
+            self._send_control(MatchMessage(MessageKind.DECLINE, self.peer_id, message.sender,
+                                            message.proposal_round, self.matching.round_index,
+                                            self.manifest, DeclineReason.BUSY))
+            return
+        self._handle(message)
+
+    def _handle(self, message: MatchMessage) -> None:
+        had_pair = self.matching.pair
+        for reply in self.matching.handle(message):
+            self._send_control(reply)
+        pair = self.matching.pair
+        if pair is not None and had_pair is None:
+            self.report("paired", {"round": pair.round_index, "partner": pair.partner})
+            if pair.initiator == self.peer_id:
+                self.loop.create_task(self._swap(pair.partner, pair.round_index))
+        self.changed.set()
+
+    # ------------------------------------------------------------------ swapping snapshots
+    async def _swap(self, partner: str, round_index: int) -> None:
+        offered = self.offered
+        try:
+            received = await self.transport.swap(partner, offered, timeout=self.swap_timeout_s,
+                                                 expected_reply_bytes=offered.total_bytes)
+        except P2PError as exc:
+            self.swaps_failed += 1
+            self.report("swap_failed", {"round": round_index, "partner": partner,
+                                        "error": str(exc)})
+            return
+        self._store(partner, round_index, received)
+
+    async def _snapshot_reply(self, header: MessageHeader) -> OutgoingMessage:
+        sender = peer_name(header.sender)
+        pair = self.matching.pair
+        if pair is None or pair.partner != sender or self.offered is None:
+            raise Refusal(Reason.REFUSED, "not paired with you this round")
+        return self.offered
+
+    async def _snapshot_delivered(self, received: ReceivedMessage) -> None:
+        pair = self.matching.pair
+        sender = peer_name(received.sender)
+        if pair is not None and pair.partner == sender:
+            self._store(sender, pair.round_index, received)
+
+    def _store(self, partner: str, round_index: int, received: ReceivedMessage) -> None:
+        if round_index < self.matching.round_index and self.timing == "overlap":
+            self.swaps_failed += 1  # the round ended before the swap finished: too late to use
+            self.report("swap_late", {"round": round_index, "partner": partner})
+            return
+        self.swaps_ok += 1
+        self.partners[round_index] = PartnerSnapshot(partner, received.round, received)
+        self.report("swapped", {"round": round_index, "partner": partner,
+                                "partner_round": received.round,
+                                "bytes": len(received.payload)})
+        self.changed.set()

@@ -1,3 +1,94 @@
-"""Fixtures shared by the integration tests."""
+"""Fixtures for tests that start real p2pd processes: nothing they start may outlive them.
 
-from tests.mqtt_broker import mosquitto_broker  # noqa: F401  (a real mosquitto on loopback)
+`p2p_cleanup` records every p2pd unix socket and every process a test starts; at teardown it
+kills the processes that are still alive (by pid, never by name), waits for them with a bound,
+removes the sockets, and fails the test if a socket it recorded was left behind by the code
+under test (the hosts must clean up after themselves; this fixture is the safety net).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from contextlib import asynccontextmanager, suppress
+from pathlib import Path
+
+import pytest
+
+from p2p.host import P2PHost, p2pd_socket_paths
+from p2p.identity import NodeIdentity, identity_path
+# The broker fixture of tests/mqtt_broker.py is shared by integration tests through this file.
+from tests.mqtt_broker import mosquitto_broker  # noqa: F401
+
+
+class P2PCleanup:
+    def __init__(self):
+        self.sockets: set[str] = set()
+        self.processes: list[subprocess.Popen] = []
+        self.pids: set[int] = set()
+
+    def track_host(self, host: P2PHost) -> P2PHost:
+        self.sockets.update(p2pd_socket_paths(host.p2p))
+        return host
+
+    def track_process(self, process: subprocess.Popen) -> subprocess.Popen:
+        self.processes.append(process)
+        return process
+
+    def track_pid(self, pid: int, sockets: list[str]) -> None:
+        self.pids.add(pid)
+        self.sockets.update(sockets)
+
+    @asynccontextmanager
+    async def hosts(self, base: Path, count: int, **options):
+        """`count` hosts on loopback; the first starts the DHT, the others bootstrap from it."""
+        started: list[P2PHost] = []
+        try:
+            for index in range(count):
+                identity = NodeIdentity.load_or_create(identity_path(base / f"node{index}"))
+                initial = await started[0].maddrs() if started else []
+                started.append(self.track_host(await P2PHost.start(identity, initial_peers=initial, **options)))
+            yield started
+        finally:
+            for host in started:
+                await host.shutdown()
+
+    def finish(self) -> list[str]:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+            with suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        for pid in self.pids:
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _alive(pid):
+                with suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        leftovers = sorted(path for path in self.sockets if os.path.exists(path))
+        for path in leftovers:
+            with suppress(FileNotFoundError):
+                os.remove(path)
+        return leftovers
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with suppress(OSError):  # a zombie child counts as gone
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    return True
+
+
+@pytest.fixture
+def p2p_cleanup():
+    cleanup = P2PCleanup()
+    yield cleanup
+    leftovers = cleanup.finish()
+    assert not leftovers, f"p2pd sockets left behind by the code under test: {leftovers}"

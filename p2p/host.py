@@ -1,0 +1,147 @@
+"""One node's hivemind P2P daemon (p2pd) and DHT node, both in the caller's event loop.
+
+    identity = NodeIdentity.load_or_create(identity_path(data_dir))
+    host = await P2PHost.start(identity, host_maddrs=["/ip4/0.0.0.0/tcp/31337"],
+                               initial_peers=manifest.bootstrap_peers)
+    ... Membership(host, ...), Transport(host.p2p, identity, ...) ...
+    await host.shutdown()
+
+Why not `hivemind.DHT`: it forks a process and blocks its caller until bootstrapped, which
+deadlocks when the bootstrap peer lives in the same event loop (see notes/hivemind.md); here
+`P2P.create` and `DHTNode.create(p2p=...)` run in the daemon's own (uv)loop. Port mapping
+(UPnP/NAT-PMP) stays off unless asked for: it opens a UDP socket on 0.0.0.0. The identity check
+of hivemind (`check_if_identity_free`) is off because it assumes RSA keys and crashes on ours.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Coroutine, Sequence
+from contextlib import suppress
+from typing import Any, TypeVar
+
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from p2p.errors import HostError
+from p2p.identity import NodeIdentity
+from p2p.records import OwnerOnlyValidator
+
+logger = logging.getLogger("lowcomm.p2p.host")
+LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+T = TypeVar("T")
+
+
+def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
+    """Run `main` on uvloop where installed (10-20 % faster streams), else on asyncio."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+def check_peer_maddrs(maddrs: Sequence[str], what: str = "initial peer") -> list[str]:
+    """Each address must be a multiaddr ending in /p2p/<peer id>: the DHT pings peers by id."""
+    checked = []
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(str(text))
+            PeerID.from_base58(maddr["p2p"])
+        except Exception:
+            raise HostError(f"{what} {text!r} is not a multiaddr with a peer id, "
+                            f"e.g. /ip4/203.0.113.7/tcp/31337/p2p/12D3KooW...") from None
+        checked.append(str(maddr))
+    return checked
+
+
+class P2PHost:
+    """The P2P daemon and the DHT node of one lowcomm node. Create with `await P2PHost.start(...)`."""
+
+    def __init__(self, identity: NodeIdentity, p2p: P2P, dht: DHTNode, validator: OwnerOnlyValidator):
+        self.identity, self.p2p, self.dht, self.validator = identity, p2p, dht, validator
+        self.peer_id: PeerID = p2p.peer_id
+        self._closed = False
+
+    @classmethod
+    async def start(cls, identity: NodeIdentity, *, host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
+                    announce_maddrs: Sequence[str] | None = None, initial_peers: Sequence[str] = (),
+                    nat_port_map: bool = False, startup_timeout_s: float = 15.0, dht_wait_timeout_s: float = 3.0,
+                    **dht_options: Any) -> "P2PHost":
+        """Start p2pd under `identity` and a DHT node on it; bootstrap from `initial_peers`.
+
+        `initial_peers` must be DHT nodes (full multiaddrs with /p2p/...); an empty list starts a
+        new swarm. `dht_options` go to `DHTNode.create` (e.g. num_replicas).
+        """
+        if identity.path is None:
+            raise HostError("the identity has no key file; save it (NodeIdentity.save) before starting p2pd.")
+        initial_peers = check_peer_maddrs(initial_peers)
+        validator = OwnerOnlyValidator(identity)
+        try:
+            p2p = await P2P.create(
+                identity_path=str(identity.path), host_maddrs=list(host_maddrs),
+                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+                initial_peers=initial_peers or None, nat_port_map=nat_port_map,
+                check_if_identity_free=False, startup_timeout=startup_timeout_s)
+        except Exception as error:
+            raise HostError(f"the P2P daemon did not start: {error}") from None
+        try:
+            if p2p.peer_id != identity.peer_id:
+                raise HostError(f"p2pd runs as {p2p.peer_id} instead of {identity.peer_id}; "
+                                f"is {identity.path} the key it was given?")
+            dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, record_validator=validator,
+                                       wait_timeout=dht_wait_timeout_s, **dht_options)
+        except BaseException as error:
+            await _shutdown_p2p(p2p)
+            if isinstance(error, HostError) or not isinstance(error, Exception):
+                raise
+            if "bootstrap failed" in str(error):
+                raise HostError("none of the initial peers answered as a DHT node; check their addresses "
+                                "and that they are running.") from None
+            raise HostError(f"the DHT node did not start: {error}") from None
+        host = cls(identity, p2p, dht, validator)
+        logger.info("p2p host %s listening on %s", host.peer_id, await host.maddrs())
+        return host
+
+    async def maddrs(self) -> list[str]:
+        """Addresses other nodes can pass as initial peers (each ends in /p2p/<our id>)."""
+        return [str(maddr) for maddr in await self.dht.get_visible_maddrs()]
+
+    async def shutdown(self) -> None:
+        """Stop the DHT node and p2pd, and remove p2pd's unix sockets from /tmp. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with suppress(Exception):
+            await asyncio.wait_for(self.dht.shutdown(), 5.0)
+        await _shutdown_p2p(self.p2p)
+
+
+def p2pd_socket_paths(p2p: P2P) -> list[str]:
+    """The unix sockets hivemind made for this daemon (private attributes, read defensively)."""
+    paths = []
+    for attribute in ("_daemon_listen_maddr", "_client_listen_maddr"):
+        maddr = getattr(p2p, attribute, None)
+        with suppress(Exception):
+            paths.append(maddr["unix"])
+    return paths
+
+
+async def _shutdown_p2p(p2p: P2P) -> None:
+    # hivemind removes the daemon's socket only if p2pd was still running, and never waits
+    # forever here: a p2pd that ignores SIGTERM for 5 s gets SIGKILL.
+    sockets = p2pd_socket_paths(p2p)
+    with suppress(Exception):
+        await asyncio.wait_for(p2p.shutdown(), 5.0)
+    child = getattr(p2p, "_child", None)
+    if child is not None and child.returncode is None:
+        with suppress(ProcessLookupError):
+            child.kill()
+        with suppress(Exception):
+            await asyncio.wait_for(child.wait(), 5.0)
+    for path in sockets:
+        with suppress(FileNotFoundError):
+            os.remove(path)

@@ -1,0 +1,141 @@
+"""Swarm membership on the DHT: one owner-signed subkey per member, refreshed by a heartbeat.
+
+    membership = Membership(host, swarm="demo", protocol="noloco", manifest=digest, ttl_s=30)
+    await membership.start()                    # publishes our record, starts the heartbeat
+    await membership.update(round=5, status="ready", throughput=1234.0, extra={"phi": "ab12"})
+    members = await membership.peers()          # {peer id: MemberRecord} of live members
+    await membership.leave()                    # tombstone: others drop us at once
+
+A member that dies stops refreshing and vanishes when its record expires (`ttl_s` after its
+last heartbeat). There is no delete in hivemind's DHT, so a graceful leave stores a tombstone
+(status "left") that expires later than any heartbeat before it and therefore replaces it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import suppress
+from dataclasses import replace
+from typing import Any
+
+from p2p.errors import HostError
+from p2p.host import P2PHost
+from p2p.records import STATUSES, MemberRecord
+
+logger = logging.getLogger("lowcomm.p2p.membership")
+_UPDATABLE = frozenset(("addrs", "protocol", "manifest", "round", "status", "throughput", "extra"))
+
+
+def members_key(swarm: str) -> str:
+    """The DHT key of a swarm's member dictionary."""
+    return f"lowcomm/swarm/{swarm}/members"
+
+
+class Membership:
+    """This node's presence in one swarm, and its view of the other members."""
+
+    def __init__(self, host: P2PHost, swarm: str, *, protocol: str, manifest: str, ttl_s: float = 30.0,
+                 heartbeat_s: float | None = None, addrs: list[str] | None = None):
+        if not ttl_s > 0:
+            raise ValueError(f"membership TTL must be positive, got {ttl_s!r}.")
+        self.host, self.swarm, self.ttl_s = host, swarm, float(ttl_s)
+        self.heartbeat_s = float(heartbeat_s) if heartbeat_s is not None else self.ttl_s / 3
+        if not 0 < self.heartbeat_s < self.ttl_s:
+            raise ValueError(f"the heartbeat ({self.heartbeat_s} s) must be shorter than the TTL ({self.ttl_s} s).")
+        self.key = members_key(swarm)
+        self._peer = host.peer_id.to_base58()
+        self._record = MemberRecord(self._peer, tuple(addrs or ()), protocol, manifest, 0, "joining", 0.0)
+        self._heartbeat: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+        self._last_expiration = 0.0
+        host.validator.protect(self.key)
+
+    @property
+    def record(self) -> MemberRecord:
+        """Our own record as last published."""
+        return self._record
+
+    async def start(self) -> None:
+        """Publish our record and keep refreshing it every `heartbeat_s`."""
+        if self._heartbeat is not None:
+            return
+        if not self._record.addrs:
+            self._record = replace(self._record, addrs=tuple(await self.host.maddrs()))
+        if not await self._publish():
+            raise HostError(f"could not store our membership record for swarm {self.swarm!r} in the DHT.")
+        self._heartbeat = asyncio.create_task(self._beat(), name=f"membership-heartbeat-{self.swarm}")
+
+    async def update(self, **fields: Any) -> None:
+        """Change fields of our record (round, status, throughput, extra, ...) and publish now."""
+        unknown = set(fields) - _UPDATABLE
+        if unknown:
+            raise ValueError(f"unknown member record fields {sorted(unknown)}; allowed: {sorted(_UPDATABLE)}.")
+        if "status" in fields and fields["status"] not in STATUSES[:-1]:
+            raise ValueError(f"status must be one of {STATUSES[:-1]} (use leave() to leave).")
+        if "addrs" in fields:
+            fields["addrs"] = tuple(fields["addrs"])
+        self._record = replace(self._record, **fields)
+        if not await self._publish():
+            logger.warning("could not publish the membership update of swarm %r; the heartbeat will retry",
+                           self.swarm)
+
+    async def peers(self, include_self: bool = False) -> dict[str, MemberRecord]:
+        """Live members: validated, not expired, not tombstoned; keyed by base58 peer id."""
+        found = await self.host.dht.get(self.key, latest=True)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now = time.time()
+        members = {}
+        for subkey, entry in found.value.items():
+            # The validator already checked that each subkey's owner signed its value.
+            if type(subkey) is not str or (subkey == self._peer and not include_self):
+                continue
+            record = MemberRecord.from_value(subkey, entry.value, entry.expiration_time)
+            if record is None:
+                logger.debug("ignoring a malformed member record for %s", subkey)
+            elif not record.left and record.expires > now:
+                members[subkey] = record
+        return members
+
+    async def leave(self) -> None:
+        """Stop the heartbeat and store a tombstone, so that peers drop us at once."""
+        await self.stop()
+        self._record = replace(self._record, status="left")
+        if not await self._publish():
+            logger.warning("could not store the tombstone of swarm %r; peers will drop us after %s s",
+                           self.swarm, self.ttl_s)
+
+    async def stop(self) -> None:
+        """Stop refreshing without a tombstone: peers drop us when the record expires."""
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._heartbeat
+            self._heartbeat = None
+
+    async def _beat(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                if not await self._publish():
+                    logger.warning("membership heartbeat of swarm %r was not stored", self.swarm)
+            except Exception:  # a heartbeat must never die: the next one retries
+                logger.exception("membership heartbeat of swarm %r failed", self.swarm)
+
+    async def _publish(self) -> bool:
+        async with self._lock:
+            # Strictly later than anything we stored before, so the DHT takes it (a tombstone
+            # written right after a heartbeat must still replace it).
+            expiration = max(time.time() + self.ttl_s, self._last_expiration + 1e-3)
+            self._record = replace(self._record, updated=time.time(), expires=expiration)
+            try:
+                stored = await asyncio.wait_for(
+                    self.host.dht.store(self.key, self._record.to_value(), expiration, subkey=self._peer),
+                    timeout=max(self.heartbeat_s, 5.0))
+            except asyncio.TimeoutError:
+                return False
+            if stored:
+                self._last_expiration = expiration
+            return bool(stored)

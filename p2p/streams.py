@@ -1,0 +1,524 @@
+"""Signed message exchanges over hivemind binary streams: push, swap and request.
+
+    transport = Transport(host.p2p, identity, swarm="demo", manifest=digest)
+    transport.on_push("dilocox/grad", deliver, accept_round=lambda r: abs(r - current) <= 1)
+    transport.on_swap("noloco/snapshot", reply, deliver=apply, accept_round=...)
+    transport.on_request("state", respond, accept_round=lambda r: True)
+    await transport.start()
+    await transport.push(peer, OutgoingMessage(...))          # returns once the peer accepted it
+    answer = await transport.swap(peer, OutgoingMessage(...))  # both directions at once
+    state = await transport.request(peer, "state", round=r)
+
+Each exchange opens `streams` binary streams (one per `frame_bytes` of payload, up to
+`TransferLimits.parallel_streams`; a single yamux stream is window-limited on long round trips).
+Per direction each stream carries signed frames, then one status. The receiver checks every
+header (wire.check_head, then the handler's round predicate, then the replay guard), reserves
+the payload bytes per peer and globally, reads into one buffer while hashing, and answers with
+a status: OK, or the refusal reason, which the sender raises as `RemoteRefused`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass
+
+from hivemind.p2p import P2P, PeerID
+
+from p2p.assembly import Assembly
+from p2p.counters import TransportCounters
+from p2p.errors import (HostError, Reason, Refusal, RemoteRefused, ReplyRejected, TransferFailed,
+                        TransferTimeout)
+from p2p.framing import PeerStatus, StreamIO
+from p2p.identity import NodeIdentity
+from p2p.limits import InflightLedger, TransferLimits, WireLimits
+from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.replay import ReplayGuard
+from p2p.sending import SendPlan, choose_streams, send_stream_frames
+from p2p.wire import Expectations, MessageHeader, Mode, check_head
+
+logger = logging.getLogger("lowcomm.p2p.streams")
+STREAM_PROTOCOL = "/lowcomm/stream/1"
+RoundPredicate = Callable[[int], bool]
+HeadCheck = Callable[[bytes, bytes], MessageHeader]
+
+
+@dataclass(frozen=True)
+class _Handler:
+    mode: int
+    accept_round: RoundPredicate
+    deliver: Callable[[ReceivedMessage], Awaitable[None]] | None
+    reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]] | None
+
+
+def _peer_id(peer: PeerID | str | bytes) -> PeerID:
+    if isinstance(peer, PeerID):
+        return peer
+    return PeerID.from_base58(peer) if isinstance(peer, str) else PeerID(bytes(peer))
+
+
+def _short(peer: PeerID) -> str:
+    return peer.to_base58()[-8:]
+
+
+class Transport:
+    """This node's end of every signed exchange; one per node, living in the daemon's loop."""
+
+    def __init__(self, p2p: P2P, identity: NodeIdentity, *, swarm: str, manifest: str,
+                 wire_limits: WireLimits = WireLimits(), limits: TransferLimits = TransferLimits(),
+                 protocol: str = STREAM_PROTOCOL):
+        if p2p.peer_id != identity.peer_id:
+            raise HostError("the P2P daemon runs under another identity than the one given to the transport; "
+                            "start it with identity_path=identity.path.")
+        self.p2p, self.identity, self.swarm, self.manifest = p2p, identity, swarm, manifest
+        self.wire_limits, self.limits, self.protocol = wire_limits, limits, protocol
+        self.counters = TransportCounters()
+        self._expect = Expectations(swarm, manifest, identity.peer_id.to_bytes(), wire_limits)
+        self._ledger = InflightLedger(limits)
+        self._replay = ReplayGuard(wire_limits.max_clock_skew_s)
+        self._handlers: dict[tuple[str, int], _Handler] = {}
+        self._assemblies: dict[tuple[bytes, bytes], Assembly] = {}
+        self._bans: dict[bytes, float] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lowcomm-hash")
+        self._started = False
+
+    # ------------------------------------------------------------------ registration and life
+
+    def on_push(self, kind: str, deliver: Callable[[ReceivedMessage], Awaitable[None]], *,
+                accept_round: RoundPredicate) -> None:
+        """Accept one-way messages of `kind`; `deliver` may raise Refusal to refuse one."""
+        self._handlers[(kind, Mode.PUSH)] = _Handler(Mode.PUSH, accept_round, deliver, None)
+
+    def on_swap(self, kind: str, reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]], *,
+                accept_round: RoundPredicate,
+                deliver: Callable[[ReceivedMessage], Awaitable[None]] | None = None) -> None:
+        """Answer swaps of `kind`: `reply(header)` gives our half as soon as the peer's header is
+        checked (both halves then travel at once); `deliver(message)` gets the peer's half."""
+        self._handlers[(kind, Mode.SWAP)] = _Handler(Mode.SWAP, accept_round, deliver, reply)
+
+    def on_request(self, kind: str, respond: Callable[[MessageHeader], Awaitable[OutgoingMessage]], *,
+                   accept_round: RoundPredicate) -> None:
+        """Answer requests of `kind` (a swap whose asking half is empty): `respond(header)`."""
+        self.on_swap(kind, respond, accept_round=accept_round)
+
+    def ban(self, peer: PeerID | str, seconds: float) -> None:
+        """Refuse every stream of `peer` with BANNED for `seconds`."""
+        self._bans[_peer_id(peer).to_bytes()] = time.monotonic() + seconds
+
+    def unban(self, peer: PeerID | str) -> None:
+        self._bans.pop(_peer_id(peer).to_bytes(), None)
+
+    async def start(self) -> None:
+        await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
+        self._started = True
+
+    async def stop(self) -> None:
+        """Stop serving: cancel in-flight exchanges, free every buffer, join the hash threads."""
+        if self._started:
+            self._started = False
+            with suppress(Exception):  # the daemon may already be gone
+                await self.p2p.remove_binary_stream_handler(self.protocol)
+        for assembly in list(self._assemblies.values()):
+            assembly.fail(Refusal(Reason.BUSY, "the node is shutting down"))
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------ calling a peer
+
+    async def push(self, peer: PeerID | str, message: OutgoingMessage, *, streams: int | None = None,
+                   timeout: float | None = None) -> None:
+        """Send `message` one way; return when the peer verified and accepted it.
+
+        Raises RemoteRefused (with the peer's reason), TransferTimeout or TransferFailed.
+        """
+        await self._call(_peer_id(peer), message, Mode.PUSH, streams, timeout, None, 0)
+
+    async def swap(self, peer: PeerID | str, message: OutgoingMessage, *, streams: int | None = None,
+                   timeout: float | None = None, accept_round: RoundPredicate | None = None,
+                   expected_reply_bytes: int = 0) -> ReceivedMessage:
+        """Send `message` and receive the peer's reply at the same time, on the same streams.
+
+        Raises RemoteRefused, ReplyRejected (the reply failed our checks), TransferTimeout or
+        TransferFailed. `expected_reply_bytes` only sizes the default streams and deadline.
+        """
+        return await self._call(_peer_id(peer), message, Mode.SWAP, streams, timeout, accept_round,
+                                expected_reply_bytes)
+
+    async def request(self, peer: PeerID | str, kind: str, round: int, *, meta: dict | None = None,
+                      streams: int | None = None, timeout: float | None = None,
+                      accept_round: RoundPredicate | None = None,
+                      expected_reply_bytes: int = 0) -> ReceivedMessage:
+        """Ask `peer` for a message of `kind` (e.g. its state); a swap with an empty payload.
+
+        Replies of unknown size should pass `streams=transport.limits.parallel_streams`.
+        """
+        return await self.swap(peer, OutgoingMessage(kind, round, (), dict(meta or {})), streams=streams,
+                               timeout=timeout, accept_round=accept_round,
+                               expected_reply_bytes=expected_reply_bytes)
+
+    async def _call(self, peer: PeerID, message: OutgoingMessage, mode: int, streams: int | None,
+                    timeout: float | None, accept_round: RoundPredicate | None, expected_reply_bytes: int):
+        largest = max(message.total_bytes, expected_reply_bytes)
+        streams = streams or choose_streams(largest, self.limits, self.wire_limits)
+        plan = SendPlan(self.identity, swarm=self.swarm, manifest=self.manifest, recipient=peer.to_bytes(),
+                        message=message, mode=mode, streams=streams, limits=self.limits, wire=self.wire_limits)
+        deadline = timeout if timeout is not None else self.limits.deadline_s(message.total_bytes + expected_reply_bytes)
+        reply = _ReplyState()
+        ios: list[StreamIO] = []
+        try:
+            async with asyncio.timeout(deadline):
+                ios = await self._open_streams(peer, plan.streams)
+                if mode == Mode.PUSH:
+                    work = [self._push_stream(peer, io, plan, s) for s, io in enumerate(ios)]
+                else:
+                    work = [self._swap_stream(peer, io, plan, s, reply, accept_round) for s, io in enumerate(ios)]
+                await _all_or_first_error(work)
+        except TimeoutError:
+            raise TransferTimeout(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} did not complete "
+                                  f"within {deadline:.0f} s.") from None
+        except Refusal as refusal:  # a local check on the peer's stream behaviour (truncation, idle, ...)
+            raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} failed: "
+                                 f"{refusal.reason.name} ({refusal.detail}).") from None
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+            raise TransferFailed(f"the stream to peer {peer} broke during the {Mode.NAMES[mode]} of "
+                                 f"{message.kind!r} ({type(error).__name__}: {error}).") from None
+        finally:
+            for io in ios:
+                io.close()
+            if reply.assembly is not None:
+                reply.assembly.fail(Refusal(Reason.TIMEOUT, "exchange abandoned"))
+        self.counters.messages_sent += 1
+        if mode == Mode.PUSH:
+            return None
+        self.counters.messages_verified += 1
+        return reply.assembly.complete.result()
+
+    async def _open_streams(self, peer: PeerID, count: int) -> list[StreamIO]:
+        async def open_one() -> StreamIO:
+            try:
+                async with asyncio.timeout(self.limits.open_timeout_s):
+                    _, reader, writer = await self.p2p.call_binary_stream_handler(peer, self.protocol)
+            except TimeoutError:
+                raise TransferFailed(f"could not open a stream to peer {peer} within "
+                                     f"{self.limits.open_timeout_s:.0f} s.") from None
+            except (TransferFailed, asyncio.CancelledError):
+                raise
+            except Exception as error:  # the daemon reports dial failures as several error types
+                raise TransferFailed(f"could not open a stream to peer {peer}: {error}.") from None
+            return StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+
+        tasks = [asyncio.create_task(open_one()) for _ in range(count)]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            for task in tasks:
+                with suppress(BaseException):
+                    (await task).close()
+            raise
+
+    async def _push_stream(self, peer: PeerID, io: StreamIO, plan: SendPlan, stream: int) -> None:
+        writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor))
+        status = asyncio.create_task(io.read_status())
+        try:
+            await asyncio.wait({writer, status}, return_when=asyncio.FIRST_COMPLETED)
+            if not writer.done() or writer.exception() is not None:
+                # The peer answered before it had all our frames, or our writing broke (usually
+                # because the peer refused and closed the stream): its status, if any, says why.
+                await asyncio.wait({status}, timeout=2.0)
+                if status.done() and status.exception() is None:
+                    reason, detail = status.result()
+                    self._raise_remote(peer, plan, Reason.MALFORMED if reason == Reason.OK else reason,
+                                       detail or "the peer answered before receiving the whole message")
+                if writer.done():
+                    writer.result()
+                if status.done():
+                    status.result()
+                raise TransferFailed(f"peer {peer} stopped reading our {plan.kind!r} message.")
+            reason, detail = await status
+            if reason != Reason.OK:
+                self._raise_remote(peer, plan, reason, detail)
+        finally:
+            writer.cancel()
+            status.cancel()
+            await asyncio.wait({writer, status})
+
+    async def _swap_stream(self, peer: PeerID, io: StreamIO, plan: SendPlan, stream: int, reply: "_ReplyState",
+                           accept_round: RoundPredicate | None) -> None:
+        writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor))
+        peer_bytes = peer.to_bytes()
+        check = lambda raw, sig: self._check_reply_head(raw, sig, peer_bytes, plan, accept_round)  # noqa: E731
+        try:
+            try:
+                raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
+            except PeerStatus as status:
+                self._raise_remote(peer, plan, status.reason if status.reason != Reason.OK else Reason.MALFORMED,
+                                   status.detail)
+            try:
+                header = check(raw, signature)
+                assembly = reply.join(self, peer, header)
+                if assembly.attach_stream(header) != stream:
+                    raise Refusal(Reason.MALFORMED, "reply frames arrived on another stream than they belong to")
+                await _run_bound(assembly, self._receive_frames(io, assembly, stream, header, check))
+                await writer
+                await assembly.complete
+            except Refusal as refusal:
+                if reply.assembly is not None and reply.assembly.fail(refusal):
+                    self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
+                if writer.done() and not io.frame_open:
+                    with suppress(Exception):
+                        await io.write_status(refusal.reason, refusal.detail)
+                    await io.linger()
+                raise ReplyRejected(peer.to_base58(), plan.kind, refusal.reason, refusal.detail) from None
+            except PeerStatus as status:
+                self._raise_remote(peer, plan, status.reason, status.detail)
+            await io.write_status(Reason.OK)
+            reason, detail = await io.read_status()
+            if reason != Reason.OK:
+                self._raise_remote(peer, plan, reason, detail)
+        finally:
+            writer.cancel()
+            await asyncio.wait({writer})
+
+    def _raise_remote(self, peer: PeerID, plan: SendPlan, reason: Reason, detail: str):
+        self.counters.count_refusal_received(reason)
+        raise RemoteRefused(peer.to_base58(), plan.kind, reason, detail)
+
+    def _check_reply_head(self, raw: bytes, signature: bytes, peer: bytes, plan: SendPlan,
+                          accept_round: RoundPredicate | None) -> MessageHeader:
+        header = check_head(raw, signature, peer, self._expect, time.time())
+        if header.mode != Mode.REPLY or header.reply_to != plan.nonce:
+            raise Refusal(Reason.MALFORMED, "the reply does not answer our message")
+        if header.kind != plan.kind or header.streams != plan.streams:
+            raise Refusal(Reason.MALFORMED, "the reply's kind or stream count differs from our message's")
+        if accept_round is not None and not accept_round(header.round):
+            raise Refusal(Reason.STALE_ROUND, f"reply round {header.round} is not acceptable")
+        self._remember(header)
+        return header
+
+    # ------------------------------------------------------------------ serving a peer
+
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self._tasks.add(task)
+        peer: PeerID = info.peer_id
+        peer_bytes = peer.to_bytes()
+        io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+        assembly: Assembly | None = None
+        bound: list[asyncio.Future] = []
+        opened = False
+        try:
+            if self._bans.get(peer_bytes, 0.0) > time.monotonic():
+                raise Refusal(Reason.BANNED, "this node has banned you for a while")
+            if not self._ledger.try_open_stream(peer_bytes):
+                raise Refusal(Reason.BUSY, f"more than {self.limits.max_streams_per_peer} streams from you")
+            opened = True
+            raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
+            header, handler = self._check_request_head(raw, signature, peer_bytes)
+            assembly, stream = self._join_incoming(peer, header, handler)
+            check = lambda raw, sig: self._check_request_head(raw, sig, peer_bytes)[0]  # noqa: E731
+            bound.append(_run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
+            if header.mode == Mode.SWAP:
+                plan: SendPlan = await assembly.reply
+                # Our half goes out while the peer's half comes in (the reader runs meanwhile).
+                bound.append(_run_bound(assembly, send_stream_frames(io, plan, stream, self._executor)))
+                await bound[-1]
+            await bound[0]
+            await assembly.complete
+            reason, detail = await assembly.outcome
+            await io.write_status(reason, detail)
+            if header.mode == Mode.SWAP:
+                their_reason, their_detail = await io.read_status()
+                if their_reason != Reason.OK:
+                    self.counters.count_refusal_received(their_reason)
+                    logger.info("peer %s rejected our %r reply: %s (%s)", _short(peer), header.kind,
+                                their_reason.name, their_detail)
+                elif stream == 0:
+                    self.counters.messages_sent += 1
+        except Refusal as refusal:
+            if assembly is None or assembly.fail(refusal):
+                self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
+                logger.info("refused a stream from %s: %s (%s)", _short(peer), refusal.reason.name, refusal.detail)
+            if not io.frame_open:
+                with suppress(Exception):
+                    async with asyncio.timeout(2.0):
+                        await io.write_status(refusal.reason, refusal.detail)
+                await io.linger()
+        except PeerStatus as status:  # the peer gave up mid-message and told us why
+            if assembly is not None:
+                assembly.fail(Refusal(Reason.REFUSED, f"peer aborted: {status.reason.name}"))
+        except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
+            if assembly is not None:
+                assembly.fail(Refusal(Reason.TRUNCATED, f"stream broke: {type(error).__name__}"))
+        except asyncio.CancelledError:
+            if assembly is not None:
+                assembly.fail(Refusal(Reason.BUSY, "the node is shutting down"))
+        except Exception:
+            logger.exception("internal error while serving a stream from %s", _short(peer))
+            if assembly is not None:
+                assembly.fail(Refusal(Reason.INTERNAL, "the receiver failed"))
+        finally:
+            for future in bound:
+                future.cancel()
+            if bound:
+                await asyncio.wait(bound)
+            if opened:
+                self._ledger.close_stream(peer_bytes)
+            io.close()
+            self._tasks.discard(task)
+
+    def _check_request_head(self, raw: bytes, signature: bytes, peer: bytes) -> tuple[MessageHeader, _Handler]:
+        header = check_head(raw, signature, peer, self._expect, time.time())
+        handler = self._handlers.get((header.kind, header.mode))
+        if handler is None:
+            raise Refusal(Reason.UNSUPPORTED, f"this node does not accept {Mode.NAMES[header.mode]} "
+                                              f"messages of kind {header.kind!r}")
+        if not handler.accept_round(header.round):
+            raise Refusal(Reason.STALE_ROUND, f"round {header.round} is not acceptable here")
+        self._remember(header)
+        return header, handler
+
+    def _remember(self, header: MessageHeader) -> None:
+        verdict = self._replay.check_and_remember(header.sender, header.nonce, header.frame, time.time())
+        if verdict == "replayed":
+            raise Refusal(Reason.REPLAYED, f"frame {header.frame} of this message was already received")
+        if verdict == "full":
+            raise Refusal(Reason.BUSY, "too many recent messages from you")
+
+    def _join_incoming(self, peer: PeerID, header: MessageHeader, handler: _Handler) -> tuple[Assembly, int]:
+        key = (peer.to_bytes(), header.nonce)
+        assembly = self._assemblies.get(key)
+        if assembly is None:
+            assembly = self._new_assembly(peer, header)
+            self._assemblies[key] = assembly
+            assembly.complete.add_done_callback(lambda _: self._assemblies.pop(key, None))
+            self.counters.messages_received += 1
+            if header.mode == Mode.SWAP:
+                self._spawn(assembly, self._produce_reply(assembly, handler))
+            self._spawn(assembly, self._deliver(assembly, handler))
+        return assembly, assembly.attach_stream(header)
+
+    def _new_assembly(self, peer: PeerID, header: MessageHeader) -> Assembly:
+        if header.tensors is None:
+            raise Refusal(Reason.MALFORMED, "the first frame of a stream must carry the tensor manifest")
+        peer_bytes, total = peer.to_bytes(), header.total
+        if not self._ledger.try_reserve(peer_bytes, total):
+            raise Refusal(Reason.BUSY, f"cannot hold {total} more bytes for you now")
+        return Assembly(peer, header, self.limits.deadline_s(total), lambda: self._ledger.release(peer_bytes, total))
+
+    def _spawn(self, assembly: Assembly, coroutine: Coroutine) -> None:
+        task = asyncio.create_task(coroutine)
+        assembly.side_tasks.add(task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _produce_reply(self, assembly: Assembly, handler: _Handler) -> None:
+        first = assembly.first
+        try:
+            async with asyncio.timeout(self.limits.reply_timeout_s):
+                message = await handler.reply(first)
+            if not isinstance(message, OutgoingMessage) or message.kind != first.kind:
+                raise TypeError(f"the reply handler for {first.kind!r} must return an OutgoingMessage "
+                                f"of the same kind")
+            plan = SendPlan(self.identity, swarm=self.swarm, manifest=self.manifest, recipient=first.sender,
+                            message=message, mode=Mode.REPLY, streams=first.streams, limits=self.limits,
+                            wire=self.wire_limits, reply_to=first.nonce)
+            if not assembly.reply.done():
+                assembly.reply.set_result(plan)
+        except Refusal as refusal:
+            assembly.fail(refusal)
+        except TimeoutError:
+            assembly.fail(Refusal(Reason.TIMEOUT, "no reply was ready in time"))
+        except Exception:
+            logger.exception("the reply handler for %r failed", first.kind)
+            assembly.fail(Refusal(Reason.INTERNAL, "the reply handler failed"))
+
+    async def _deliver(self, assembly: Assembly, handler: _Handler) -> None:
+        with suppress(Refusal):
+            message = await assembly.complete
+            self.counters.messages_verified += 1
+            outcome = (Reason.OK, "")
+            try:
+                if handler.deliver is not None:
+                    async with asyncio.timeout(self.limits.reply_timeout_s):
+                        await handler.deliver(message)
+            except Refusal as refusal:
+                outcome = (refusal.reason, refusal.detail)
+                self.counters.count_refusal_issued(refusal.reason, message.sender.to_base58())
+            except TimeoutError:
+                outcome = (Reason.TIMEOUT, "the receiver's handler took too long")
+            except Exception:
+                logger.exception("the delivery handler for %r failed", message.kind)
+                outcome = (Reason.INTERNAL, "the receiver's handler failed")
+            if not assembly.outcome.done():
+                assembly.outcome.set_result(outcome)
+
+    async def _receive_frames(self, io: StreamIO, assembly: Assembly, stream: int, header: MessageHeader,
+                              check: HeadCheck) -> None:
+        """Read this stream's frames into the assembly, checking each header and digest."""
+        while True:
+            await io.read_payload_into(assembly.destination(stream, header), header.digest)
+            self.counters.frames_received += 1
+            if assembly.frame_done(stream, header):
+                return
+            raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
+            header = check(raw, signature)
+
+
+class _ReplyState:
+    """The reply assembly of one outgoing swap, created by the first reply frame that arrives."""
+
+    def __init__(self):
+        self.assembly: Assembly | None = None
+
+    def join(self, transport: Transport, peer: PeerID, header: MessageHeader) -> Assembly:
+        if self.assembly is None:
+            self.assembly = transport._new_assembly(peer, header)
+        return self.assembly
+
+
+def _run_bound(assembly: Assembly, coroutine: Coroutine) -> "asyncio.Future[None]":
+    """Run a stream's reading or writing as a task the assembly cancels if the message fails;
+    awaiting the returned future raises the assembly's failure in that case."""
+    task = asyncio.create_task(coroutine)
+    assembly.readers.add(task)
+
+    async def result() -> None:
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.wait({task})
+            raise
+        if task.cancelled():
+            raise assembly.failure or Refusal(Reason.INTERNAL, "stream work cancelled")
+        task.result()
+
+    future = asyncio.ensure_future(result())
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are reported elsewhere
+    return future
+
+
+async def _all_or_first_error(coroutines: list[Coroutine]) -> None:
+    """Run all; on the first error cancel the rest and raise it."""
+    tasks = [asyncio.create_task(c) for c in coroutines]
+    try:
+        pending = set(tasks)
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    raise task.exception()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)

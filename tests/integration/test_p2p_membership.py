@@ -1,0 +1,168 @@
+"""Swarm membership on a real DHT of real p2pd processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hivemind.dht.validation import DHTRecord
+
+from p2p.membership import Membership, members_key
+from p2p.records import SIGNED_MARKER, _record_signing_input
+from tests.p2p_helpers import MANIFEST, run, wait_until
+
+pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
+
+
+def membership(host, ttl_s=30.0, **options):
+    return Membership(host, "swarm-a", protocol="noloco", manifest=MANIFEST, ttl_s=ttl_s, **options)
+
+
+def test_three_nodes_discover_each_other_within_two_seconds(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
+            members = [membership(host) for host in hosts]
+            started = time.monotonic()
+            for member in members:
+                await member.start()
+
+            async def everyone_sees_everyone():
+                views = [await member.peers() for member in members]
+                return all(len(view) == 2 for view in views) and views
+            views = await wait_until(everyone_sees_everyone, timeout_s=2.0, what="full discovery")
+            elapsed = time.monotonic() - started
+            ids = {host.peer_id.to_base58() for host in hosts}
+            for host, view in zip(hosts, views):
+                assert set(view) == ids - {host.peer_id.to_base58()}
+                for record in view.values():
+                    assert record.protocol == "noloco" and record.manifest == MANIFEST and record.status == "joining"
+                    assert record.addrs and record.addrs[0].startswith("/ip4/127.0.0.1/")
+
+            await members[1].update(round=7, status="ready", throughput=1234.5, extra={"phi": "ab12"})
+            seen = (await members[0].peers())[hosts[1].peer_id.to_base58()]
+            assert (seen.round, seen.status, seen.throughput, seen.extra) == (7, "ready", 1234.5, {"phi": "ab12"})
+            for member in members:
+                await member.stop()
+            print(f"\n3-node discovery took {elapsed * 1000:.0f} ms")
+    run(scenario(), timeout_s=60)
+
+
+def test_graceful_leave_is_seen_at_once(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            member_a, member_b = membership(a), membership(b)
+            await member_a.start()
+            await member_b.start()
+            await wait_until(lambda: _has(member_a, b), 2.0, what="b visible to a")
+            started = time.monotonic()
+            await member_b.leave()
+            assert b.peer_id.to_base58() not in await member_a.peers()  # one read, no polling
+            print(f"\nleave visible after {(time.monotonic() - started) * 1000:.0f} ms")
+            await member_a.stop()
+    run(scenario(), timeout_s=60)
+
+
+def test_killed_node_disappears_within_its_ttl(tmp_path, p2p_cleanup):
+    ttl_s = 2.0
+
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 1) as (a,):
+            member_a = membership(a, ttl_s=ttl_s)
+            await member_a.start()
+            process = p2p_cleanup.track_process(subprocess.Popen(
+                [sys.executable, "-m", "tests.p2p_helpers", "member", str(tmp_path / "victim"), "swarm-a",
+                 str(ttl_s), (await a.maddrs())[0]],
+                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
+            line = await _read_line(process, timeout_s=30)
+            victim = json.loads(line)
+            p2p_cleanup.track_pid(victim["p2pd_pid"], victim["sockets"])
+            await wait_until(lambda: _has_id(member_a, victim["peer_id"]), 5.0, what="victim visible")
+
+            os.kill(process.pid, signal.SIGKILL)
+            killed = time.monotonic()
+            await wait_until(lambda: _lacks_id(member_a, victim["peer_id"]), ttl_s + 1.0, interval_s=0.1,
+                             what="victim gone")
+            gone_after = time.monotonic() - killed
+            assert gone_after <= ttl_s + 0.25, f"victim vanished {gone_after:.2f} s after SIGKILL, TTL {ttl_s} s"
+            await member_a.stop()
+            print(f"\nkilled node gone after {gone_after:.2f} s (TTL {ttl_s} s)")
+    run(scenario(), timeout_s=90)
+
+
+def test_another_peer_cannot_write_our_subkey(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 3) as (a, b, attacker):
+            member_a, member_b = membership(a), membership(b)
+            await member_a.start()
+            await member_b.start()
+            await member_a.update(round=3, status="training")
+            key, victim = members_key("swarm-a"), a.peer_id.to_base58()
+            key_id, serializer = _key_id(key), attacker.dht.protocol.serializer
+            forged = dict(member_a.record.to_value(), round=999, status="ready", addrs=["/ip4/6.6.6.6/tcp/1"])
+            body, expiration = serializer.dumps(forged), time.time() + 60
+
+            def signed_by_attacker(subkey: str, exp: float) -> bytes:
+                record = DHTRecord(key_id.to_bytes(), serializer.dumps(subkey), body, exp)
+                return body + attacker.identity.sign(_record_signing_input(record, body)) + SIGNED_MARKER
+            genuine = a.dht.protocol.storage.get(key_id).value.get(victim)
+            attacks = {
+                "unsigned value for a's subkey": (victim, body, expiration),
+                "a's subkey signed by the attacker": (victim, signed_by_attacker(victim, expiration), expiration),
+                "a's genuine record replayed with a later expiry": (victim, genuine.value, genuine.expiration_time + 100),
+                "fake member signed by the attacker": ("12D3KooWNotARealPeer", signed_by_attacker(
+                    "12D3KooWNotARealPeer", expiration), expiration),
+            }
+            for attack, (subkey, value, exp) in attacks.items():
+                for honest in (a, b):  # a real store RPC on the DHT protocol, straight to each honest node
+                    verdict = await attacker.dht.protocol.call_store(honest.peer_id, [key_id], [value], [exp],
+                                                                     subkeys=[subkey])
+                    assert verdict == [False], f"{attack}: {honest.peer_id} answered {verdict}"
+
+            for honest in (a, b):
+                local = honest.dht.protocol.storage.get(_key_id(key))
+                entries = dict(local.value.items())
+                assert set(entries) <= {victim, b.peer_id.to_base58()}
+                for entry in entries.values():
+                    assert b"6.6.6.6" not in entry.value
+            view = await member_b.peers(include_self=True)
+            assert set(view) == {victim, b.peer_id.to_base58()}
+            assert (view[victim].round, view[victim].status) == (3, "training")
+            assert view[victim].addrs == member_a.record.addrs
+            await member_a.stop()
+            await member_b.stop()
+    run(scenario(), timeout_s=60)
+
+
+def _key_id(key: str):
+    from hivemind.dht.routing import DHTID
+    return DHTID.generate(source=key)
+
+
+async def _has(member, host):
+    return host.peer_id.to_base58() in await member.peers()
+
+
+async def _has_id(member, peer_id):
+    return peer_id in await member.peers()
+
+
+async def _lacks_id(member, peer_id):
+    return peer_id not in await member.peers()
+
+
+async def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
+    import asyncio
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(timeout_s):
+        line = await loop.run_in_executor(None, process.stdout.readline)
+    if not line:
+        raise AssertionError(f"member process exited with {process.poll()} before reporting")
+    return line

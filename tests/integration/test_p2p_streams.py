@@ -1,0 +1,165 @@
+"""Signed exchanges between real peers: swap, push, request, refusals, limits, cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from p2p.errors import Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
+from p2p.limits import TransferLimits
+from p2p.messages import OutgoingMessage
+from p2p.streams import Transport
+from tests.p2p_helpers import MANIFEST, SWARM, run, wait_until
+
+pytestmark = pytest.mark.integration
+MB = 10**6
+
+
+def transports(a, b, limits_a=TransferLimits(), limits_b=TransferLimits()):
+    return (Transport(a.p2p, a.identity, swarm=SWARM, manifest=MANIFEST, limits=limits_a),
+            Transport(b.p2p, b.identity, swarm=SWARM, manifest=MANIFEST, limits=limits_b))
+
+
+async def settled(transport: Transport) -> bool:
+    return transport._ledger.total_bytes == 0 and not transport._assemblies
+
+
+def test_100_mb_swap_arrives_bit_exact_and_verified(tmp_path, p2p_cleanup):
+    rng = np.random.default_rng(4)
+    # Two tensors each way, one of them bf16 bits, 100 MB in all per direction.
+    mine = {"w": rng.standard_normal(40 * MB // 4, dtype=np.float32),
+            "b": rng.integers(0, 2**16, 60 * MB // 2, dtype=np.uint16)}
+    theirs = {"w": rng.standard_normal(40 * MB // 4, dtype=np.float32),
+              "b": rng.integers(0, 2**16, 60 * MB // 2, dtype=np.uint16)}
+
+    def message(arrays, round):
+        out = OutgoingMessage.from_arrays("snapshot", round, {"w": arrays["w"]}, meta={"loss": 2.5})
+        from p2p.messages import OutgoingTensor
+        out.tensors = [*out.tensors, OutgoingTensor("b", "bfloat16", arrays["b"].shape, arrays["b"])]
+        return out
+
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            ta, tb = transports(a, b)
+            received_by_b = []
+
+            async def reply(header):
+                assert header.round == 7 and header.meta == {"loss": 2.5}
+                return message(theirs, 8)
+
+            async def deliver(incoming):
+                received_by_b.append(incoming)
+            tb.on_swap("snapshot", reply, deliver=deliver, accept_round=lambda r: abs(r - 8) <= 2)
+            await ta.start()
+            await tb.start()
+            started = time.perf_counter()
+            answer = await ta.swap(b.peer_id, message(mine, 7), accept_round=lambda r: r == 8)
+            elapsed = time.perf_counter() - started
+            for got, expected, peer in ((answer, theirs, b), (received_by_b[0], mine, a)):
+                arrays = got.arrays()
+                assert got.sender == peer.peer_id
+                assert [t.name for t in got.tensors] == ["w", "b"] and got.tensors[1].dtype == "bfloat16"
+                assert np.array_equal(arrays["w"], expected["w"]) and np.array_equal(arrays["b"], expected["b"])
+            assert answer.round == 8 and len(answer.payload) == 100 * MB
+            for side in (ta, tb):
+                counters = side.counters
+                assert counters.messages_verified == 1 and counters.frames_received == 12
+                assert counters.bytes_sent > 100 * MB and counters.bytes_received > 100 * MB
+                assert not counters.refused_incoming and not counters.refused_outgoing
+            await wait_until(lambda: settled(tb), 5.0, what="b released its buffers")
+            await ta.stop()
+            await tb.stop()
+            print(f"\n100 MB swap (both directions at once, 4 streams): {elapsed:.2f} s, "
+                  f"{100 * MB / elapsed / 1e6:.0f} MB/s per direction")
+    run(scenario(), timeout_s=120)
+
+
+def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            ta, tb = transports(a, b, limits_b=TransferLimits(max_inflight_bytes_per_peer=2 * MB,
+                                                              reply_timeout_s=1.0))
+            pushed = []
+
+            async def deliver(message):
+                if message.meta.get("refuse"):
+                    raise Refusal(Reason.REFUSED, "not today")
+                if message.meta.get("slow"):
+                    await asyncio.sleep(30)
+                pushed.append(message)
+
+            async def state(header):
+                if header.meta.get("missing"):
+                    raise Refusal(Reason.REFUSED, "no state yet")
+                return OutgoingMessage.from_arrays("state", 9, {"phi": np.arange(3 * MB // 4, dtype=np.float32)},
+                                                   meta={"digest": "abc"})
+            tb.on_push("grad", deliver, accept_round=lambda r: r >= 5)
+            tb.on_request("state", state, accept_round=lambda r: True)
+            await ta.start()
+            await tb.start()
+
+            small = OutgoingMessage.from_arrays("grad", 5, {"g": np.ones(10, dtype=np.float16)})
+            await ta.push(b.peer_id, small)
+            assert np.array_equal(pushed[-1].arrays()["g"], np.ones(10, dtype=np.float16))
+            reply = await ta.request(b.peer_id, "state", 9, streams=4)
+            assert reply.meta == {"digest": "abc"} and reply.arrays()["phi"][-1] == 3 * MB // 4 - 1
+
+            cases = [
+                (OutgoingMessage("grad", 4, small.tensors), Reason.STALE_ROUND),
+                (OutgoingMessage("nope", 5, small.tensors), Reason.UNSUPPORTED),
+                (OutgoingMessage("grad", 5, small.tensors, {"refuse": True}), Reason.REFUSED),
+                (OutgoingMessage("grad", 5, small.tensors, {"slow": True}), Reason.TIMEOUT),
+                (OutgoingMessage.from_arrays("grad", 5, {"g": np.zeros(3 * MB, np.uint8)}), Reason.BUSY),
+            ]
+            for message, reason in cases:
+                with pytest.raises(RemoteRefused) as refused:
+                    await ta.push(b.peer_id, message, timeout=20)
+                assert refused.value.reason == reason, (message.meta, refused.value)
+                assert str(refused.value).startswith(f"peer {b.peer_id} refused our {message.kind!r} message: "
+                                                     f"{reason.name}")
+            with pytest.raises(RemoteRefused, match="REFUSED.*no state yet"):
+                await ta.request(b.peer_id, "state", 9, meta={"missing": True})
+            assert tb.counters.refused_incoming["STALE_ROUND"] == 1
+            assert ta.counters.refused_outgoing["BUSY"] == 1
+            await wait_until(lambda: settled(tb), 5.0, what="b released its buffers")
+            await ta.stop()
+            await tb.stop()
+    run(scenario(), timeout_s=90)
+
+
+def test_cancel_and_timeout_release_every_buffer(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            ta, tb = transports(a, b, limits_b=TransferLimits(idle_timeout_s=2.0))
+
+            async def deliver(message):
+                pass
+            tb.on_push("grad", deliver, accept_round=lambda r: True)
+            await ta.start()
+            await tb.start()
+            payload = OutgoingMessage.from_arrays("grad", 1, {"g": np.zeros(200 * MB, np.uint8)})
+            sending = asyncio.create_task(ta.push(b.peer_id, payload))
+            await wait_until(lambda: _receiving(tb), 10.0, interval_s=0.01, what="transfer under way")
+            sending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await sending
+            await wait_until(lambda: settled(tb), 10.0, what="receiver released the cancelled message")
+
+            with pytest.raises(TransferTimeout, match="did not complete within"):
+                await ta.push(b.peer_id, payload, timeout=0.05)
+            await wait_until(lambda: settled(tb), 10.0, what="receiver released the timed-out message")
+
+            stranger = "12D3KooWNvSZnPi3RrhrTwEY4LuuBeB6K6facKUCJcyWG1aoDd2p"
+            with pytest.raises(TransferFailed, match="could not open a stream"):
+                await ta.push(stranger, payload, timeout=15)
+            await ta.push(b.peer_id, payload)  # and the link still works
+            await ta.stop()
+            await tb.stop()
+    run(scenario(), timeout_s=90)
+
+
+async def _receiving(transport: Transport) -> bool:
+    return transport._ledger.total_bytes > 0

@@ -34,13 +34,17 @@ def free_port() -> int:
 
 
 class MosquittoBroker:
-    def __init__(self, workdir: Path, port: int | None = None):
+    """`listener_options` replace `allow_anonymous true` (e.g. TLS files, a password file)."""
+
+    def __init__(self, workdir: Path, port: int | None = None,
+                 listener_options: list[str] | None = None):
         self.workdir = workdir
         self.host = "127.0.0.1"
         self.port = port or free_port()
         self.config = workdir / "mosquitto.conf"
         self.log_file = workdir / "mosquitto.log"
-        lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true",
+        options = listener_options if listener_options is not None else ["allow_anonymous true"]
+        lines = [f"listener {self.port} 127.0.0.1", *options,
                  "persistence false", f"log_dest file {self.log_file}",
                  "log_type error", "log_type warning", "log_type notice"]
         if os.geteuid() == 0:
@@ -92,11 +96,16 @@ class MosquittoBroker:
         self.proc = None
 
 
-@pytest.fixture
-def mosquitto_broker():
+def require_mosquitto() -> str:
     if MOSQUITTO is None:
         pytest.skip("mosquitto is not installed (bash .ci/setup installs Debian's mosquitto "
                     "when run as root with apt-get)")
+    return MOSQUITTO
+
+
+@pytest.fixture
+def mosquitto_broker():
+    require_mosquitto()
     workdir = Path(tempfile.mkdtemp(prefix="lowcomm-mosquitto-"))
     broker = MosquittoBroker(workdir)
     try:

@@ -249,3 +249,83 @@ def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog)
     assert ticker.max_late < 0.5, ticker.max_late
     assert stop_took < 2.0
     assert fd_growth <= 1, f"{fd_growth} file descriptors leaked over six retries"
+
+
+def make_tls_files(directory: Path) -> tuple[Path, Path, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1 (cryptography, a dependency)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    span = (now - datetime.timedelta(minutes=5), now + datetime.timedelta(hours=1))
+
+    def cert(subject, issuer, public_key, signing_key, ca: bool, san=None):
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(issuer)
+                   .public_key(public_key).serial_number(x509.random_serial_number())
+                   .not_valid_before(span[0]).not_valid_after(span[1])
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if san:
+            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
+        return builder.sign(signing_key, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(
+        ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lowcomm test CA")])
+    ca_cert = cert(ca_name, ca_name, ca_key.public_key(), ca_key, True)
+    server_cert = cert(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]),
+                       ca_name, server_key.public_key(), ca_key, False,
+                       [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    paths = directory / "ca.pem", directory / "server.pem", directory / "server.key"
+    paths[0].write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(server_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption()))
+    return paths
+
+
+def test_mqtts_with_username_and_password(tmp_path, caplog):
+    """mqtts://user:pass@host:port?ca=... against a mosquitto that demands both."""
+    from tests.mqtt_broker import MosquittoBroker, require_mosquitto
+
+    require_mosquitto()
+    ca, cert, key = make_tls_files(tmp_path)
+    passwd = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(passwd), "volunteer", "s3cret:/@"],
+                   check=True, capture_output=True, timeout=30)
+    broker = MosquittoBroker(tmp_path, listener_options=[
+        f"cafile {ca}", f"certfile {cert}", f"keyfile {key}", "allow_anonymous false",
+        f"password_file {passwd}"])
+    broker.start()
+    good = f"mqtts://volunteer:s3cret%3A%2F%40@127.0.0.1:{broker.port}?ca={ca}"
+    bad = f"mqtts://volunteer:wrong@127.0.0.1:{broker.port}?ca={ca}"
+    status = node_status("12D3KooWtls", "tls")
+
+    async def main():
+        ok = TelemetryPublisher(good, "tls", "12D3KooWtls", status.to_dict, interval=0.2)
+        refused = TelemetryPublisher(bad, "tls", "12D3KooWbad", status.to_dict, interval=0.2,
+                                     backoff_initial=0.05)
+        ok.start()
+        refused.start()
+        try:
+            await asyncio.wait_for(ok.first_publish.wait(), 10)
+            await asyncio.wait_for(refused.down.wait(), 10)
+            from node.monitor import collect_swarm
+
+            return (await collect_swarm(good, "tls")).docs(), refused.published
+        finally:
+            await ok.stop()
+            await refused.stop()
+
+    try:
+        docs, refused_published = asyncio.run(main())
+    finally:
+        broker.stop()
+    assert [d["peer_id"] for d in docs] == ["12D3KooWtls"] and refused_published == 0
+    assert any("wrong" not in r.getMessage() and "unreachable" in r.getMessage()
+               for r in caplog.records), "the refusal is logged, without the password"

@@ -55,6 +55,7 @@ class NodeOps:
         self.sampler = UsageSampler(status.device)
         self.sample_every = sample_every
         self._tasks: list[asyncio.Task] = []
+        self._saved_handlers: list[logging.Handler] | None = None
 
     @classmethod
     def from_args(cls, status: NodeStatus, data_dir: str | os.PathLike,
@@ -71,11 +72,22 @@ class NodeOps:
             self.status.update(**self.sampler.sample())
             await asyncio.sleep(self.sample_every)
 
+    def _route_logs_above_the_view(self) -> None:
+        """On a terminal, console log handlers would tear the live view: the root logger's
+        stream handlers (not its file handlers) print through the view's console instead."""
+        root = logging.getLogger()
+        self._saved_handlers = list(root.handlers)
+        keep = [h for h in root.handlers if type(h) is not logging.StreamHandler]
+        level = min((h.level for h in root.handlers if h not in keep), default=logging.INFO)
+        root.handlers[:] = [*keep, self.display.log_handler(level or logging.INFO)]
+
     async def start(self) -> None:
         await self.control.start()
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._sample(), name="usage-sampler"))
         if self.display is not None:
+            if self.display.console.is_terminal:
+                self._route_logs_above_the_view()
             self._tasks.append(loop.create_task(self.display.run(), name="status-display"))
         if self.telemetry is not None:
             self.telemetry.start()
@@ -92,6 +104,9 @@ class NodeOps:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks.clear()
+        if self._saved_handlers is not None:
+            logging.getLogger().handlers[:] = self._saved_handlers
+            self._saved_handlers = None
         try:
             await self.control.stop()
         except OSError as exc:

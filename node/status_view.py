@@ -13,6 +13,7 @@ the control socket and published over MQTT); nothing here changes them.
 from __future__ import annotations
 
 import asyncio
+import logging
 import statistics
 import time
 from typing import Any, Callable, Iterable
@@ -226,6 +227,14 @@ class StatusDisplay:
         self.console = console or Console()
         self.refresh = refresh
         self.plain_every = plain_every
+
+    def log_handler(self, level: int = logging.INFO) -> logging.Handler:
+        """A logging handler that prints above the live view instead of through it: on a
+        terminal the daemon routes its log records here (plain stderr would tear the view)."""
+        from rich.logging import RichHandler
+
+        return RichHandler(level=level, console=self.console, show_path=False,
+                           rich_tracebacks=False, markup=False)
 
     async def run(self) -> None:
         if self.console.is_terminal:

@@ -64,3 +64,30 @@ def test_join_options_read_the_environment(monkeypatch):
     args = parser.parse_args([])
     assert args.mqtt == "mqtts://u:p@broker:8883" and args.preemption == "aws"
     json.dumps(vars(args))
+
+
+def test_on_a_terminal_logs_print_above_the_live_view_and_handlers_come_back():
+    import logging
+    import sys
+
+    root = logging.getLogger()
+    plain = logging.StreamHandler(sys.stderr)
+    saved = list(root.handlers)
+    root.handlers[:] = [plain]
+    console = Console(record=True, width=100, force_terminal=True, color_system=None)
+    status = NodeStatus(peer_id="12D3KooWtty", swarm="tty", protocol="noloco")
+
+    async def main(data_dir: Path):
+        async with NodeOps(status, data_dir, console=console):
+            assert plain not in root.handlers and len(root.handlers) == 1
+            logging.getLogger("lowcomm.test").warning("peer 12D3KooWx joined")
+            await asyncio.sleep(0)
+        assert root.handlers == [plain]
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="lc-tty-") as d:
+            asyncio.run(main(Path(d)))
+    finally:
+        root.handlers[:] = saved
+    text = console.export_text()
+    assert "peer 12D3KooWx joined" in text and "tty" in text

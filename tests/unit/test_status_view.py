@@ -212,3 +212,30 @@ def test_swarm_table_drops_columns_to_fit():
         assert "3/3 online" in text and "…" not in text.split("online")[0].splitlines()[-1]
         assert all(f"12D3KooWnode{i}" in text for i in range(3)), text
         assert all(c in text for c in present) and not any(c in text for c in absent), text
+
+
+def test_display_is_live_on_a_terminal_and_logs_print_above_it():
+    import logging
+
+    console = Console(record=True, width=100, force_terminal=True, color_system=None)
+    s = NodeStatus(peer_id=PEER, swarm="live-swarm", protocol="noloco")
+    display = StatusDisplay(s.to_dict, console, refresh=0.01)
+    logger = logging.getLogger("test.status_view.live")
+    logger.propagate = False
+    logger.addHandler(display.log_handler())
+
+    async def main():
+        task = asyncio.create_task(display.run())
+        await asyncio.sleep(0.05)
+        s.update(round=41)
+        logger.warning("a log line during the live view")
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    try:
+        asyncio.run(main())
+    finally:
+        logger.handlers.clear()
+    text = console.export_text()
+    assert "live-swarm" in text and "41" in text and "a log line during the live view" in text

@@ -13,11 +13,22 @@ from pathlib import Path
 
 
 def _data_dir(args: argparse.Namespace) -> Path:
+    """--data-dir, else join's default for --swarm (runs/<id>), else the one daemon found
+    under runs/."""
     if args.data_dir:
         return Path(args.data_dir)
-    from node.config import load_config
+    if args.swarm:
+        return Path("runs") / args.swarm
+    from node.control import SOCKET_NAME, NoDaemonError
 
-    return Path(load_config(args.config, list(args.overrides)).node.data_dir)
+    found = sorted(p.parent for p in Path("runs").glob(f"*/{SOCKET_NAME}"))
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise NoDaemonError("no lowcomm-node daemon found under runs/; give --data-dir DIR "
+                            "or --swarm ID.")
+    raise NoDaemonError(f"several daemons run under runs/ ({', '.join(map(str, found))}); "
+                        f"choose one with --data-dir.")
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -85,12 +96,10 @@ def add_ops_commands(sub) -> None:
         description="Attach to the daemon running with this data directory (through its "
                     "owner-only control socket) and show its live status; Ctrl-C detaches.")
     status.add_argument("--data-dir", metavar="DIR",
-                        help="the daemon's data directory (default: node.data_dir of the "
-                        "config)")
-    status.add_argument("--config", metavar="PATH", type=Path,
-                        help="a TOML config file whose node.data_dir to use")
-    status.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append",
-                        default=[], help="override one config value (as for join)")
+                        help="the daemon's data directory (as given to join)")
+    status.add_argument("--swarm", metavar="ID",
+                        help="or the swarm id, for join's default data directory runs/<ID>; "
+                        "with neither, the one daemon running under runs/")
     status.add_argument("--json", action="store_true",
                         help="print the status once as JSON (the schema of node/status.py)")
     status.add_argument("--once", action="store_true", help="print the view once and exit")

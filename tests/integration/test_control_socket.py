@@ -127,3 +127,25 @@ def test_too_long_path_is_refused_clearly():
 
     with pytest.raises(ControlSocketError, match="shorter data directory"):
         asyncio.run(main())
+
+
+def test_status_finds_the_daemon_under_runs_or_by_swarm(data_dir):
+    """Without --data-dir: --swarm ID means join's default runs/<ID>; with neither, the one
+    daemon running under runs/."""
+    cwd = data_dir.parent
+    status = sample_status()
+
+    async def main():
+        async with ControlServer(cwd / "runs" / "ctl-swarm", status.to_dict):
+            results = []
+            for args in (["--swarm", "ctl-swarm"], []):
+                proc = await asyncio.create_subprocess_exec(
+                    *CLI, "status", "--json", *args, cwd=cwd, stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE)
+                out, err = await asyncio.wait_for(proc.communicate(), 30)
+                results.append((proc.returncode, out, err))
+            return results
+
+    for rc, out, err in asyncio.run(main()):
+        assert rc == 0, err
+        assert json.loads(out)["step"] == 1234

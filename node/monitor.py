@@ -142,9 +142,10 @@ async def run_monitor(url: str, swarm: str, console: Console | None = None,
                 while True:
                     live.update(swarm_table(state.docs(), title=title), refresh=True)
                     await asyncio.sleep(refresh)
+        await asyncio.sleep(refresh)  # the retained statuses arrive at once
         while True:
-            await asyncio.sleep(plain_every)
             console.print(swarm_table(state.docs(), title=title))
+            await asyncio.sleep(plain_every)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)

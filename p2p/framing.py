@@ -10,15 +10,15 @@ so hashing overlaps the network instead of following it.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections.abc import Iterable
 from contextlib import suppress
 from concurrent.futures import Executor
 
+from p2p import wire
 from p2p.counters import TransportCounters
 from p2p.errors import Reason, Refusal
 from p2p.identity import SIGNATURE_BYTES
-from p2p.wire import (DIGEST_BYTES, FRAME_PREFIX, MAX_STATUS_DETAIL_BYTES, STATUS_PREFIX, TAG_FRAME, TAG_STATUS,
+from p2p.wire import (FRAME_PREFIX, MAX_STATUS_DETAIL_BYTES, STATUS_PREFIX, TAG_FRAME, TAG_STATUS,
                       decode_status_body, encode_status)
 
 READ_BYTES = 1 << 20          # largest single read request
@@ -97,7 +97,7 @@ class StreamIO:
     async def read_payload_into(self, destination: memoryview, expected_digest: bytes) -> None:
         """Fill `destination` from the stream; raise Refusal(BAD_DIGEST) unless it hashes right."""
         loop = asyncio.get_running_loop()
-        hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+        hasher = wire.new_payload_hasher()
         size, filled, hashed = len(destination), 0, 0
         pending: asyncio.Future | None = None
         try:

@@ -76,12 +76,15 @@ class OutgoingMessage:
 
     `meta` holds small scalars for the receiver (e.g. a loss, a step count, a state digest);
     it travels in the signed header, so keep it under `WireLimits.max_meta_entries` entries.
+    Frame digests are cached on the message, so sending one message to many peers hashes it
+    once: do not modify the tensors' memory while the message may still be sent.
     """
 
     kind: str
     round: int
     tensors: Sequence[OutgoingTensor] = ()
     meta: dict[str, Any] = field(default_factory=dict)
+    frame_digests: dict[tuple[int, int], bytes] = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         names = [t.name for t in self.tensors]

@@ -13,19 +13,24 @@ import os
 import time
 from concurrent.futures import Executor
 
+from p2p import wire
 from p2p.framing import StreamIO
 from p2p.identity import NodeIdentity
 from p2p.limits import TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage, slice_segments
 from p2p.wire import (NONCE_BYTES, MessageHeader, Mode, encode_header, frame_count, frame_length, frame_prefix,
-                      payload_digest, signing_input)
+                      signing_input)
 
 INLINE_HASH_BYTES = 256 * 1024   # below this, a thread hop costs more than hashing in place
 
 
 def choose_frame_size(total: int, streams: int, frame_bytes: int, wire: WireLimits) -> int:
-    """Frames of at most `frame_bytes`, spread evenly so that every stream gets a fair share."""
-    size = min(frame_bytes, math.ceil(total / streams)) if total else wire.min_frame_bytes
+    """Frames of at most `frame_bytes`, the same number on every stream, so that all streams
+    finish together (a stream left alone at the end runs at one window per round trip)."""
+    if not total:
+        return wire.min_frame_bytes
+    frames_per_stream = math.ceil(total / (streams * frame_bytes))
+    size = math.ceil(total / (streams * frames_per_stream))
     return max(wire.min_frame_bytes, min(size, wire.max_frame_bytes))
 
 
@@ -84,13 +89,19 @@ class SendPlan:
 
 
 def _digest_soon(plan: SendPlan, frame: int, executor: Executor | None) -> asyncio.Future:
-    views = plan.frame_views(frame)
+    """The frame's digest: from the message's cache, computed in place if small, else in a thread."""
     loop = asyncio.get_running_loop()
-    if sum(len(v) for v in views) < INLINE_HASH_BYTES:
-        future = loop.create_future()
-        future.set_result(payload_digest(*views))
-        return future
-    return loop.run_in_executor(executor, payload_digest, *views)
+    cache, key = plan.message.frame_digests, (plan.frame_size, frame)
+    if key not in cache:
+        views = plan.frame_views(frame)
+        if sum(len(v) for v in views) >= INLINE_HASH_BYTES:
+            future = loop.run_in_executor(executor, wire.payload_digest, *views)
+            future.add_done_callback(lambda f: f.cancelled() or f.exception() or cache.setdefault(key, f.result()))
+            return future
+        cache[key] = wire.payload_digest(*views)
+    future = loop.create_future()
+    future.set_result(cache[key])
+    return future
 
 
 async def send_stream_frames(io: StreamIO, plan: SendPlan, stream: int, executor: Executor | None) -> None:

@@ -129,9 +129,14 @@ _FIELDS = frozenset(("v", "swarm", "manifest", "kind", "mode", "round", "sender"
      "total", "frame", "frames", "streams", "frame_size", "length", "digest", "tensors", "meta"))
 
 
+def new_payload_hasher():
+    """The payload digest, BLAKE2b-256, defined here only: senders and receivers both use it."""
+    return hashlib.blake2b(digest_size=DIGEST_BYTES)
+
+
 def payload_digest(*chunks: bytes | memoryview) -> bytes:
-    """BLAKE2b-256 of the concatenated chunks."""
-    hasher = hashlib.blake2b(digest_size=DIGEST_BYTES)
+    """The payload digest of the concatenated chunks."""
+    hasher = new_payload_hasher()
     for chunk in chunks:
         hasher.update(chunk)
     return hasher.digest()

@@ -67,10 +67,13 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    ops = {"mqtt_url": args.mqtt, "mqtt_interval": args.mqtt_interval,
+           "preemption": args.preemption, "metadata_url": args.metadata_url,
+           "preemption_interval": args.preemption_interval}
     settings = NodeSettings(Path(args.data_dir or f"runs/{manifest.swarm.id}"),
                             listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
                             peers=check_peer_maddrs(args.peer), grace_s=args.grace,
-                            max_steps=args.max_steps, port_mapping=args.port_mapping)
+                            max_steps=args.max_steps, port_mapping=args.port_mapping, ops=ops)
     return run_event_loop(Daemon(manifest, settings).run())
 
 
@@ -169,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "(default runs/<swarm id>)")
     join.add_argument("--port-mapping", action="store_true",
                       help="ask the router for a port mapping (UPnP/NAT-PMP); off by default")
+    from node.ops_cli import add_join_ops_arguments
+    add_join_ops_arguments(join)
     join.set_defaults(func=cmd_join)
 
     local = sub.add_parser(

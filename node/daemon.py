@@ -59,6 +59,7 @@ class NodeSettings:
     member_ttl_s: float = 15.0
     port_mapping: bool = False
     seed: int = 0                 # for this node's choices (partners, groups), not its data
+    ops: dict = field(default_factory=dict)  # node.ops.NodeOps options: mqtt, preemption, display
 
 
 class Daemon:
@@ -72,12 +73,21 @@ class Daemon:
         self.metrics: MetricsLog | None = None
         self.worker: TrainingWorker | None = None
         self.cache: MemberCache | None = None
+        self.node_status = None
+        self.transport = None
+        self._bytes_mark = (0, 0)
+        self._started = time.monotonic()
+        self._first_round = 0
+        self.param_bytes = 0
+        self._refused_mark = 0
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, **fields) -> None:
         """Called on the loop; the training thread goes through `_event_from_thread`."""
         record = {"event": kind, "time": time.time(), **fields}
         self.status[kind] = record
+        if self.node_status is not None:
+            self._feed_status(kind, fields)
         if kind == "round" and self.cache is not None:
             # What late joiners and the DiLoCoX consensus check read: the digest of our φ.
             self.cache.update(extra={"phi": fields["phi_digest"], "phi_round": fields["round"]})
@@ -86,6 +96,38 @@ class Daemon:
         if kind in ("round", "joined", "late_join", "diverged", "resync_ready", "no_partner",
                     "swap_failed", "stopping", "left", "failed", "resumed"):
             log.info("%s %s", kind, {k: v for k, v in fields.items() if k != "energy_kept"})
+
+    def _feed_status(self, kind: str, fields: dict) -> None:
+        """Keeps the operator's NodeStatus (status view, control socket, MQTT) current."""
+        status = self.node_status
+        if kind == "step":
+            status.update(step=fields["step"], round=fields["round"], state="training",
+                          tokens_per_second=fields["tokens_per_second"])
+            status.record_train_loss(fields["loss"])
+        elif kind == "round":
+            if "val_loss" in fields:
+                status.record_val_loss(fields["val_loss"])
+            counters = self.transport.counters if self.transport else None
+            sent = counters.bytes_sent - self._bytes_mark[0] if counters else 0
+            received = counters.bytes_received - self._bytes_mark[1] if counters else 0
+            if counters:
+                self._bytes_mark = (counters.bytes_sent, counters.bytes_received)
+            partners = [fields["partner"]] if fields.get("partner") else list(fields.get("group", []))
+            # fp32 size of what we sent: NoLoCo one (φ, Δ) snapshot, DiLoCoX Δ to each member
+            copies = 2 if self.manifest.protocol.name == "noloco" else max(1, len(partners))
+            exchanged = bool(partners)
+            status.record_round(sent=sent, received=received, exchanged=exchanged,
+                                raw_bytes=self.param_bytes * copies if exchanged else None)
+            elapsed = time.monotonic() - self._started
+            status.update(partners=partners, peers_alive=fields.get("peers_alive", 0),
+                          peers_known=len(self.cache.records) if self.cache else 0,
+                          rounds_per_minute=(fields["round"] + 1 - self._first_round) * 60 / elapsed)
+            for refused in fields.get("refused") or []:
+                status.count_refused("contribution")
+        elif kind == "checkpoint":
+            status.update(checkpoint_at=time.time(), checkpoint_step=fields["step"])
+        elif kind == "stopping":
+            status.update(state="stopping")
 
     def _event_from_thread(self, record: dict) -> None:
         record = dict(record)
@@ -111,12 +153,32 @@ class Daemon:
         trainer = InnerTrainer(m.model, train, corpus, m.data.seq_len,
                                stream_seed(identity.public_key_bytes, train.seed),
                                pick_device(train.device))
+        self.param_bytes = 4 * sum(p.numel() for p in trainer.model.parameters())
+        from node.ops import NodeOps
+        from node.status import NodeStatus
+        self.node_status = NodeStatus(peer_id=peer_id, swarm=m.swarm.id, protocol=m.protocol.name,
+                                      device=str(trainer.device))
+        ops = NodeOps(self.node_status, self.data_dir, on_preemption=self._on_preemption,
+                      **self.settings.ops)
+        await ops.start()
+        try:
+            return await self._run_networked(identity, peer_id, trainer, corpus)
+        finally:
+            await ops.stop()
+
+    def _on_preemption(self, reason: str) -> None:
+        self.event("stopping", signal=f"preemption notice ({reason})")
+        self.stop_event.set()
+
+    async def _run_networked(self, identity, peer_id, trainer, corpus) -> int:
+        m = self.manifest
         host = await P2PHost.start(identity, host_maddrs=self.settings.listen,
                                    initial_peers=[*self.settings.peers, *m.network.bootstrap_peers],
                                    nat_port_map=self.settings.port_mapping)
         transport = membership = cache = exchange = None
         try:
-            transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest)
+            transport = self.transport = Transport(host.p2p, identity, swarm=m.swarm.id,
+                                                   manifest=m.digest)
             await transport.start()
             membership = Membership(host, m.swarm.id, protocol=m.protocol.name,
                                     manifest=m.digest, ttl_s=self.settings.member_ttl_s)
@@ -129,8 +191,9 @@ class Daemon:
             start_round = await self._resume_or_join(trainer, policy, transport, cache)
             transport.on_request(STATE_KIND, lambda header: self._serve_state(policy, header),
                                  accept_round=lambda _r: True)
+            self._first_round = start_round
             exchange.start(start_round)
-            cache.update(round=start_round, status="training")
+            cache.update(round=start_round, status="training", extra={"since": start_round})
             addresses = await host.maddrs()
             (self.data_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
             self.event("joined", peer_id=peer_id, addresses=addresses, round=start_round,
@@ -240,7 +303,12 @@ class Daemon:
                                return_when=asyncio.FIRST_COMPLETED)
             await watch.check(cache.peers())
             self.status["peers_alive"] = len(cache.peers())
-            self.status["transport"] = transport.counters.snapshot()
+            self.status["transport"] = snapshot = transport.counters.snapshot()
+            refused_now = sum(snapshot["refused_incoming"].values())
+            if refused_now != self._refused_mark:
+                for reason, count in snapshot["refused_incoming"].items():
+                    self.node_status.update(refused={**self.node_status.refused, reason: count})
+                self._refused_mark = refused_now
             if stopping.done() and not self.worker.stop_requested.is_set():
                 self.worker.request_stop()
                 try:

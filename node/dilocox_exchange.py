@@ -124,9 +124,11 @@ class DiLoCoXExchange:
         self.arrived.set()
 
     def _finished(self, round_index: int) -> set[str]:
-        """Members on our manifest that announced a round past `round_index` (they sent it)."""
+        """Members that took part in `round_index` (joined at or before it, announced `since`)
+        and finished it (announced a later round): they sent their message of that round."""
         return {r.peer_id for r in self.members.peers()
                 if r.manifest == self.manifest and r.round > round_index
+                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index
                 and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
 
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:

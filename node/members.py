@@ -20,6 +20,7 @@ class MemberCache:
     def __init__(self, membership, refresh_s: float = 1.0):
         self.membership, self.refresh_s = membership, refresh_s
         self.records: dict[str, MemberRecord] = {}
+        self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order
         self.refreshed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._updates: set[asyncio.Task] = set()
@@ -51,7 +52,13 @@ class MemberCache:
         return list(self.records.values())
 
     def update(self, **fields: Any) -> None:
-        """Publishes changes of our own record without waiting (order is kept by Membership)."""
+        """Publishes changes of our own record without waiting (order is kept by Membership).
+
+        `extra` fields are merged with the ones set before, so that one caller's digest does not
+        erase another's join round."""
+        if "extra" in fields:
+            self.extra = {**self.extra, **fields["extra"]}
+            fields["extra"] = dict(self.extra)
         task = asyncio.get_running_loop().create_task(self.membership.update(**fields))
         self._updates.add(task)
         task.add_done_callback(self._updates.discard)

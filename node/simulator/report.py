@@ -27,14 +27,18 @@ def write_json(results: SimulationResult | Sequence[SimulationResult], path: Pat
     return path
 
 
-def plot_validation_loss(results: Sequence[SimulationResult], path: Path, title: str) -> Path:
+def plot_validation_loss(results: Sequence[SimulationResult], path: Path, title: str,
+                         with_spread: bool = False) -> Path:
     """Mean validation loss of the replicas against tokens per replica, one line per method,
-    with the band between the best and the worst replica where they differ."""
+    with the band between the best and the worst replica where they differ; `with_spread`
+    adds a panel of the replicas' weight spread."""
     import matplotlib
     matplotlib.use("Agg")  # files only, never a window
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(8, 5), dpi=120)
+    figure, panels = plt.subplots(1, 2 if with_spread else 1, figsize=(13 if with_spread else 8, 5),
+                                  dpi=120, squeeze=False)
+    axes = panels[0][0]
     for result in results:
         points = [r for r in result.records if r.val_loss_mean is not None]
         tokens = [r.tokens_per_replica for r in points]
@@ -43,11 +47,22 @@ def plot_validation_loss(results: Sequence[SimulationResult], path: Path, title:
         if any(r.val_loss_max - r.val_loss_min > 0 for r in points):
             axes.fill_between(tokens, [r.val_loss_min for r in points],
                               [r.val_loss_max for r in points], color=line.get_color(), alpha=0.15)
+        if with_spread:
+            panels[0][1].plot([r.tokens_per_replica for r in result.records],
+                              [r.weight_spread for r in result.records], marker="o", markersize=3,
+                              color=line.get_color(), label=result.method)
     axes.set_xlabel("tokens per replica")
     axes.set_ylabel("validation loss (nats/token)")
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
+    if with_spread:
+        spread = panels[0][1]
+        spread.set_xlabel("tokens per replica")
+        spread.set_ylabel("weight spread: RMS distance to the mean / norm of the mean")
+        spread.set_title("spread of the replicas' weights")
+        spread.grid(alpha=0.3)
+        spread.legend(fontsize=8)
     figure.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

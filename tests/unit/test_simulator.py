@@ -186,3 +186,21 @@ def test_weight_spread_is_relative_rms_distance():
 def test_bad_settings_are_refused_in_one_sentence(settings, sentence):
     with pytest.raises(SimulationError, match=sentence):
         SimulationSettings(**settings).validated()
+
+
+def test_shared_decoding_gives_the_codecs_numbers_and_a_private_copy_each():
+    from node.simulator.methods.dilocox import DecodingCache, SharedDecoding
+    from protocol.codecs import get_codec
+
+    cache = DecodingCache()
+    first, second = (SharedDecoding(get_codec("lowrank", rank=2), cache) for _ in range(2))
+    encoded = first.encode(torch.randn(64, 48), "w")
+    plain = get_codec("lowrank").decode(encoded.description, encoded.payload, max_elements=64 * 48)
+    a = first.decode(encoded.description, encoded.payload, max_elements=64 * 48)
+    b = second.decode(encoded.description, encoded.payload, max_elements=64 * 48)
+    assert torch.equal(a, plain) and torch.equal(b, plain) and len(cache.current) == 1
+    a.add_(1.0)  # a caller writing into its copy does not reach the others
+    assert torch.equal(second.decode(encoded.description, encoded.payload, 64 * 48), plain)
+    cache.next_round()
+    cache.next_round()
+    assert cache.get(next(iter(cache.previous), None)) is None and not cache.current

@@ -16,8 +16,10 @@ of hivemind (`check_if_identity_free`) is off because it assumes RSA keys and cr
 from __future__ import annotations
 
 import asyncio
+import glob
 import logging
 import os
+import socket
 from collections.abc import Coroutine, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -32,6 +34,7 @@ from p2p.records import OwnerOnlyValidator
 
 logger = logging.getLogger("lowcomm.p2p.host")
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
+_SOCKET_GLOB = "/tmp/hivemind-p2p*.sock"
 T = TypeVar("T")
 
 
@@ -80,6 +83,7 @@ class P2PHost:
             raise HostError("the identity has no key file; save it (NodeIdentity.save) before starting p2pd.")
         initial_peers = check_peer_maddrs(initial_peers)
         validator = OwnerOnlyValidator(identity)
+        sockets_before = set(glob.glob(_SOCKET_GLOB))
         try:
             p2p = await P2P.create(
                 identity_path=str(identity.path), host_maddrs=list(host_maddrs),
@@ -87,7 +91,13 @@ class P2PHost:
                 initial_peers=initial_peers or None, nat_port_map=nat_port_map,
                 check_if_identity_free=False, startup_timeout=startup_timeout_s)
         except Exception as error:
-            raise HostError(f"the P2P daemon did not start: {error}") from None
+            # hivemind does not return the half-started daemon, so its socket cannot be named:
+            # remove the sockets that appeared meanwhile and that nothing listens on.
+            _remove_dead_sockets(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
+            if "failed to connect to bootstrap peers" in str(error):
+                raise HostError(f"none of the initial peers {initial_peers} could be reached; check their "
+                                f"addresses and that they are running.") from None
+            raise HostError(f"the P2P daemon did not start ({str(error).strip()[:300]}).") from None
         try:
             if p2p.peer_id != identity.peer_id:
                 raise HostError(f"p2pd runs as {p2p.peer_id} instead of {identity.peer_id}; "
@@ -118,6 +128,22 @@ class P2PHost:
         with suppress(Exception):
             await asyncio.wait_for(self.dht.shutdown(), 5.0)
         await _shutdown_p2p(self.p2p)
+
+
+def _remove_dead_sockets(paths: set[str]) -> None:
+    """Delete unix sockets that refuse connections (their daemon is gone); leave live ones."""
+    for path in paths:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(0.5)
+            probe.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            with suppress(FileNotFoundError):
+                os.remove(path)
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 def p2pd_socket_paths(p2p: P2P) -> list[str]:

@@ -104,12 +104,18 @@ def _digest_soon(plan: SendPlan, frame: int, executor: Executor | None) -> async
     return future
 
 
-async def send_stream_frames(io: StreamIO, plan: SendPlan, stream: int, executor: Executor | None) -> None:
-    """Write every frame that belongs to `stream`, each signed, hashing one frame ahead."""
+async def send_stream_frames(io: StreamIO, plan: SendPlan, stream: int, executor: Executor | None,
+                             stop: asyncio.Event | None = None) -> None:
+    """Write every frame that belongs to `stream`, each signed, hashing one frame ahead.
+
+    Setting `stop` ends the stream's frames at the next frame boundary, where a status may follow.
+    """
     frames = plan.stream_frames(stream)
     next_digest = _digest_soon(plan, frames[0], executor)
     for position, frame in enumerate(frames):
         digest = await next_digest
+        if stop is not None and stop.is_set():
+            return
         if position + 1 < len(frames):
             next_digest = _digest_soon(plan, frames[position + 1], executor)
         io.frame_open = True  # from here until the payload is out, a status would corrupt the stream

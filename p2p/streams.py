@@ -254,33 +254,33 @@ class Transport:
 
     async def _swap_stream(self, peer: PeerID, io: StreamIO, plan: SendPlan, stream: int, reply: "_ReplyState",
                            accept_round: RoundPredicate | None) -> None:
-        writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor))
+        stop = asyncio.Event()
+        writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor, stop))
         peer_bytes = peer.to_bytes()
         check = lambda raw, sig: self._check_reply_head(raw, sig, peer_bytes, plan, accept_round)  # noqa: E731
         try:
             try:
                 raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
-            except PeerStatus as status:
-                self._raise_remote(peer, plan, status.reason if status.reason != Reason.OK else Reason.MALFORMED,
-                                   status.detail)
-            try:
                 header = check(raw, signature)
                 assembly = reply.join(self, peer, header)
                 if assembly.attach_stream(header) != stream:
                     raise Refusal(Reason.MALFORMED, "reply frames arrived on another stream than they belong to")
                 await _run_bound(assembly, self._receive_frames(io, assembly, stream, header, check))
-                await writer
                 await assembly.complete
-            except Refusal as refusal:
-                if reply.assembly is not None and reply.assembly.fail(refusal):
+            except PeerStatus as status:  # the peer refused our message instead of replying
+                self._raise_remote(peer, plan, Reason.MALFORMED if status.reason == Reason.OK else status.reason,
+                                   status.detail or "the peer answered before replying")
+            except Refusal as refusal:  # the reply failed our checks: tell the peer, at a frame boundary
+                if reply.assembly is None or reply.assembly.fail(refusal):
                     self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
-                if writer.done() and not io.frame_open:
+                stop.set()
+                await asyncio.wait({writer}, timeout=self.limits.idle_timeout_s)
+                if writer.done() and not writer.cancelled() and writer.exception() is None and not io.frame_open:
                     with suppress(Exception):
                         await io.write_status(refusal.reason, refusal.detail)
                     await io.linger()
                 raise ReplyRejected(peer.to_base58(), plan.kind, refusal.reason, refusal.detail) from None
-            except PeerStatus as status:
-                self._raise_remote(peer, plan, status.reason, status.detail)
+            await writer  # our frames are all out; a status may follow them
             await io.write_status(Reason.OK)
             reason, detail = await io.read_status()
             if reason != Reason.OK:
@@ -353,7 +353,9 @@ class Transport:
                     async with asyncio.timeout(2.0):
                         await io.write_status(refusal.reason, refusal.detail)
                 await io.linger()
-        except PeerStatus as status:  # the peer gave up mid-message and told us why
+        except PeerStatus as status:  # the peer gave up mid-message (e.g. it rejected our reply)
+            self.counters.count_refusal_received(status.reason)
+            logger.info("peer %s stopped its message: %s (%s)", _short(peer), status.reason.name, status.detail)
             if assembly is not None:
                 assembly.fail(Refusal(Reason.REFUSED, f"peer aborted: {status.reason.name}"))
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from p2p.errors import Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
+from p2p.errors import Reason, Refusal, RemoteRefused, ReplyRejected, TransferFailed, TransferTimeout
 from p2p.limits import TransferLimits
 from p2p.messages import OutgoingMessage
 from p2p.streams import Transport
@@ -163,3 +163,31 @@ def test_cancel_and_timeout_release_every_buffer(tmp_path, p2p_cleanup):
 
 async def _receiving(transport: Transport) -> bool:
     return transport._ledger.total_bytes > 0
+
+
+def test_simultaneous_swaps_both_ways_and_a_rejected_reply(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            ta, tb = transports(a, b)
+            for transport, value in ((ta, 1.0), (tb, 2.0)):
+                async def reply(header, value=value):
+                    return OutgoingMessage.from_arrays("snapshot", 4, {"x": np.full(MB, value, np.float32)})
+                transport.on_swap("snapshot", reply, accept_round=lambda r: True)
+                await transport.start()
+            mine = OutgoingMessage.from_arrays("snapshot", 4, {"x": np.zeros(MB, np.float32)})
+            # Both nodes propose to each other at the same moment (NoLoCo's simultaneous proposals).
+            from_b, from_a = await asyncio.gather(ta.swap(b.peer_id, mine), tb.swap(a.peer_id, mine))
+            assert from_b.arrays()["x"][0] == 2.0 and from_a.arrays()["x"][0] == 1.0
+
+            with pytest.raises(ReplyRejected) as rejected:
+                await ta.swap(b.peer_id, mine, accept_round=lambda r: r > 4)
+            assert rejected.value.reason == Reason.STALE_ROUND and "round 4" in str(rejected.value)
+            await wait_until(lambda: _told(tb, "STALE_ROUND"), 5.0, what="b told of the rejection")
+            await wait_until(lambda: settled(ta), 5.0, what="a released the rejected reply")
+            await ta.stop()
+            await tb.stop()
+    run(scenario(), timeout_s=60)
+
+
+async def _told(transport: Transport, reason: str) -> bool:
+    return transport.counters.refused_outgoing[reason] > 0

@@ -72,11 +72,11 @@ class Assembly:
             raise Refusal(Reason.MALFORMED, "frames of one message disagree on its tensor manifest")
         if self._view is None:
             raise self.failure or Refusal(Reason.INTERNAL, "message buffer already released")
+        self._next_frame[stream] += header.streams
         return self._view[header.offset:header.offset + header.length]
 
-    def frame_done(self, stream: int, header: MessageHeader) -> bool:
-        """Record a verified frame; return True when the stream has carried all its frames."""
-        self._next_frame[stream] += header.streams
+    def frame_done(self) -> None:
+        """Record one verified frame; the last one completes the message."""
         self._frames_left -= 1
         if self._frames_left == 0 and not self.done:
             self._timer.cancel()
@@ -84,7 +84,6 @@ class Assembly:
             self._buffer = self._view = None   # the message owns the memory now
             self._release()
             self.complete.set_result(message)
-        return self._next_frame[stream] >= header.frames
 
     def fail(self, refusal: Refusal) -> bool:
         """Abandon the message: cancel its readers and side tasks, free the buffer, release bytes.

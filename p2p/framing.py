@@ -94,8 +94,13 @@ class StreamIO:
             raise Refusal(Reason.MALFORMED, f"status detail of {detail_len} bytes exceeds {MAX_STATUS_DETAIL_BYTES}")
         return decode_status_body(code, await self.read_exactly(detail_len) if detail_len else b"")
 
-    async def read_payload_into(self, destination: memoryview, expected_digest: bytes) -> None:
-        """Fill `destination` from the stream; raise Refusal(BAD_DIGEST) unless it hashes right."""
+    async def read_payload_into(self, destination: memoryview, expected_digest: bytes) -> asyncio.Future:
+        """Fill `destination` from the stream, hashing in a worker thread as bytes arrive.
+
+        Returns once every byte is read, with a future that completes when the last bytes are
+        hashed and raises Refusal(BAD_DIGEST) on a mismatch: the caller reads the next frame
+        meanwhile instead of idling while the tail is hashed.
+        """
         loop = asyncio.get_running_loop()
         hasher = wire.new_payload_hasher()
         size, filled, hashed = len(destination), 0, 0
@@ -119,18 +124,24 @@ class StreamIO:
                         await pending
                     pending = loop.run_in_executor(self.executor, hasher.update, destination[hashed:filled])
                     hashed = filled
+        except BaseException:
+            if pending is not None and not pending.done():
+                # Cancelled or failed mid-payload: the thread still reads the buffer, so wait for
+                # it (milliseconds) before the caller drops the buffer.
+                await asyncio.shield(pending)
+            raise
+
+        async def verify() -> None:
             if pending is not None:
                 await pending
-                pending = None
             if filled > hashed:
                 await loop.run_in_executor(self.executor, hasher.update, destination[hashed:filled])
-        finally:
-            if pending is not None and not pending.done():
-                # Cancelled mid-payload: the thread still reads the buffer, so wait for it
-                # (milliseconds) before the caller drops the buffer.
-                await asyncio.shield(pending)
-        if hasher.digest() != expected_digest:
-            raise Refusal(Reason.BAD_DIGEST, "payload does not match its signed digest")
+            if hasher.digest() != expected_digest:
+                raise Refusal(Reason.BAD_DIGEST, "payload does not match its signed digest")
+
+        verification = asyncio.ensure_future(verify())
+        verification.add_done_callback(lambda f: f.cancelled() or f.exception())  # the caller reports it
+        return verification
 
     # ------------------------------------------------------------------ writing
 

@@ -20,6 +20,7 @@ import glob
 import logging
 import os
 import socket
+import time
 from collections.abc import Coroutine, Sequence
 from contextlib import suppress
 from typing import Any, TypeVar
@@ -93,7 +94,7 @@ class P2PHost:
         except Exception as error:
             # hivemind does not return the half-started daemon, so its socket cannot be named:
             # remove the sockets that appeared meanwhile and that nothing listens on.
-            _remove_dead_sockets(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
+            remove_dead_sockets(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
             if "failed to connect to bootstrap peers" in str(error):
                 raise HostError(f"none of the initial peers {initial_peers} could be reached; check their "
                                 f"addresses and that they are running.") from None
@@ -130,20 +131,37 @@ class P2PHost:
         await _shutdown_p2p(self.p2p)
 
 
-def _remove_dead_sockets(paths: set[str]) -> None:
-    """Delete unix sockets that refuse connections (their daemon is gone); leave live ones."""
-    for path in paths:
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(0.5)
-            probe.connect(path)
-        except (ConnectionRefusedError, FileNotFoundError):
+def _refuses_connections(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(0.5)
+        probe.connect(path)
+        return False
+    except (ConnectionRefusedError, FileNotFoundError):
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
+
+
+def remove_dead_sockets(paths: set[str] | list[str]) -> list[str]:
+    """Delete the unix sockets that nothing listens on any more; return those deleted.
+
+    For cleaning up after a SIGKILLed node: a socket is dead when it refuses connections twice,
+    100 ms apart (the second probe spares a daemon caught between bind() and listen()). Never
+    delete sockets by name pattern alone: a test running beside yours owns some of them.
+    """
+    suspects = [path for path in paths if _refuses_connections(path)]
+    if suspects:
+        time.sleep(0.1)
+    removed = []
+    for path in suspects:
+        if _refuses_connections(path):
             with suppress(FileNotFoundError):
                 os.remove(path)
-        except OSError:
-            pass
-        finally:
-            probe.close()
+                removed.append(path)
+    return removed
 
 
 def p2pd_socket_paths(p2p: P2P) -> list[str]:

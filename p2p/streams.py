@@ -466,14 +466,27 @@ class Transport:
 
     async def _receive_frames(self, io: StreamIO, assembly: Assembly, stream: int, header: MessageHeader,
                               check: HeadCheck) -> None:
-        """Read this stream's frames into the assembly, checking each header and digest."""
+        """Read this stream's frames into the assembly, checking each header and digest.
+
+        A frame's digest is settled after the next frame's payload is read: its last bytes are
+        hashed in a thread meanwhile, so the stream never idles waiting for a hash.
+        """
+        previous: asyncio.Future | None = None
         while True:
-            await io.read_payload_into(assembly.destination(stream, header), header.digest)
-            self.counters.frames_received += 1
-            if assembly.frame_done(stream, header):
+            verification = await io.read_payload_into(assembly.destination(stream, header), header.digest)
+            if previous is not None:
+                await self._settle(assembly, previous)
+            previous = verification
+            if header.frame + header.streams >= header.frames:   # this stream's last frame
+                await self._settle(assembly, previous)
                 return
             raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
             header = check(raw, signature)
+
+    async def _settle(self, assembly: Assembly, verification: asyncio.Future) -> None:
+        await verification
+        self.counters.frames_received += 1
+        assembly.frame_done()
 
 
 class _ReplyState:

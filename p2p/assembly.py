@@ -11,7 +11,7 @@ reservation. A deadline timer does the same for a message whose streams never al
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 
 import numpy as np
 from hivemind.p2p import PeerID
@@ -110,3 +110,25 @@ class Assembly:
     def _check_same_message(self, header: MessageHeader) -> None:
         if header.message_key() != self.key:
             raise Refusal(Reason.MALFORMED, "frame header disagrees with the message it claims to belong to")
+
+
+def run_bound(assembly: Assembly, coroutine: Coroutine) -> "asyncio.Future[None]":
+    """Run a stream's reading or writing as a task the assembly cancels if the message fails;
+    awaiting the returned future raises the assembly's failure in that case."""
+    task = asyncio.create_task(coroutine)
+    assembly.readers.add(task)
+
+    async def result() -> None:
+        try:
+            await asyncio.wait({task})
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.wait({task})
+            raise
+        if task.cancelled():
+            raise assembly.failure or Refusal(Reason.INTERNAL, "stream work cancelled")
+        task.result()
+
+    future = asyncio.ensure_future(result())
+    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are reported elsewhere
+    return future

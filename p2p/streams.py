@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import P2P, PeerID
 
-from p2p.assembly import Assembly
+from p2p.assembly import Assembly, run_bound
 from p2p.counters import TransportCounters
 from p2p.errors import (HostError, Reason, Refusal, RemoteRefused, ReplyRejected, TransferFailed,
                         TransferTimeout)
@@ -170,7 +170,9 @@ class Transport:
         streams = streams or choose_streams(largest, self.limits, self.wire_limits)
         plan = SendPlan(self.identity, swarm=self.swarm, manifest=self.manifest, recipient=peer.to_bytes(),
                         message=message, mode=mode, streams=streams, limits=self.limits, wire=self.wire_limits)
-        deadline = timeout if timeout is not None else self.limits.deadline_s(message.total_bytes + expected_reply_bytes)
+        if timeout is None:
+            timeout = self.limits.deadline_s(message.total_bytes + expected_reply_bytes)
+        deadline = timeout
         reply = _ReplyState()
         ios: list[StreamIO] = []
         try:
@@ -265,7 +267,7 @@ class Transport:
                 assembly = reply.join(self, peer, header)
                 if assembly.attach_stream(header) != stream:
                     raise Refusal(Reason.MALFORMED, "reply frames arrived on another stream than they belong to")
-                await _run_bound(assembly, self._receive_frames(io, assembly, stream, header, check))
+                await run_bound(assembly, self._receive_frames(io, assembly, stream, header, check))
                 await assembly.complete
             except PeerStatus as status:  # the peer refused our message instead of replying
                 self._raise_remote(peer, plan, Reason.MALFORMED if status.reason == Reason.OK else status.reason,
@@ -326,11 +328,11 @@ class Transport:
             header, handler = self._check_request_head(raw, signature, peer_bytes)
             assembly, stream = self._join_incoming(peer, header, handler)
             check = lambda raw, sig: self._check_request_head(raw, sig, peer_bytes)[0]  # noqa: E731
-            bound.append(_run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
+            bound.append(run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
             if header.mode == Mode.SWAP:
                 plan: SendPlan = await assembly.reply
                 # Our half goes out while the peer's half comes in (the reader runs meanwhile).
-                bound.append(_run_bound(assembly, send_stream_frames(io, plan, stream, self._executor)))
+                bound.append(run_bound(assembly, send_stream_frames(io, plan, stream, self._executor)))
                 await bound[-1]
             await bound[0]
             await assembly.complete
@@ -499,28 +501,6 @@ class _ReplyState:
         if self.assembly is None:
             self.assembly = transport._new_assembly(peer, header)
         return self.assembly
-
-
-def _run_bound(assembly: Assembly, coroutine: Coroutine) -> "asyncio.Future[None]":
-    """Run a stream's reading or writing as a task the assembly cancels if the message fails;
-    awaiting the returned future raises the assembly's failure in that case."""
-    task = asyncio.create_task(coroutine)
-    assembly.readers.add(task)
-
-    async def result() -> None:
-        try:
-            await asyncio.wait({task})
-        except asyncio.CancelledError:
-            task.cancel()
-            await asyncio.wait({task})
-            raise
-        if task.cancelled():
-            raise assembly.failure or Refusal(Reason.INTERNAL, "stream work cancelled")
-        task.result()
-
-    future = asyncio.ensure_future(result())
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are reported elsewhere
-    return future
 
 
 async def _all_or_first_error(coroutines: list[Coroutine]) -> None:

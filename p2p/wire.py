@@ -13,7 +13,8 @@ small application fields. The signature covers a domain tag and the exact header
 every field, including swarm, round and recipient, is bound to the sender's key.
 
 A large message is cut into frames of `frame_size` bytes; frame j travels on stream
-j % streams, and every stream carries at least one frame (trailing frames may be empty). Each frame is independently signed and digested, so hashing, sending and checking
+j % streams, and every stream carries as many frames as the others (trailing frames may be
+empty). Each frame is independently signed and digested, so hashing, sending and checking
 pipeline frame by frame, and a receiver never holds an unverified frame longer than one frame.
 
 `check_head` runs every check that needs only the header, in the order that costs least to an
@@ -125,8 +126,9 @@ class MessageHeader:
         }
 
 
-_FIELDS = frozenset(("v", "swarm", "manifest", "kind", "mode", "round", "sender", "recipient", "nonce", "reply_to", "ts",
-     "total", "frame", "frames", "streams", "frame_size", "length", "digest", "tensors", "meta"))
+_FIELDS = frozenset(("v", "swarm", "manifest", "kind", "mode", "round", "sender", "recipient", "nonce",
+                     "reply_to", "ts", "total", "frame", "frames", "streams", "frame_size", "length", "digest",
+                     "tensors", "meta"))
 
 
 def new_payload_hasher():

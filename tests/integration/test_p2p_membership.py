@@ -116,7 +116,8 @@ def test_another_peer_cannot_write_our_subkey(tmp_path, p2p_cleanup):
             attacks = {
                 "unsigned value for a's subkey": (victim, body, expiration),
                 "a's subkey signed by the attacker": (victim, signed_by_attacker(victim, expiration), expiration),
-                "a's genuine record replayed with a later expiry": (victim, genuine.value, genuine.expiration_time + 100),
+                "a's genuine record replayed with a later expiry": (victim, genuine.value,
+                                                                    genuine.expiration_time + 100),
                 "fake member signed by the attacker": ("12D3KooWNotARealPeer", signed_by_attacker(
                     "12D3KooWNotARealPeer", expiration), expiration),
             }

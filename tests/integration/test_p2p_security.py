@@ -8,9 +8,7 @@ and leave the victim serving an honest peer, which pushes a message after every 
 
 from __future__ import annotations
 
-import asyncio
 import os
-import time
 import tracemalloc
 
 import numpy as np
@@ -18,11 +16,11 @@ import pytest
 
 from p2p.errors import Reason
 from p2p.framing import StreamIO
+from p2p.identity import NodeIdentity
 from p2p.limits import TransferLimits
 from p2p.messages import OutgoingMessage
 from p2p.streams import STREAM_PROTOCOL, Transport
 from p2p.wire import FRAME_PREFIX, TensorEntry, payload_digest
-from p2p.identity import NodeIdentity
 from tests.p2p_helpers import MANIFEST, SWARM, make_frame, make_header, run, sign_frame, wait_until
 
 pytestmark = pytest.mark.integration
@@ -70,7 +68,8 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
                                                               round=5), {}, Reason.BAD_SIGNATURE),
                 ("honest peer's frame relayed by the attacker", honest_for_victim, {}, Reason.BAD_SIGNATURE),
                 ("tampered payload", bytes(tampered), {}, Reason.BAD_DIGEST),
-                ("truncated stream", sign_frame(attacker, one_mib_claim()) + b"\0" * 100_000, {"close": True}, Reason.TRUNCATED),
+                ("truncated stream", sign_frame(attacker, one_mib_claim()) + b"\0" * 100_000, {"close": True},
+                 Reason.TRUNCATED),
                 ("stalled stream", sign_frame(attacker, one_mib_claim()) + b"\0" * 100_000, {}, Reason.TIMEOUT),
                 ("oversized header", FRAME_PREFIX.pack(b"F", 10**9) + os.urandom(1000), {}, Reason.TOO_LARGE),
                 ("10^12 elements", sign_frame(attacker, huge, PAYLOAD), {}, Reason.TOO_LARGE),

@@ -54,7 +54,7 @@ class TransferLimits:
     idle_timeout_s: float = 30.0             # no byte moved on a stream for this long: give up
     min_rate_bytes_per_s: float = 256 * KiB  # deadline = base + size / min_rate (a slow but live link)
     base_timeout_s: float = 30.0
-    reply_timeout_s: float = 30.0            # the responder's callback must produce its reply in time
+    reply_timeout_s: float = 30.0            # a handler's reply(header) and deliver(message) must return in time
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -81,9 +81,17 @@ class Membership:
             logger.warning("could not publish the membership update of swarm %r; the heartbeat will retry",
                            self.swarm)
 
-    async def peers(self, include_self: bool = False) -> dict[str, MemberRecord]:
-        """Live members: validated, not expired, not tombstoned; keyed by base58 peer id."""
-        found = await self.host.dht.get(self.key, latest=True)
+    async def peers(self, include_self: bool = False, timeout_s: float = 10.0) -> dict[str, MemberRecord]:
+        """Live members: validated, not expired, not tombstoned; keyed by base58 peer id.
+
+        Raises HostError if the DHT does not answer within `timeout_s`.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                found = await self.host.dht.get(self.key, latest=True)
+        except TimeoutError:
+            raise HostError(f"the DHT did not answer a member lookup of swarm {self.swarm!r} "
+                            f"within {timeout_s:.0f} s.") from None
         if found is None or not isinstance(found.value, dict):
             return {}
         now = time.time()

@@ -3,9 +3,10 @@
 Every frame header carries a random nonce, its frame index and the sender's clock, all signed.
 Headers whose clock is further than `window_s` from ours are refused as EXPIRED by the wire
 checks, so remembering (sender, nonce, frame) for twice that window is enough to refuse every
-identical replay. Memory is bounded per peer and in the number of peers; when a peer's share is
-full its new frames are refused BUSY rather than forgetting old ones (forgetting would reopen
-the replay window).
+identical replay. Memory is bounded per peer, in the number of peers and in total (about 150
+bytes per entry); when a bound is reached new frames are refused BUSY rather than forgetting old
+ones (forgetting would reopen the replay window). Only frames that passed the signature, swarm,
+manifest, recipient and round checks get here, so only swarm members can use up the room.
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from collections import OrderedDict
 
 
 class ReplayGuard:
-    def __init__(self, window_s: float, max_entries_per_peer: int = 65_536, max_peers: int = 4096):
+    def __init__(self, window_s: float, max_entries_per_peer: int = 16_384, max_peers: int = 1024,
+                 max_entries: int = 262_144):
         self.retention_s = 2 * window_s
         self.max_entries_per_peer = max_entries_per_peer
         self.max_peers = max_peers
+        self.max_entries = max_entries
         self._seen: OrderedDict[bytes, OrderedDict[tuple, float]] = OrderedDict()
+        self._count = 0
 
     def check_and_remember(self, sender: bytes, nonce: bytes, frame: int, now: float) -> str:
         """Return "new" (now remembered), "replayed", or "full" (this peer's share is used up)."""
@@ -30,24 +34,32 @@ class ReplayGuard:
             entries = self._seen[sender] = OrderedDict()
         else:
             self._seen.move_to_end(sender)
-        # Entries are appended in arrival order, so expired ones sit at the front.
-        while entries and next(iter(entries.values())) < now:
-            entries.popitem(last=False)
+        self._expire(entries, now)
         key = (nonce, frame)
         if key in entries:
             return "replayed"
         if len(entries) >= self.max_entries_per_peer:
             return "full"
+        if self._count >= self.max_entries:
+            self._prune_peers(now)
+            if self._count >= self.max_entries:
+                return "full"
         entries[key] = now + self.retention_s
+        self._count += 1
         return "new"
+
+    def _expire(self, entries: OrderedDict, now: float) -> None:
+        # Entries are appended in arrival order, so expired ones sit at the front.
+        while entries and next(iter(entries.values())) < now:
+            entries.popitem(last=False)
+            self._count -= 1
 
     def _prune_peers(self, now: float) -> None:
         for sender in list(self._seen):
             entries = self._seen[sender]
-            while entries and next(iter(entries.values())) < now:
-                entries.popitem(last=False)
+            self._expire(entries, now)
             if not entries:
                 del self._seen[sender]
 
     def __len__(self) -> int:
-        return sum(len(entries) for entries in self._seen.values())
+        return self._count

@@ -151,6 +151,9 @@ def test_replay_guard_remembers_frames_and_bounds_memory():
     assert guard.check_and_remember(b"p", b"n3", 0, now=1.0) == "full"
     assert guard.check_and_remember(b"p", b"n3", 0, now=25.0) == "new"     # old entries expired
     assert len(guard) <= 4
+    crowded = ReplayGuard(window_s=10.0, max_entries_per_peer=10, max_entries=3)
+    assert [crowded.check_and_remember(bytes([i]), b"n", 0, now=0.0) for i in range(4)] == ["new"] * 3 + ["full"]
+    assert crowded.check_and_remember(b"x", b"n", 0, now=21.0) == "new" and len(crowded) == 1
 
 
 def test_inflight_ledger_refuses_instead_of_queueing():

@@ -8,6 +8,10 @@ Writes benchmarks/convergence.{png,json} and its block of benchmarks/RESULTS.md.
     .venv/bin/python benchmarks/convergence.py
     .venv/bin/python benchmarks/convergence.py --scale   # NoLoCo and DiLoCoX, 64 replicas of a
                                                          # smaller model: spread of the weights
+    .venv/bin/python benchmarks/convergence.py --diagnostics  # where DiLoCoX's loss goes:
+                                                         # delay and compression one at a time
+    .venv/bin/python benchmarks/convergence.py --lr-sweep 5e-4,1e-3,2e-3  # the inner lr, tuned
+                                                         # once (one replica, local, same budget)
 """
 
 from __future__ import annotations
@@ -32,23 +36,30 @@ SCALE_MODEL = ["model.dim=32", "model.n_heads=2", "model.n_layers=2", "model.ffn
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--scale", action="store_true", help="the 64-replica run instead of the main one")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--scale", action="store_true", help="the 64-replica run instead of the main one")
+    mode.add_argument("--diagnostics", action="store_true", help="DiLoCo and DiLoCoX with its delay "
+                      "and its compression separately, instead of the main run")
+    mode.add_argument("--lr-sweep", metavar="LRS", help="comma-separated inner lrs: local training "
+                      "of one replica on the same budget, to pick --lr once for all methods")
     p.add_argument("--workers", type=int, help="replicas (default 8, or 64 with --scale)")
     p.add_argument("--steps", type=int, help="inner steps per replica, a multiple of 100 "
                    "(default 800, or 400 with --scale)")
-    p.add_argument("--seq-len", type=int, help="default 128 (64 with --scale)")
-    p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default 4)")
+    p.add_argument("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
+    p.add_argument("--micro-batch", type=int, help="sequences per step (default 3, or 4 with --scale)")
     p.add_argument("--lr", type=float, help="inner peak learning rate, one for all methods "
-                   "(default 3e-3, or 1e-2 with --scale)")
+                   "(default 1e-3, from --lr-sweep; 3e-3 with --scale)")
     p.add_argument("--warmup", type=int, default=40, help="inner warm-up steps (default 40)")
-    p.add_argument("--eval-batches", type=int, default=8, help="validation batches (default 8)")
+    p.add_argument("--eval-batches", type=int, default=16, help="validation batches (default 16)")
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo/DiLoCoX η (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.3,
                    help="DiLoCo/DiLoCoX μ (default 0.3: the NoLoCo paper's DiLoCo baseline)")
-    p.add_argument("--rank", type=int, default=4, help="DiLoCoX low-rank rank (default 4)")
+    p.add_argument("--rank", type=int, default=2, help="DiLoCoX low-rank rank (default 2: the "
+                   "largest whose 8-bit messages to 7 peers cost 50x less than DiLoCo's ring)")
     p.add_argument("--bits", type=int, default=8, choices=(4, 8), help="DiLoCoX bits (default 8)")
     p.add_argument("--methods", help="comma-separated subset of the method keys, for pilots")
-    p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared "
+                   "2-core machine two threads ran slower and far more erratically than one)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra node-config override (repeatable)")
@@ -56,10 +67,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
     p.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md (pilots)")
     args = p.parse_args(argv)
-    defaults = {"workers": (8, 64), "steps": (800, 400), "seq_len": (128, 64), "lr": (3e-3, 1e-2)}
+    defaults = {"workers": (8, 64), "steps": (800, 400), "micro_batch": (3, 4), "lr": (1e-3, 3e-3)}
     for name, (main, scale) in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, scale if args.scale else main)
+    if args.lr_sweep:
+        try:
+            args.lr_sweep = ",".join(str(float(lr)) for lr in args.lr_sweep.split(","))
+        except ValueError:
+            p.error(f"--lr-sweep {args.lr_sweep!r} is not a comma-separated list of numbers.")
     if args.steps % 100:
         p.error(f"--steps {args.steps} must be a multiple of 100 (H = 100 and H = 50 rounds).")
     return args
@@ -80,6 +96,21 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
                                           **dilocox, **common),
         }
     every_50 = args.steps // 50
+    if args.lr_sweep:
+        return {f"lr={lr}": SimulationSettings("local", inner_steps=100, rounds=args.steps // 100,
+                                               workers=1, seed=args.seed)
+                for lr in args.lr_sweep.split(",")}
+    if args.diagnostics:
+        def variant(codec: dict, delay: int) -> SimulationSettings:
+            return SimulationSettings("dilocox", inner_steps=100, rounds=args.steps // 100,
+                                      **{**dilocox, **codec, "delay": delay}, **common)
+        identity = {"codec": "identity", "rank": None, "bits": None}
+        return {
+            "diloco": SimulationSettings("diloco", inner_steps=100, rounds=args.steps // 100, **outer, **common),
+            "dilocox-identity-delay1": variant(identity, 1),
+            "dilocox-lowrank-delay0": variant({}, 0),
+            "dilocox": variant({}, 1),
+        }
     return {
         "data-parallel": SimulationSettings("data-parallel", inner_steps=50, rounds=every_50, **common),
         "diloco": SimulationSettings("diloco", inner_steps=100, rounds=args.steps // 100, **outer, **common),
@@ -93,9 +124,10 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
     }
 
 
-def node_config(args: argparse.Namespace):
+def node_config(args: argparse.Namespace, lr: float | None = None):
     overrides = [f"data.seq_len={args.seq_len}", f"train.micro_batch_size={args.micro_batch}",
-                 f"train.tokens_per_step={args.micro_batch * args.seq_len}", f"train.lr={args.lr}",
+                 f"train.tokens_per_step={args.micro_batch * args.seq_len}",
+                 f"train.lr={args.lr if lr is None else lr}",
                  f"train.warmup_steps={args.warmup}", f"train.eval_batches={args.eval_batches}",
                  f"train.threads={args.threads}", "train.device=\"cpu\"",
                  *(SCALE_MODEL if args.scale else ["model.preset=\"tiny\""]), *args.overrides]
@@ -110,39 +142,62 @@ def verdict(ok: bool) -> str:
     return "**met**" if ok else "**not met**"
 
 
-def main_report(results: dict, args, command: str, seconds: float) -> str:
-    """The markdown block of the main comparison: scale, table, targets."""
-    first = next(iter(results.values()))
-    cfg = first.config
+def comparison_table(results: dict) -> str:
+    """Final numbers of every method, relative to DiLoCo where it ran."""
     diloco = results.get("diloco")
     rows = []
-    for key, r in results.items():
-        row = {"method": r.method, "final val loss (mean)": f"{r.final_val_loss:.4f}",
-               "best / worst replica": f"{r.final.val_loss_min:.4f} / {r.final.val_loss_max:.4f}",
-               "vs DiLoCo": relative(r.final_val_loss, diloco.final_val_loss) if diloco else "-",
-               "sent per replica": human_bytes(r.final.bytes_sent_per_replica),
-               "DiLoCo bytes / these": (f"{diloco.final.bytes_sent_per_replica / r.final.bytes_sent_per_replica:.1f}x"
-                                        if diloco and r.final.bytes_sent_per_replica else "-"),
-               "weight spread": f"{r.final.weight_spread:.1e}",
-               "wall": f"{r.final.wall_seconds / 60:.1f} min"}
-        rows.append(row)
+    for r in results.values():
+        energy = r.final.energy_kept if r.final.energy_kept is not None else \
+            next((x.energy_kept for x in reversed(r.records) if x.energy_kept is not None), None)
+        rows.append({
+            "method": r.method, "final val loss (mean)": f"{r.final_val_loss:.4f}",
+            "best / worst replica": f"{r.final.val_loss_min:.4f} / {r.final.val_loss_max:.4f}",
+            "vs DiLoCo": relative(r.final_val_loss, diloco.final_val_loss) if diloco else "-",
+            "sent per replica": human_bytes(r.final.bytes_sent_per_replica),
+            "DiLoCo bytes / these": (f"{diloco.final.bytes_sent_per_replica / r.final.bytes_sent_per_replica:.3g}x"
+                                     if diloco and r.final.bytes_sent_per_replica else "-"),
+            "weight spread": f"{r.final.weight_spread:.1e}",
+            "low-rank energy kept": f"{energy:.2f}" if energy is not None else "-",
+            "wall": f"{r.final.wall_seconds / 60:.1f} min"})
+    return markdown_table(rows)
+
+
+def scale_line(results: dict, args, seconds: float) -> str:
+    first = next(iter(results.values()))
+    cfg = first.config
     tokens = first.final.tokens_per_replica
-    lines = [
-        f"Scale: {args.workers} replicas of the tiny model ({first.parameters:,} parameters), "
-        f"{args.steps} inner steps of {args.micro_batch}×{cfg['data']['seq_len']} tokens each = "
-        f"{tokens:,} tokens per replica ({tokens * args.workers:,} in all) per method; inner AdamW "
-        f"peak lr {cfg['train']['lr']:g} (one value for all methods), warm-up "
-        f"{cfg['train']['warmup_steps']}, cosine to 0.1× over the run; validation on "
-        f"{cfg['train']['eval_batches']}×{args.micro_batch} fixed sequences; "
-        f"{args.threads} torch thread(s) on a shared 2-core machine; whole run {seconds / 60:.0f} min.",
-        f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} (Nesterov); "
-        "NoLoCo α = 0.5, β = γ = 0.7, snapshots in bf16; DiLoCoX low-rank rank "
-        f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, delay 1, group = "
-        "all replicas. Bytes are the codecs' exact encoded sizes (no wire headers); DiLoCo and "
-        "data-parallel are counted as a ring all-reduce of fp32.",
-        "", markdown_table(rows), "", "![convergence](convergence.png)", "", "Targets:"]
-    lines += targets(results)
-    lines += ["", "Command:", "", f"    {command}"]
+    model = cfg["model"]
+    return (f"Scale: {args.workers} replicas of a {first.parameters:,}-parameter model (dim "
+            f"{model['dim']}, {model['n_layers']} layers), {args.steps} inner steps of "
+            f"{args.micro_batch}×{cfg['data']['seq_len']} tokens = {tokens:,} tokens per replica "
+            f"({tokens * args.workers:,} in all) per method; inner AdamW peak lr {cfg['train']['lr']:g} "
+            f"(one value for all methods), warm-up {cfg['train']['warmup_steps']}, cosine to 0.1× "
+            f"over the run; validation on {cfg['train']['eval_batches']}×{args.micro_batch} fixed "
+            f"sequences; {args.threads} torch thread(s) on a shared 2-core machine; whole run "
+            f"{seconds / 60:.0f} min.")
+
+
+def outer_line(args) -> str:
+    return (f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} "
+            "(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots in bf16; DiLoCoX low-rank rank "
+            f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, group = all "
+            "replicas. Bytes are the codecs' exact encoded sizes (no wire headers); DiLoCo and "
+            "data-parallel are counted as a ring all-reduce of fp32, DiLoCoX as one message to "
+            "each of the N−1 others.")
+
+
+def main_report(results: dict, args, command: str, seconds: float) -> str:
+    """The markdown block of the main comparison: scale, table, targets."""
+    lines = [scale_line(results, args, seconds), outer_line(args), "", comparison_table(results),
+             "", "![convergence](convergence.png)", "", "Targets:", *targets(results),
+             "", "Command:", "", f"    {command}"]
+    return "\n".join(lines)
+
+
+def diagnostics_report(results: dict, args, command: str, seconds: float) -> str:
+    lines = ["### Where DiLoCoX's loss goes: its delay and its compression one at a time", "",
+             scale_line(results, args, seconds), outer_line(args), "", comparison_table(results),
+             "", "Command:", "", f"    {command}"]
     return "\n".join(lines)
 
 
@@ -172,8 +227,10 @@ def targets(results: dict) -> list[str]:
 
 def scale_report(results: dict, args, command: str, seconds: float) -> str:
     first = next(iter(results.values()))
+    model = first.config["model"]
     lines = [f"### Scale: {args.workers} replicas of a {first.parameters:,}-parameter model "
-             f"(dim 32, 2 layers), {args.steps} steps of {args.micro_batch}×{args.seq_len} tokens, "
+             f"(dim {model['dim']}, {model['n_layers']} layers), {args.steps} steps of "
+             f"{args.micro_batch}×{args.seq_len} tokens, inner lr {first.config['train']['lr']:g}, "
              f"{seconds / 60:.1f} min", ""]
     for r in results.values():
         spreads = ", ".join(f"{x.weight_spread:.1e}" for x in r.records)
@@ -192,6 +249,18 @@ def scale_report(results: dict, args, command: str, seconds: float) -> str:
                      f"as the lr decays ({spreads[-1]:.1e}): {verdict(shrinks)}.")
     lines += ["", "![scale](convergence_scale.png)", "", "Command:", "", f"    {command}"]
     return "\n".join(lines)
+
+
+def lr_sweep_report(results: dict, args, command: str, seconds: float) -> str:
+    best = min(results, key=lambda key: results[key].final_val_loss)
+    rows = [{"inner peak lr": key[3:], "final val loss": f"{r.final_val_loss:.4f}"}
+            for key, r in results.items()]
+    return "\n".join([
+        "### Inner learning rate, tuned once for all methods", "",
+        f"One replica trained alone (local) on the main run's budget ({args.steps} steps of "
+        f"{args.micro_batch}×{args.seq_len} tokens, warm-up {args.warmup}, cosine to 0.1×); the "
+        f"best, {best[3:]}, is the main run's --lr for every method. Whole sweep {seconds / 60:.0f} min.",
+        "", markdown_table(rows), "", "Command:", "", f"    {command}"])
 
 
 def write_block(results_md: Path, block: str, text: str) -> None:
@@ -231,19 +300,24 @@ def main(argv: list[str] | None = None) -> int:
     for key, s in settings.items():
         print(f"[{time.perf_counter() - started:6.0f}s] {s.describe()}: {s.workers} replicas, "
               f"{s.rounds} rounds", flush=True)
-        results[key] = run_simulation(s, config, corpus, on_round=lambda r: print(
+        method_config = node_config(args, lr=float(key[3:])) if args.lr_sweep else config
+        results[key] = run_simulation(s, method_config, corpus, on_round=lambda r: print(
             f"    round {r.round}: val {r.val_loss_mean if r.val_loss_mean is None else round(r.val_loss_mean, 4)}"
             f" spread {r.weight_spread:.1e} sent {human_bytes(r.bytes_sent_per_replica)}"
             f" ({r.wall_seconds:.0f}s)", flush=True))
     seconds = time.perf_counter() - started
-    name = "convergence_scale" if args.scale else "convergence"
+    mode = "scale" if args.scale else "diagnostics" if args.diagnostics else \
+        "lr-sweep" if args.lr_sweep else "main"
+    name = {"scale": "convergence_scale", "diagnostics": "convergence_diagnostics",
+            "lr-sweep": "convergence_lr_sweep", "main": "convergence"}[mode]
     write_json(list(results.values()), args.out_dir / f"{name}.json")
     plot_validation_loss(list(results.values()), args.out_dir / f"{name}.png",
                          f"{args.workers} replicas, equal tokens per replica", with_spread=args.scale)
-    report = (scale_report if args.scale else main_report)(results, args, command, seconds)
+    report = {"scale": scale_report, "diagnostics": diagnostics_report, "lr-sweep": lr_sweep_report,
+              "main": main_report}[mode](results, args, command, seconds)
     print(report)
     if not args.no_results:
-        write_block(args.results, "scale" if args.scale else "main", report)
+        write_block(args.results, mode, report)
     return 0
 
 

@@ -42,6 +42,7 @@ class RoundRecord:
     messages_late: int
     local_updates: int
     resyncs: int
+    energy_kept: float | None = None  # DiLoCoX low-rank: mean energy kept ε of this round's messages
     pairs: list[list[str]] = field(default_factory=list)  # NoLoCo: this round's pairs
     wall_seconds: float = 0.0
 
@@ -142,7 +143,8 @@ def measure(method: Method, rounds_done: int, tokens_per_step: int, evaluate: bo
         idle_steps=exchange.idle_steps, messages_sent=exchange.counters.messages_sent,
         messages_dropped=exchange.counters.messages_dropped,
         messages_late=counters.late_messages, local_updates=counters.local_updates,
-        resyncs=counters.resyncs, pairs=[list(p) for p in counters.pairs_last_round],
+        resyncs=counters.resyncs, energy_kept=counters.energy_kept,
+        pairs=[list(p) for p in counters.pairs_last_round],
         wall_seconds=wall_seconds)
 
 

@@ -18,6 +18,7 @@ class MethodCounters:
     local_updates: int = 0       # NoLoCo outer steps with no partner snapshot (G = {i})
     late_messages: int = 0       # arrived after the round they were needed in: not applied
     resyncs: int = 0             # DiLoCoX nodes that re-downloaded φ and m from the majority
+    energy_kept: float | None = None  # DiLoCoX low-rank: mean ε of the last round's messages
     pairs_last_round: list[tuple[str, str]] = field(default_factory=list)
 
 

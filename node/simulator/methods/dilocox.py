@@ -113,16 +113,18 @@ class DiLoCoXSwarm(Method):
     def run_round(self, round_index: int) -> None:
         self.decodings.next_round()
         self.inner_phase()
-        message_sizes = []
+        message_sizes, energies = [], []
         for replica in self.replicas:
             node = self.nodes[replica.name]
             message = node.compress(node.pseudo_gradient(replica.trainer.named_parameters()), round_index)
             message_sizes.append(message.size_bytes)
+            energies.extend(message.energy_kept.values())
             for other in self.names:
                 if other != replica.name:
                     self.exchange.send(replica.name, other, TOPIC, round_index, message,
                                        message.size_bytes)
         self.last_message_bytes = sum(message_sizes) / len(message_sizes)
+        self.counters.energy_kept = sum(energies) / len(energies) if energies else None
         if self.settings.delay == 0:
             self.exchange.wait(self.exchange.time_until_arrival(TOPIC))
         self._deliver_and_step(round_index)

@@ -18,7 +18,7 @@ _MAX_TRACKED_PEERS = 1024  # peer ids are free to mint: keep per-peer counts bou
 @dataclass
 class TransportCounters:
     messages_sent: int = 0          # messages whose every frame we wrote and the peer accepted
-    messages_received: int = 0      # first frames of incoming messages that reached our checks
+    messages_received: int = 0      # incoming messages whose first header passed every check
     messages_verified: int = 0      # complete incoming messages that passed every check
     frames_sent: int = 0
     frames_received: int = 0        # frames whose payload digest matched

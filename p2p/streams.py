@@ -58,7 +58,12 @@ class _Handler:
 def _peer_id(peer: PeerID | str | bytes) -> PeerID:
     if isinstance(peer, PeerID):
         return peer
-    return PeerID.from_base58(peer) if isinstance(peer, str) else PeerID(bytes(peer))
+    if isinstance(peer, str):
+        try:
+            return PeerID.from_base58(peer)
+        except ValueError:
+            raise ValueError(f"{peer!r} is not a base58 peer id (12D3KooW...).") from None
+    return PeerID(bytes(peer))
 
 
 def _short(peer: PeerID) -> str:
@@ -108,7 +113,10 @@ class Transport:
 
     def ban(self, peer: PeerID | str, seconds: float) -> None:
         """Refuse every stream of `peer` with BANNED for `seconds`."""
-        self._bans[_peer_id(peer).to_bytes()] = time.monotonic() + seconds
+        now = time.monotonic()
+        for banned in [p for p, until in self._bans.items() if until <= now]:  # keep the table small
+            del self._bans[banned]
+        self._bans[_peer_id(peer).to_bytes()] = now + seconds
 
     def unban(self, peer: PeerID | str) -> None:
         self._bans.pop(_peer_id(peer).to_bytes(), None)
@@ -118,7 +126,8 @@ class Transport:
         self._started = True
 
     async def stop(self) -> None:
-        """Stop serving: cancel in-flight exchanges, free every buffer, join the hash threads."""
+        """Stop serving: cancel in-flight exchanges and free every buffer. A stopped transport
+        cannot be started again (its hashing threads are released)."""
         if self._started:
             self._started = False
             with suppress(Exception):  # the daemon may already be gone
@@ -170,9 +179,7 @@ class Transport:
         streams = streams or choose_streams(largest, self.limits, self.wire_limits)
         plan = SendPlan(self.identity, swarm=self.swarm, manifest=self.manifest, recipient=peer.to_bytes(),
                         message=message, mode=mode, streams=streams, limits=self.limits, wire=self.wire_limits)
-        if timeout is None:
-            timeout = self.limits.deadline_s(message.total_bytes + expected_reply_bytes)
-        deadline = timeout
+        deadline = timeout if timeout is not None else self.limits.deadline_s(largest + expected_reply_bytes)
         reply = _ReplyState()
         ios: list[StreamIO] = []
         try:

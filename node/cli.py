@@ -73,7 +73,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     settings = NodeSettings(Path(args.data_dir or f"runs/{manifest.swarm.id}"),
                             listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
                             peers=check_peer_maddrs(args.peer), grace_s=args.grace,
-                            max_steps=args.max_steps, port_mapping=args.port_mapping, ops=ops)
+                            max_steps=args.max_steps, port_mapping=args.port_mapping, ops=ops,
+                            min_peers=args.min_peers)
     return run_event_loop(Daemon(manifest, settings).run())
 
 
@@ -170,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where to listen (repeatable; default /ip4/0.0.0.0/tcp/0)")
     join.add_argument("--data-dir", metavar="DIR", help="identity, checkpoints and logs "
                       "(default runs/<swarm id>)")
+    join.add_argument("--min-peers", type=int, default=0, metavar="N",
+                      help="in a swarm that has not started yet, wait (up to 120 s) for N other "
+                      "members before training, so that the first rounds have partners")
     join.add_argument("--port-mapping", action="store_true",
                       help="ask the router for a port mapping (UPnP/NAT-PMP); off by default")
     from node.ops_cli import add_join_ops_arguments

@@ -60,6 +60,8 @@ class NodeSettings:
     port_mapping: bool = False
     seed: int = 0                 # for this node's choices (partners, groups), not its data
     ops: dict = field(default_factory=dict)  # node.ops.NodeOps options: mqtt, preemption, display
+    min_peers: int = 0            # a fresh swarm: wait for this many other members before round 0
+    min_peers_timeout_s: float = 120.0
 
 
 class Daemon:
@@ -186,6 +188,10 @@ class Daemon:
             cache = self.cache = MemberCache(membership)
             await cache.start()
             await publish_manifest(host.dht, m)
+            addresses = await host.maddrs()
+            (self.data_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
+            self.event("joined", peer_id=peer_id, addresses=addresses, manifest=m.digest,
+                       corpus_digest=corpus.digest)
             bans = BanList(m.contributions.ban_after, m.contributions.ban_seconds)
             policy, exchange = self._protocol(trainer, transport, cache, peer_id, bans)
             start_round = await self._resume_or_join(trainer, policy, transport, cache)
@@ -194,10 +200,7 @@ class Daemon:
             self._first_round = start_round
             exchange.start(start_round)
             cache.update(round=start_round, status="training", extra={"since": start_round})
-            addresses = await host.maddrs()
-            (self.data_dir / ADDRESS_FILE).write_text("\n".join(addresses) + "\n")
-            self.event("joined", peer_id=peer_id, addresses=addresses, round=start_round,
-                       manifest=m.digest, corpus_digest=corpus.digest)
+            self.event("started", round=start_round, step=trainer.step)
             watch = ManifestWatch(host.dht, m)
             code = await self._train(trainer, policy, corpus.digest, cache, watch, transport)
         finally:
@@ -229,7 +232,9 @@ class Daemon:
         exchange = DiLoCoXExchange(self.loop, transport, cache, peer_id, m.digest, p.fan_out,
                                    p.message_deadline_s, bans, m.contributions.ban_seconds, rng,
                                    report)
-        hyper = DiLoCoXHyperParameters(DiLoCoHyperParameters(p.outer_lr, p.outer_momentum),
+        # Nesterov needs momentum; μ = 0 is plain SGD on the mean pseudo-gradient.
+        outer = DiLoCoHyperParameters(p.outer_lr, p.outer_momentum, nesterov=p.outer_momentum > 0)
+        hyper = DiLoCoXHyperParameters(outer,
                                        p.delay)
         policy = DiLoCoXRound(trainer, hyper, get_codec(p.codec, **codec_params), peer_id,
                               exchange, m.contributions.max_norm_ratio, p.message_deadline_s)
@@ -253,6 +258,7 @@ class Daemon:
             return trainer.step // H
         await wait_for_members(cache, timeout_s=2.0)
         if swarm_round(cache.peers(), self.manifest.digest) == 0:
+            await self._wait_min_peers(cache)
             return 0
         joined = await download_state(transport, cache, self.manifest)
         if joined is None:
@@ -263,6 +269,19 @@ class Daemon:
         self.event("late_join", source=joined.source, round=start,
                    state_round=joined.meta.get("phi_round"), digest=joined.meta.get("phi"))
         return start
+
+    async def _wait_min_peers(self, cache) -> None:
+        """A swarm that starts together trains together: wait (bounded) for the others."""
+        wanted, deadline = self.settings.min_peers, self.loop.time() + self.settings.min_peers_timeout_s
+        same = lambda: [r for r in cache.peers() if r.manifest == self.manifest.digest]
+        while len(same()) < wanted and self.loop.time() < deadline and not self.stop_event.is_set():
+            cache.refreshed.clear()
+            try:
+                await asyncio.wait_for(cache.refreshed.wait(), timeout=deadline - self.loop.time())
+            except asyncio.TimeoutError:
+                break
+        if len(same()) < wanted:
+            self.event("min_peers_timeout", wanted=wanted, found=len(same()))
 
     async def _serve_state(self, policy, header) -> OutgoingMessage:
         wanted = header.meta.get("phi_round")
@@ -340,6 +359,8 @@ class Daemon:
                 except Exception as exc:  # leaving must go on: each step is best effort
                     log.warning("while leaving: %s", exc)
         (self.data_dir / ADDRESS_FILE).unlink(missing_ok=True)
+        if transport is not None:  # the proof that every message was signed and verified
+            self.event("transport", **transport.counters.snapshot())
         self.event("left")
         if self.metrics:
             self.metrics.close()

@@ -17,7 +17,7 @@ log = logging.getLogger("lowcomm.members")
 
 
 class MemberCache:
-    def __init__(self, membership, refresh_s: float = 1.0):
+    def __init__(self, membership, refresh_s: float = 0.5):
         self.membership, self.refresh_s = membership, refresh_s
         self.records: dict[str, MemberRecord] = {}
         self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order

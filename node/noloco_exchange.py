@@ -35,6 +35,10 @@ from protocol.matching import (DeclineReason, MatchingState, MatchMessage, Messa
 log = logging.getLogger("lowcomm.noloco")
 MATCH, SNAPSHOT = "noloco.match", "noloco.snapshot"
 CONTROL_TIMEOUT_S = 10.0
+# Overlap timing proposes at a random moment in the first part of the round. Proposing the
+# instant a round ends would meet peers still finishing the previous round, already paired:
+# they decline, pairs form in finishing order, and with steady node speeds never change.
+PROPOSAL_WINDOW = 0.6
 
 
 def peer_name(raw: bytes | PeerID | str) -> str:
@@ -59,6 +63,10 @@ class NoLoCoExchange:
         self.changed = asyncio.Event()
         self.swaps_ok = self.swaps_failed = 0
         self._task: asyncio.Task | None = None
+        self.propose_after = 0.0
+        self.previous_pair = None  # a pair formed late in the last round may still be swapping
+        self._round_started = loop.time()
+        self.round_seconds = 0.0
 
     # ------------------------------------------------------------------ life
     def start(self, round_index: int) -> None:
@@ -116,7 +124,12 @@ class NoLoCoExchange:
             await self.changed.wait()
 
     def _next_round(self, next_round: int) -> None:
+        now = self.loop.time()
+        self.round_seconds, self._round_started = now - self._round_started, now
+        if self.timing == "overlap":
+            self.propose_after = now + self.rng.uniform(0, PROPOSAL_WINDOW * self.round_seconds)
         outcome = self.matching.end_round(next_round)
+        self.previous_pair = outcome.pair
         for message in outcome.outgoing:
             self._send_control(message)
         self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
@@ -125,21 +138,32 @@ class NoLoCoExchange:
 
     # ------------------------------------------------------------------ matching
     def _announcements(self) -> list[ReadyAnnouncement]:
-        return [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)
-                for rec in self.membership.peers()
-                if rec.peer_id != self.peer_id and rec.protocol == "noloco"
-                and rec.status == "ready" and not self.bans.is_banned(rec.peer_id)]
+        """Ready peers; those already in our round or past it first. A peer still in an earlier
+        round has most likely paired for it and would decline, so it is tried only when no
+        peer of our round is left (it stays eligible within max_staleness)."""
+        ready = [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)
+                 for rec in self.membership.peers()
+                 if rec.peer_id != self.peer_id and rec.protocol == "noloco"
+                 and rec.status == "ready" and not self.bans.is_banned(rec.peer_id)]
+        current = [a for a in ready if a.round_index >= self.matching.round_index]
+        eligible_current = self.matching.candidates(current)
+        return current if eligible_current else ready
 
     async def _matchmaker(self) -> None:
         """Proposes whenever this node may pair and has no partner and no proposal in flight."""
         while True:
+            wait = 1.0  # membership changes arrive by heartbeat: look again every second
             if self.accepting and self.offered is not None and self.matching.wants_partner:
-                proposal = self.matching.choose_candidate(self._announcements(), self.rng)
-                if proposal is not None:
-                    self._send_control(proposal)
+                early = self.propose_after - self.loop.time()
+                if early > 0:
+                    wait = min(wait, early)
+                else:
+                    proposal = self.matching.choose_candidate(self._announcements(), self.rng)
+                    if proposal is not None:
+                        self._send_control(proposal)
             self.changed.clear()
-            try:  # membership changes arrive by heartbeat: look again every second
-                await asyncio.wait_for(self.changed.wait(), timeout=1.0)
+            try:
+                await asyncio.wait_for(self.changed.wait(), timeout=wait)
             except asyncio.TimeoutError:
                 pass
 
@@ -200,9 +224,11 @@ class NoLoCoExchange:
         self._store(partner, round_index, received)
 
     async def _snapshot_reply(self, header: MessageHeader) -> OutgoingMessage:
+        """Our latest snapshot, for this round's partner, or last round's: a pair formed just
+        before our round ended still serves the partner, whose round it belongs to."""
         sender = peer_name(header.sender)
-        pair = self.matching.pair
-        if pair is None or pair.partner != sender or self.offered is None:
+        partners = {p.partner for p in (self.matching.pair, self.previous_pair) if p is not None}
+        if sender not in partners or self.offered is None:
             raise Refusal(Reason.REFUSED, "not paired with you this round")
         return self.offered
 

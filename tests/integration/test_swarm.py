@@ -1,0 +1,158 @@
+"""Issue 5 on real daemons: separate processes, real p2pd, loopback only."""
+
+import itertools
+import signal
+import time
+
+import pytest
+
+from tests.swarm_harness import SwarmHarness, small_manifest
+
+pytestmark = pytest.mark.integration
+
+
+def left(events):
+    return any(e["event"] == "left" for e in events)
+
+
+@pytest.fixture
+def harness_factory(tmp_path):
+    made = []
+
+    def make(manifest):
+        made.append(SwarmHarness(tmp_path / manifest.swarm.id, manifest))
+        return made[-1]
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory):
+    m = small_manifest("t-noloco", "noloco")
+    m.train.eval_every = 20
+    harness = harness_factory(m)
+    nodes = harness.start(4, extra=["--max-steps", "200"])
+    for node in nodes:
+        node.wait_for(left, 300, "the node to finish and leave")
+        assert node.process.wait(timeout=30) == 0
+    pairs, partners_of = set(), {}
+    for node in nodes:
+        rounds = node.events("round")
+        vals = [r["val_loss"] for r in rounds if "val_loss" in r]
+        assert len(vals) >= 5 and vals[-1] < vals[0] - 0.3, vals
+        partners = [r["partner"] for r in rounds if r["partner"]]
+        assert len(partners) >= 2, f"node {node.index} paired only {len(partners)} times"
+        partners_of[node.peer_id] = set(partners)
+        pairs |= {frozenset((node.peer_id, p)) for p in partners}
+        counters = node.events("transport")[-1]
+        # every snapshot used was a verified signed message; nothing was refused either way
+        swapped = sum(e["event"] == "swapped" for e in node.events())
+        assert counters["messages_verified"] >= swapped >= len(partners)
+        assert counters["refused_incoming"] == {} and counters["refused_outgoing"] == {}
+    assert len(pairs) >= 3, "partners must vary across the swarm"
+    assert max(len(p) for p in partners_of.values()) >= 2
+    # a pair is mutual: whoever A swapped with in a round lists A too
+    for a, b in itertools.permutations(partners_of, 2):
+        if b in partners_of[a]:
+            assert a in partners_of[b]
+
+
+def test_dilocox_three_nodes_end_rounds_with_identical_phi(harness_factory):
+    m = small_manifest("t-dilocox", "dilocox", outer_momentum=0.0, rank=4)
+    m.train.eval_every = 20
+    harness = harness_factory(m)
+    nodes = harness.start(3, extra=["--max-steps", "160"])
+    for node in nodes:
+        node.wait_for(left, 300, "the node to finish and leave")
+    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
+    common = sorted(set.intersection(*(set(d) for d in digests)))
+    assert len(common) >= 3, common
+    for rnd in common[-2:]:
+        assert len({d[rnd] for d in digests}) == 1, f"round {rnd}: {[d[rnd] for d in digests]}"
+    for node in nodes:
+        rounds = node.events("round")
+        assert any(len(r["group"]) >= 2 for r in rounds), "no round applied the whole group"
+        vals = [r["val_loss"] for r in rounds if "val_loss" in r]
+        assert vals[-1] < vals[0], vals
+        counters = node.events("transport")[-1]
+        applied = sum(len(r["group"]) for r in rounds)
+        assert counters["messages_verified"] >= applied > 0
+        assert counters["refused_incoming"] == {}
+
+
+def test_late_joiner_downloads_verified_state_and_starts_near_the_swarm(harness_factory):
+    m = small_manifest("t-late", "noloco")
+    m.train.eval_every = 20
+    harness = harness_factory(m)
+    nodes = harness.start(3)
+    nodes[0].wait_rounds(4, timeout=180)
+    late = harness.start_node(3, [nodes[0].address])
+    joined = late.wait_for(lambda ev: any(e["event"] == "round" and "val_loss" in e for e in ev),
+                           180, "the late joiner's first validated round")
+    late_join = [e for e in joined if e["event"] == "late_join"]
+    assert late_join, late.log_tail()
+    assert late_join[0]["round"] >= 3
+    first_val = next(e["val_loss"] for e in joined if e["event"] == "round" and "val_loss" in e)
+    swarm_vals = [r["val_loss"] for n in nodes for r in n.events("round")
+                  if "val_loss" in r and r["round"] <= late_join[0]["round"]]
+    swarm_now = min(swarm_vals[-3:])
+    scratch = 5.55  # ln 256: what a fresh model scores
+    assert abs(first_val - swarm_now) / swarm_now < 0.05, (first_val, swarm_now)
+    assert first_val < scratch - 1.0
+
+
+def test_sigkill_mid_exchange_partner_carries_on_and_killed_node_resumes(harness_factory):
+    m = small_manifest("t-kill", "noloco")
+    m.train.checkpoint_every = 20
+    harness = harness_factory(m)
+    nodes = harness.start(3)
+    victim = nodes[1]
+    victim.wait_for(lambda ev: sum(e["event"] == "checkpoint" for e in ev) >= 2
+                    and any(e["event"] == "paired" for e in ev[-5:]), 180,
+                    "a checkpoint and a fresh pairing")
+    harness.kill(victim, signal.SIGKILL)
+    killed_id = victim.peer_id
+    survivors = [nodes[0], nodes[2]]
+    before = [len(n.events("round")) for n in survivors]
+    for node, count in zip(survivors, before):
+        node.wait_rounds(count + 3, timeout=120)  # nobody hangs on the dead partner
+    restarted = harness.start_node(1, [nodes[0].address], data_dir=victim.data_dir)
+    events = restarted.wait_for(lambda ev: any(e["event"] == "resumed" for e in ev)
+                                and sum(e["event"] == "round" for e in ev) >= 3, 180,
+                                "resuming from the checkpoint and three rounds")
+    resumed = next(e for e in events if e["event"] == "resumed")
+    assert resumed["step"] >= 10
+    assert restarted.peer_id == killed_id  # same data directory, same identity
+    assert any(r["partner"] for r in restarted.events("round")[-3:] if "partner" in r) or \
+        any(e["event"] == "swapped" for e in restarted.events())
+
+
+def test_sigterm_checkpoints_and_leaves_within_the_grace_period(harness_factory):
+    m = small_manifest("t-term", "noloco")
+    harness = harness_factory(m)
+    a, b = harness.start(2)
+    a.wait_rounds(2, timeout=120)
+    started = time.monotonic()
+    assert harness.stop(a, timeout=25) == 0
+    assert time.monotonic() - started < 25
+    kinds = [e["event"] for e in a.events()]
+    assert kinds.index("stopping") < kinds.index("checkpoint", kinds.index("stopping")) \
+        < kinds.index("left")
+    # the partner sees the tombstone at once and keeps training alone
+    b.wait_rounds(len(b.events("round")) + 2, timeout=60)
+
+
+def test_peer_on_another_manifest_is_named_and_ignored(harness_factory, tmp_path):
+    m = small_manifest("t-mismatch", "noloco")
+    harness = harness_factory(m)
+    first = harness.start(1)[0]
+    other = small_manifest("t-mismatch", "noloco", inner_steps=7)
+    stranger = SwarmHarness(tmp_path / "stranger", other)
+    try:
+        node = stranger.start_node(9, [first.address], extra=["--max-steps", "30"])
+        text = first.wait_log("uses another manifest", timeout=90)
+        assert "differs in protocol.inner_steps (20 here vs 7 there)" in text, text
+        node.wait_for(left, 120, "the stranger to finish")
+        assert not any(r["partner"] for r in node.events("round"))
+    finally:
+        stranger.close()

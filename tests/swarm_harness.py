@@ -1,0 +1,163 @@
+"""A local swarm of real `lowcomm-node join` processes for integration tests (and fault injection).
+
+Every node is a separate process with its own p2pd, on loopback, with its own data directory.
+Waits read the node's event log (metrics.jsonl) with a bounded timeout: no sleep-and-hope. The
+harness kills whatever is still running at the end and removes the p2pd sockets that killed
+nodes leave in /tmp, so a test leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from node.manifest import Manifest, write_manifest
+
+SOCKETS = "/tmp/hivemind-*.sock"
+
+
+def small_manifest(swarm: str, protocol: str, inner_steps: int = 20, **protocol_values) -> Manifest:
+    """A swarm whose rounds take 2-3 s on a shared CPU core: long enough for a pair
+    to form and swap within a round on loopback."""
+    m = Manifest()
+    m.swarm.id = swarm
+    m.model.dim, m.model.n_heads, m.model.n_layers, m.model.ffn_hidden = 64, 4, 2, 128
+    m.data.seq_len = 32
+    t = m.train
+    t.micro_batch_size, t.tokens_per_step, t.lr, t.warmup_steps = 8, 2048, 1e-2, 10
+    t.steps, t.eval_every, t.eval_batches, t.checkpoint_every, t.threads = 2000, 0, 2, 0, 1
+    m.protocol.name, m.protocol.inner_steps = protocol, inner_steps
+    for key, value in protocol_values.items():
+        setattr(m.protocol, key, value)
+    return m
+
+
+class NodeHandle:
+    def __init__(self, index: int, data_dir: Path, process: subprocess.Popen):
+        self.index, self.data_dir, self.process = index, data_dir, process
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        path = self.data_dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        found = []
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line being written
+            if kind is None or event["event"] == kind:
+                found.append(event)
+        return found
+
+    def wait_for(self, predicate, timeout: float, what: str) -> list[dict]:
+        """Waits until predicate(events) is true; fails with the node's log tail otherwise."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            events = self.events()
+            if predicate(events):
+                return events
+            if self.process.poll() is not None and not predicate(self.events()):
+                break
+            time.sleep(0.1)
+        raise AssertionError(f"node {self.index}: timed out after {timeout} s waiting for {what} "
+                             f"(exit code {self.process.poll()}); log tail:\n{self.log_tail()}")
+
+    def wait_log(self, text: str, timeout: float) -> str:
+        """Waits until the node's log holds `text`; returns the log."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            log = self.log_tail(100_000)
+            if text in log:
+                return log
+            time.sleep(0.1)
+        raise AssertionError(f"node {self.index}: {text!r} not logged within {timeout} s; "
+                             f"log tail:\n{self.log_tail()}")
+
+    def wait_rounds(self, count: int, timeout: float) -> list[dict]:
+        self.wait_for(lambda ev: sum(e["event"] == "round" for e in ev) >= count, timeout,
+                      f"{count} rounds")
+        return self.events("round")
+
+    def log_tail(self, lines: int = 30) -> str:
+        path = self.data_dir / "node.log"
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+    @property
+    def address(self) -> str:
+        return (self.data_dir / "address").read_text().split()[0]
+
+    @property
+    def peer_id(self) -> str:
+        return self.events("joined")[-1]["peer_id"]
+
+
+class SwarmHarness:
+    def __init__(self, base: Path, manifest: Manifest):
+        self.base = Path(base)
+        self.manifest_path = write_manifest(manifest, self.base / "manifest.toml")
+        self.nodes: list[NodeHandle] = []
+        self.sockets_before = set(glob.glob(SOCKETS))
+
+    def start_node(self, index: int, peers: list[str] = (), extra: list[str] = (),
+                   data_dir: Path | None = None) -> NodeHandle:
+        data_dir = data_dir or self.base / f"node-{index}"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "address").unlink(missing_ok=True)
+        command = [sys.executable, "-m", "node.cli", "join", "--manifest", str(self.manifest_path),
+                   "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
+        for peer in peers:
+            command += ["--peer", peer]
+        with open(data_dir / "node.log", "ab") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        node = NodeHandle(index, data_dir, process)
+        self.nodes.append(node)
+        return node
+
+    def start(self, count: int, extra: list[str] = (), timeout: float = 90) -> list[NodeHandle]:
+        """Node 0 first; the others bootstrap from it once it has joined. Node 0 waits for the
+        others before its first round (--min-peers), so the swarm starts together."""
+        first = self.start_node(0, extra=[*extra, "--min-peers", str(count - 1)])
+        first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), timeout, "joining")
+        rest = [self.start_node(i, [first.address], extra) for i in range(1, count)]
+        for node in rest:
+            node.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), timeout, "joining")
+        return [first, *rest]
+
+    def kill(self, node: NodeHandle, sig: int = signal.SIGKILL) -> None:
+        if node.process.poll() is None:
+            node.process.send_signal(sig)
+            node.process.wait(timeout=60)
+
+    def stop(self, node: NodeHandle, timeout: float = 40) -> int:
+        if node.process.poll() is None:
+            node.process.send_signal(signal.SIGTERM)
+            try:
+                node.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait()
+                raise AssertionError(f"node {node.index} did not exit within {timeout} s of "
+                                     f"SIGTERM:\n{node.log_tail()}")
+        return node.process.returncode
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        for node in self.nodes:
+            try:
+                node.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait()
+        # p2pd of a SIGKILLed node dies with it but leaves its unix sockets behind
+        for path in set(glob.glob(SOCKETS)) - self.sockets_before:
+            Path(path).unlink(missing_ok=True)

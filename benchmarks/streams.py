@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import struct
 import subprocess
@@ -113,21 +114,27 @@ def sender_paths(host: P2PHost, transport: Transport, peer, tcp_address: tuple[s
 
 async def time_paths(paths: dict, repeats: int, warmup: bool = True) -> dict[str, float]:
     """Median seconds per path; paths interleaved run by run."""
-    if warmup:  # connections, handlers, the first page faults of the buffers
-        for path in paths.values():
+    async def run(name, path):
+        try:
             await path()
+        except Exception as error:
+            raise RuntimeError(f"path {name} failed: {type(error).__name__}: {error}") from error
+
+    if warmup:  # connections, handlers, the first page faults of the buffers
+        for name, path in paths.items():
+            await run(name, path)
     times = {name: [] for name in paths}
     for _ in range(repeats):
         for name, path in paths.items():
             start = time.perf_counter()
-            await path()
+            await run(name, path)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
 
 async def run_loopback(size_mb: int, repeats: int, streams: int) -> dict:
     payload = np.random.default_rng(0).integers(0, 256, size_mb * 10**6, dtype=np.uint8)
-    work = tempfile.mkdtemp(prefix="lowcomm-bench-")
+    work = tempfile.mkdtemp(prefix="lowcomm-bench-")  # the two keys; removed at the end
     ids = [NodeIdentity.load_or_create(identity_path(f"{work}/{i}")) for i in range(2)]
     a = await P2PHost.start(ids[0])
     b = await P2PHost.start(ids[1], initial_peers=await a.maddrs())
@@ -144,13 +151,20 @@ async def run_loopback(size_mb: int, repeats: int, streams: int) -> dict:
     finally:
         await a.shutdown()
         await b.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
     return medians | {"_bytes": payload.nbytes}
 
 
 async def run_side(args) -> None:
     """One peer of the shaped benchmark, inside its namespace."""
     work = tempfile.mkdtemp(prefix=f"lowcomm-bench-{args.side}-")
-    identity = NodeIdentity.load_or_create(identity_path(work))
+    try:
+        await _run_side(args, NodeIdentity.load_or_create(identity_path(work)))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def _run_side(args, identity: NodeIdentity) -> None:
     if args.side == "receiver":
         host = await P2PHost.start(identity, host_maddrs=[f"/ip4/127.0.0.1/tcp/{args.p2p_port}"])
         try:

@@ -255,14 +255,20 @@ class Daemon:
             trainer.load_state_dict(state["trainer"])
             policy.load_state_dict(state["policy"])
             self.event("resumed", checkpoint=loaded.path.name, step=trainer.step)
-            return trainer.step // H
-        await wait_for_members(cache, timeout_s=2.0)
-        if swarm_round(cache.peers(), self.manifest.digest) == 0:
-            await self._wait_min_peers(cache)
-            return 0
+            await wait_for_members(cache, timeout_s=2.0)
+            lag = swarm_round(cache.peers(), self.manifest.digest) - trainer.step // H
+            # Too far behind to pair (NoLoCo) or to share φ (DiLoCoX): catch up like a late
+            # joiner, keeping our own inner optimizer and data position.
+            if lag <= max(1, self.manifest.protocol.max_staleness):
+                return trainer.step // H
+        else:
+            await wait_for_members(cache, timeout_s=2.0)
+            if swarm_round(cache.peers(), self.manifest.digest) == 0:
+                await self._wait_min_peers(cache)
+                return 0
         joined = await download_state(transport, cache, self.manifest)
         if joined is None:
-            return 0
+            return trainer.step // H
         await self.loop.run_in_executor(None, policy.adopt, joined.tensors)
         start = joined.round_index
         trainer.start_at(start * H)

@@ -9,6 +9,8 @@ import pytest
 from tests.swarm_harness import SwarmHarness, small_manifest
 
 pytestmark = pytest.mark.integration
+# Refusals that are part of normal operation, not security failures.
+BENIGN = {"REFUSED", "BUSY", "STALE_ROUND", "TIMEOUT"}
 
 
 def left(events):
@@ -45,10 +47,13 @@ def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory)
         partners_of[node.peer_id] = set(partners)
         pairs |= {frozenset((node.peer_id, p)) for p in partners}
         counters = node.events("transport")[-1]
-        # every snapshot used was a verified signed message; nothing was refused either way
+        # every snapshot used was a verified signed message, and no message failed a security
+        # check either way (a swap the peer could no longer serve is refused as REFUSED: the
+        # round then ends with a counted local update)
         swapped = sum(e["event"] == "swapped" for e in node.events())
         assert counters["messages_verified"] >= swapped >= len(partners)
-        assert counters["refused_incoming"] == {} and counters["refused_outgoing"] == {}
+        for refusals in (counters["refused_incoming"], counters["refused_outgoing"]):
+            assert set(refusals) <= BENIGN, refusals
     assert len(pairs) >= 3, "partners must vary across the swarm"
     assert max(len(p) for p in partners_of.values()) >= 2
     # a pair is mutual: whoever A swapped with in a round lists A too
@@ -75,9 +80,9 @@ def test_dilocox_three_nodes_end_rounds_with_identical_phi(harness_factory):
         vals = [r["val_loss"] for r in rounds if "val_loss" in r]
         assert vals[-1] < vals[0], vals
         counters = node.events("transport")[-1]
-        applied = sum(len(r["group"]) for r in rounds)
-        assert counters["messages_verified"] >= applied > 0
-        assert counters["refused_incoming"] == {}
+        applied_from_peers = sum(len(set(r["group"]) - {node.peer_id}) for r in rounds)
+        assert counters["messages_verified"] >= applied_from_peers > 0
+        assert set(counters["refused_incoming"]) <= BENIGN
 
 
 def test_late_joiner_downloads_verified_state_and_starts_near_the_swarm(harness_factory):
@@ -123,8 +128,9 @@ def test_sigkill_mid_exchange_partner_carries_on_and_killed_node_resumes(harness
     resumed = next(e for e in events if e["event"] == "resumed")
     assert resumed["step"] >= 10
     assert restarted.peer_id == killed_id  # same data directory, same identity
-    assert any(r["partner"] for r in restarted.events("round")[-3:] if "partner" in r) or \
-        any(e["event"] == "swapped" for e in restarted.events())
+    # it caught up with the swarm (if it had fallen behind) and pairs again
+    restarted.wait_for(lambda ev: any(e["event"] == "swapped" and e["time"] > resumed["time"]
+                                      for e in ev), 120, "a swap after the restart")
 
 
 def test_sigterm_checkpoints_and_leaves_within_the_grace_period(harness_factory):

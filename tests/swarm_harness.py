@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from node.manifest import Manifest, write_manifest
+from p2p.host import remove_dead_sockets
 
 SOCKETS = "/tmp/hivemind-*.sock"
 
@@ -158,6 +159,6 @@ class SwarmHarness:
             except subprocess.TimeoutExpired:
                 node.process.kill()
                 node.process.wait()
-        # p2pd of a SIGKILLed node dies with it but leaves its unix sockets behind
-        for path in set(glob.glob(SOCKETS)) - self.sockets_before:
-            Path(path).unlink(missing_ok=True)
+        # p2pd of a SIGKILLed node dies with it but leaves its unix sockets behind; delete only
+        # those nothing listens on: a test running beside this one owns live ones
+        remove_dead_sockets(set(glob.glob(SOCKETS)) - self.sockets_before)

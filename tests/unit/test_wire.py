@@ -11,7 +11,7 @@ from p2p.limits import InflightLedger, TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage, OutgoingTensor, slice_segments
 from p2p.replay import ReplayGuard
 from p2p.sending import choose_frame_size
-from p2p.wire import (FRAME_PREFIX, STATUS_PREFIX, TAG_STATUS, Expectations, TensorEntry, decode_frame,
+from p2p.wire import (VERSION, FRAME_PREFIX, STATUS_PREFIX, TAG_STATUS, Expectations, TensorEntry, decode_frame,
                       decode_header_bytes, decode_status_body, encode_header, encode_status, frame_count)
 from tests.p2p_helpers import MANIFEST, SWARM, make_frame, make_header, sign_frame
 
@@ -47,7 +47,7 @@ def test_valid_frame_decodes_to_its_header_and_payload():
     (dict(recipient=OTHER.peer_id.to_bytes()), Reason.WRONG_RECIPIENT),
     (dict(sender=OTHER.peer_id.to_bytes()), Reason.WRONG_SENDER),
     (dict(timestamp=time.time() - 3600.0), Reason.EXPIRED),
-    (dict(version=2), Reason.WRONG_VERSION),
+    (dict(version=VERSION + 1), Reason.WRONG_VERSION),
     (dict(mode=7), Reason.MALFORMED),
     (dict(round=-1), Reason.MALFORMED),
     (dict(round=True), Reason.MALFORMED),
@@ -103,8 +103,8 @@ def test_oversized_header_is_refused_by_its_declared_length():
 
 
 def test_signed_garbage_header_is_malformed_not_a_crash():
-    for raw in (b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({"v": 1}), b"\x92" * 2000,
-                msgpack.packb({"v": 1, **{f"k{i}": i for i in range(100)}})):
+    for raw in (b"\xc1", msgpack.packb([1, 2, 3]), msgpack.packb({"v": VERSION}), b"\x92" * 2000,
+                msgpack.packb({"v": VERSION, **{f"k{i}": i for i in range(100)}})):
         assert refusal_of(sign_frame(SENDER, raw)) in (Reason.MALFORMED, Reason.TOO_LARGE)
 
 

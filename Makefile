@@ -4,8 +4,9 @@
 setup:
 	bash .ci/setup
 
+# A 3-node NoLoCo swarm on loopback: tiny model, this interpreter's stdlib as the corpus.
 run: setup
-	.venv/bin/lowcomm-node train --config configs/train-tiny.toml
+	.venv/bin/lowcomm-node local-swarm --swarm local --nodes 3 --max-steps 300
 
 test: setup
 	.venv/bin/python -m pytest -q -p no:cacheprovider tests

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def cmd_local_swarm(args: argparse.Namespace) -> int:
     join_args = ["--swarm", args.swarm] if args.swarm else ["--manifest", str(args.manifest)]
     for override in args.overrides:
         join_args += ["--set", override]
+    if not any(o.startswith("train.threads") for o in args.overrides):
+        # N nodes share this machine: oversubscribed torch threads spin and slow everyone
+        join_args += ["--set", f"train.threads={max(1, (os.cpu_count() or 1) // args.nodes)}"]
     if args.max_steps:
         join_args += ["--max-steps", str(args.max_steps)]
     base = Path(args.base_dir or f"runs/local-{manifest.swarm.id}")

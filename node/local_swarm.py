@@ -121,7 +121,8 @@ def run_local_swarm(count: int, base: Path, join_args: list[str], grace_s: float
     previous = {sig: signal.signal(sig, lambda *_: stopping.append(True))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        nodes.append(start_node(0, base, join_args, []))
+        # node 0 waits for the others before round 0, so the first rounds have partners
+        nodes.append(start_node(0, base, [*join_args, "--min-peers", str(count - 1)], []))
         address = wait_for_address(nodes[0].data_dir, nodes[0].process, timeout=60)
         console.print(f"node 0 is up at {address}; starting {count - 1} more")
         nodes.extend(start_node(i, base, join_args, [address]) for i in range(1, count))

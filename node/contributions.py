@@ -11,6 +11,7 @@ refused before their payload is read (the network layer asks `is_banned` first).
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+log = logging.getLogger("lowcomm.contributions")
 
 class ContributionRefused(ValueError):
     """Why a contribution was dropped: `reason` is a short code, str() one sentence."""
@@ -82,6 +84,16 @@ class BanList:
             self.strikes[peer] = 0
             return True
         return False
+
+    def refuse(self, peer: str, reason: str, sentence: str,
+               ban: Callable[[str, float], None]) -> None:
+        """Logs a refused contribution, strikes its sender, and calls `ban` when that bans it
+        (the transport then refuses the peer's streams for `ban_seconds`)."""
+        log.warning("%s", sentence)
+        if self.strike(peer, reason):
+            log.warning("banned %s for %.0f s after repeated refused contributions", peer,
+                        self.ban_seconds)
+            ban(peer, self.ban_seconds)
 
     def is_banned(self, peer: str) -> bool:
         until = self.banned_until.get(peer)

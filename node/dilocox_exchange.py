@@ -89,16 +89,10 @@ class DiLoCoXExchange:
         return future.result(timeout=30.0)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.loop.call_soon_threadsafe(self._strike, peer, reason, sentence)
+        self.loop.call_soon_threadsafe(self.bans.refuse, peer, reason, sentence,
+                                       self.transport.ban)
 
     # ------------------------------------------------------------------ loop side
-    def _strike(self, peer: str, reason: str, sentence: str) -> None:
-        log.warning("%s", sentence)
-        if self.bans.strike(peer, reason):
-            log.warning("banned %s for %.0f s after repeated refused contributions", peer,
-                        self.ban_seconds)
-            self.transport.ban(peer, self.ban_seconds)
-
     async def _send_all(self, round_index: int, tensors: list) -> None:
         message = OutgoingMessage(PGRAD, round_index, tensors)
         group = self.group()

@@ -90,14 +90,8 @@ class NoLoCoExchange:
         return future.result(timeout=wait_s + 30.0)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.loop.call_soon_threadsafe(self._strike, peer, reason, sentence)
-
-    def _strike(self, peer: str, reason: str, sentence: str) -> None:
-        log.warning("%s", sentence)
-        if self.bans.strike(peer, reason):
-            log.warning("banned %s for %.0f s after repeated refused contributions", peer,
-                        self.ban_seconds)
-            self.transport.ban(peer, self.ban_seconds)
+        self.loop.call_soon_threadsafe(self.bans.refuse, peer, reason, sentence,
+                                       self.transport.ban)
 
     async def _finish_round(self, round_index: int, snapshot: list, wait_s: float):
         message = OutgoingMessage(SNAPSHOT, round_index, snapshot)

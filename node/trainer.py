@@ -87,8 +87,9 @@ class InnerTrainer:
             return x.pin_memory().to(self.device, non_blocking=True)
         return x.to(self.device)
 
-    def train_step(self) -> StepResult:
-        started = time.perf_counter()
+    def accumulate_gradients(self) -> torch.Tensor:
+        """Forward and backward over one step's micro-batches; returns the mean loss as a tensor
+        (no device sync here). The simulator's data-parallel averages the gradients it leaves."""
         self.model.train()
         total = torch.zeros((), device=self.device)
         for _ in range(self.accumulation):
@@ -97,6 +98,11 @@ class InnerTrainer:
                 loss = self.model.loss(tokens, targets) / self.accumulation
             loss.backward()
             total += loss.detach()
+        return total
+
+    def train_step(self) -> StepResult:
+        started = time.perf_counter()
+        total = self.accumulate_gradients()
         if self.cfg.grad_clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         else:

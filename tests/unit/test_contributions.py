@@ -40,3 +40,11 @@ def test_repeat_offenders_are_banned_for_a_while():
     assert bans.is_banned("p")
     now[0] = 60.0
     assert not bans.is_banned("p") and bans.banned() == []
+
+
+def test_refuse_bans_through_the_given_callback_on_the_last_strike():
+    bans, banned = BanList(ban_after=2, ban_seconds=30), []
+    bans.refuse("p", "norm", "NoLoCo progress from p has norm 1e6; dropped", lambda *a: banned.append(a))
+    assert banned == []
+    bans.refuse("p", "norm", "again", lambda *a: banned.append(a))
+    assert banned == [("p", 30)]

@@ -79,15 +79,7 @@ class DataParallel(Method):
 
 def backward(trainer: InnerTrainer) -> float:
     """The gradient of one optimizer step's batch, accumulated as InnerTrainer.train_step does."""
-    trainer.model.train()
-    total = torch.zeros((), device=trainer.device)
-    for _ in range(trainer.accumulation):
-        tokens, targets = (trainer._to_device(t) for t in trainer.stream.next())
-        with trainer._autocast():
-            loss = trainer.model.loss(tokens, targets) / trainer.accumulation
-        loss.backward()
-        total += loss.detach()
-    return float(total)
+    return float(trainer.accumulate_gradients())
 
 
 def optimizer_step(trainer: InnerTrainer) -> None:

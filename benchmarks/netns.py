@@ -27,7 +27,6 @@ import atexit
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import deque
 

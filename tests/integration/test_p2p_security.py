@@ -41,7 +41,7 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
             victim.on_push("test", deliver, accept_round=lambda r: r >= 5)
             await victim.start()
             await honest.start()
-            attacker, me = attacker_host.identity, attacker_host.identity.peer_id.to_bytes()
+            attacker = attacker_host.identity
             to_victim = victim_host.peer_id.to_bytes()
             stranger = NodeIdentity.generate()
 

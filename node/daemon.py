@@ -314,9 +314,11 @@ class Daemon:
         total = self.manifest.train.steps
         if self.settings.max_steps:
             total = min(total, trainer.step + self.settings.max_steps)
-        eval_rounds = max(1, self.manifest.train.eval_every // H) if self.manifest.train.eval_every else 1
-        ckpt_rounds = max(1, self.manifest.train.checkpoint_every // H) \
-            if self.manifest.train.checkpoint_every else 1
+        # In rounds; 0 keeps the config's meaning: never during training (a checkpoint is still
+        # written when the node stops).
+        every = lambda steps: max(1, steps // H) if steps else 0
+        eval_rounds = every(self.manifest.train.eval_every)
+        ckpt_rounds = every(self.manifest.train.checkpoint_every)
         self.worker = TrainingWorker(trainer, policy, H, total, self._event_from_thread,
                                      lambda: self._checkpoint(trainer, policy, corpus_digest),
                                      eval_rounds, ckpt_rounds)

@@ -44,6 +44,7 @@ class TrainingWorker(threading.Thread):
                  total_steps: int, emit: Callable[[dict], None],
                  save_checkpoint: Callable[[], None], eval_every_rounds: int = 1,
                  checkpoint_rounds: int = 1):
+        """`eval_every_rounds` / `checkpoint_rounds` of 0: never between rounds."""
         super().__init__(name="lowcomm-training", daemon=True)
         self.trainer, self.policy = trainer, policy
         self.inner_steps, self.total_steps = inner_steps, total_steps
@@ -91,11 +92,11 @@ class TrainingWorker(threading.Thread):
             event = {"event": "round", "round": finished_round, "step": trainer.step,
                      "round_seconds": compute, "outer_seconds": time.monotonic() - outer_started,
                      **report}
-            if (finished_round + 1) % self.eval_every_rounds == 0:
+            if self.eval_every_rounds and (finished_round + 1) % self.eval_every_rounds == 0:
                 val = trainer.evaluate()
                 event.update(val_loss=val, perplexity=math.exp(min(val, 50.0)))
             self.emit(event)
-            if (finished_round + 1) % self.checkpoint_rounds == 0:
+            if self.checkpoint_rounds and (finished_round + 1) % self.checkpoint_rounds == 0:
                 self.save_checkpoint()
             round_started = time.monotonic()
         if self.stop_requested.is_set():

@@ -13,7 +13,8 @@ def human_bytes(count: float) -> str:
     """1536 -> '1.5 KiB': binary units, three significant digits."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(count) < 1024 or unit == "GiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.3g} {unit}"
+            # three significant digits, but never "1.02e+03" for 1000-1023
+            return f"{count:.0f} {unit}" if unit == "B" or abs(count) >= 100 else f"{count:.3g} {unit}"
         count /= 1024
     raise AssertionError("unreachable")
 

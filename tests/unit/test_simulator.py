@@ -204,3 +204,10 @@ def test_shared_decoding_gives_the_codecs_numbers_and_a_private_copy_each():
     cache.next_round()
     cache.next_round()
     assert cache.get(next(iter(cache.previous), None)) is None and not cache.current
+
+
+def test_human_bytes_keeps_three_digits_without_exponents():
+    from node.simulator.report import human_bytes
+
+    assert [human_bytes(x) for x in (0, 1536, 1000 * 1024, 99.8 * 1024**2, 9.75 * 1024**3)] == \
+        ["0 B", "1.5 KiB", "1000 KiB", "99.8 MiB", "9.75 GiB"]

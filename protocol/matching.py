@@ -26,13 +26,15 @@ nodes proposing round a cycle (A→B, B→C, C→A) would all decline each other
 
 Invariants (checked by tests/unit/test_matching.py):
   I1 a node holds at most one partner per round; once set it never changes until `end_round`;
-  I2 the partner is never the node itself and was eligible when the pair formed;
+  I2 the partner is never the node itself and was eligible when the pair formed (an accept
+     from an ineligible peer counts as its decline);
   I3 at most one own proposal is in flight, and each peer is proposed to at most once a round,
      so a round sends at most (eligible peers) proposals and proposing always terminates;
   I4 a node with a proposal in flight never accepts anyone but its own target, so a pair seen
      by one side is the same pair on the other side (A has partner B  =>  B has partner A);
   I5 replies are matched to the proposal they answer by the proposer's round: a reply from an
-     earlier round, or from a peer that was not proposed to, is ignored and counted.
+     earlier round, or from a peer that was not proposed to, is ignored and counted, and so is
+     a repeated proposal from a peer already waiting for an answer.
 """
 
 from __future__ import annotations
@@ -225,12 +227,18 @@ class MatchingState:
             return [self._message(MessageKind.ACCEPT, proposer, their_round),
                     *self._decline_deferred(DeclineReason.PAIRED)]
         if proposer > self.node_id:  # wait on a smaller id only: no cycle of waiting
+            if any(d.proposer == proposer for d in self._deferred):
+                self.counters.ignored += 1  # a repeated proposal: already waiting for an answer
+                return []
             self._deferred.append(_Deferred(proposer, their_round))
             self.counters.deferred += 1
             return []
         return [self._decline(proposer, their_round, DeclineReason.BUSY)]
 
     def _on_accept(self, reply: MatchMessage) -> list[MatchMessage]:
+        if not self.eligible(reply.sender, reply.manifest_digest, reply.sender_round):
+            self.counters.ignored += 1  # an accept that breaks the rule (I2) counts as a decline
+            return self._on_decline(reply)
         self.outstanding = None
         self._form_pair(reply.sender, reply.sender_round)
         return self._decline_deferred(DeclineReason.PAIRED)

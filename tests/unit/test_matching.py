@@ -206,3 +206,20 @@ def test_bad_settings_and_misrouted_messages_are_refused():
         a.handle(MatchingState("b", MANIFEST)._message(MessageKind.PROPOSE, "c", 0))
     with pytest.raises(ProtocolError, match="must grow"):
         a.end_round(next_round=0)
+
+
+def test_an_ineligible_accept_counts_as_a_decline_and_repeated_proposals_wait_once():
+    a = MatchingState("a", MANIFEST, 5)
+    proposal = a.choose_candidate([ReadyAnnouncement("b", MANIFEST, 5)], random.Random(0))
+    forged = MatchingState("b", MANIFEST, 9)._message(MessageKind.ACCEPT, "a", proposal.proposal_round)
+    assert a.handle(forged) == [] and a.pair is None and a.wants_partner
+    assert a.counters.ignored == 1 and a.counters.declines_received == 1
+
+    busy = MatchingState("m", MANIFEST)
+    busy.choose_candidate([ReadyAnnouncement("c", MANIFEST, 0)], random.Random(0))
+    again = MatchingState("z", MANIFEST).choose_candidate([ReadyAnnouncement("m", MANIFEST, 0)],
+                                                          random.Random(0))
+    assert busy.handle(again) == [] and busy.handle(again) == []
+    (accept,) = busy.handle(MatchingState("c", MANIFEST)._message(
+        MessageKind.DECLINE, "m", 0, DeclineReason.PAIRED))
+    assert accept.kind is MessageKind.ACCEPT and accept.recipient == "z" and busy.pair.partner == "z"

@@ -20,7 +20,6 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -70,8 +69,6 @@ class Daemon:
         self.data_dir = Path(settings.data_dir)
         self.store = CheckpointStore(self.data_dir / "checkpoints")
         self.stop_event = asyncio.Event()
-        self.status: dict[str, Any] = {"swarm": manifest.swarm.id,
-                                       "protocol": manifest.protocol.name}
         self.metrics: MetricsLog | None = None
         self.worker: TrainingWorker | None = None
         self.cache: MemberCache | None = None
@@ -81,13 +78,12 @@ class Daemon:
         self._started = time.monotonic()
         self._first_round = 0
         self.param_bytes = 0
-        self._refused_mark = 0
+        self._refused_seen: dict[str, int] = {}
 
     # ------------------------------------------------------------------ events
     def event(self, kind: str, **fields) -> None:
         """Called on the loop; the training thread goes through `_event_from_thread`."""
         record = {"event": kind, "time": time.time(), **fields}
-        self.status[kind] = record
         if self.node_status is not None:
             self._feed_status(kind, fields)
         if kind == "round" and self.cache is not None:
@@ -135,7 +131,7 @@ class Daemon:
         record = dict(record)
         kind = record.pop("event")
         if kind == "round":
-            record["peers_alive"] = self.status.get("peers_alive", 0)
+            record["peers_alive"] = len(self.cache.records) if self.cache else 0
         self.loop.call_soon_threadsafe(lambda: self.event(kind, **record))
 
     # ------------------------------------------------------------------ life
@@ -329,13 +325,10 @@ class Daemon:
             await asyncio.wait({finished, stopping}, timeout=2.0,
                                return_when=asyncio.FIRST_COMPLETED)
             await watch.check(cache.peers())
-            self.status["peers_alive"] = len(cache.peers())
-            self.status["transport"] = snapshot = transport.counters.snapshot()
-            refused_now = sum(snapshot["refused_incoming"].values())
-            if refused_now != self._refused_mark:
-                for reason, count in snapshot["refused_incoming"].items():
-                    self.node_status.update(refused={**self.node_status.refused, reason: count})
-                self._refused_mark = refused_now
+            refused = dict(transport.counters.refused_incoming)
+            if refused != self._refused_seen:  # transport refusals by reason, beside ours
+                self.node_status.update(refused={**self.node_status.refused, **refused})
+                self._refused_seen = refused
             if stopping.done() and not self.worker.stop_requested.is_set():
                 self.worker.request_stop()
                 try:

@@ -1,6 +1,6 @@
 """DiLoCoX's end of a round in the training thread (PROTOCOLS.md §3; the math is protocol/dilocox.py).
 
-At the end of round r: Δ = φ − θ, c = C(Δ + e) (error feedback inside protocol/dilocox.py), hand
+At the end of round r: Δ = (round start) − θ, c = C(Δ + e) (error feedback inside protocol/dilocox.py), hand
 c to the exchange, which sends it to the round's group in the background; then take the group's
 messages of round r − delay (with delay = 1 they travelled during round r, so this rarely waits),
 check each, apply the outer step, and publish the digest of the new φ. Every node applies the
@@ -123,7 +123,8 @@ class DiLoCoXRound:
             self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
                                  digest))
         self.link.publish_digest(round_index, digest)
-        self.trainer.load_parameters(phi)
+        # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
+        self.trainer.load_parameters(self.outer.round_start_weights())
         step = self.outer.last_step
         return {"applied_round": step.applied_round if step else None,
                 "group": list(step.senders) if step else [], "refused": refused,
@@ -160,7 +161,7 @@ class DiLoCoXRound:
         """A late joiner takes the swarm's φ and m, and θ = φ."""
         with self.lock:
             self.outer.adopt_outer_state({"slow_weights": groups["phi"],
-                                          "momentum": groups["momentum"]})
+                                          "momentum": groups["momentum"]}, rejoin=True)
             self.phi_digest = weights_digest(groups["phi"])
         self.trainer.load_parameters(groups["phi"])
 

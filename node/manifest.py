@@ -50,7 +50,9 @@ class ProtocolSection:
     # DiLoCoX (PROTOCOLS.md §3)
     outer_lr: float = spec(0.7, "DiLoCoX outer learning rate η", min=0.0, max=10.0,
                            min_exclusive=True)
-    outer_momentum: float = spec(0.9, "DiLoCoX outer Nesterov momentum μ", min=0.0, max=1.0)
+    # 0.3, not DiLoCo's 0.9: with delay 1 a linear model's iteration diverges at μ = 0.9
+    # (protocol/dilocox.py); 0.3 is the NoLoCo paper's DiLoCo baseline and what the benchmarks ran
+    outer_momentum: float = spec(0.3, "DiLoCoX outer Nesterov momentum μ", min=0.0, max=1.0)
     delay: int = spec(1, "DiLoCoX: 1 applies round r's messages at the end of round r+1; 0 waits",
                       choices=(0, 1))
     codec: str = spec("lowrank", "DiLoCoX pseudo-gradient codec",

@@ -1,16 +1,37 @@
 """DiLoCoX's outer loop (PROTOCOLS.md §3, arXiv 2506.21263) as lowcomm-node realises it.
 
 Per node: φ and the outer momentum m (DiLoCo's outer Nesterov, reused from protocol/diloco.py,
-not copied) and the error-feedback residual e (starts at 0). Round r:
+not copied), the error-feedback residual e (starts at 0), and f, this node's own decoded
+messages still in flight. Round r:
 
-    Δ^r = φ − θ                               (`pseudo_gradient`)
+    θ ← s = φ − e − λ·Σ_f D(c_own)            (`round_start_weights`; λ = in_flight_weight)
+    H inner steps ; Δ^r = s − θ                (`pseudo_gradient`: this round's progress only)
     c^r = C(Δ^r + e) ;  e ← Δ^r + e − D(c^r)  (`compress`: nothing is lost, only delayed)
-    send c^r to the group; receive the others' (`receive`)
+    f[r] = D(c^r) ; send c^r to the group; receive the others' (`receive`)
     Δ̄ = mean of D(c_j^{r−delay}) over the messages of round r − delay, own included
-    m ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)      (`outer_step`)
+    m ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)      (`outer_step`, which drops f[r − delay])
 
-delay = 1 (default) lets round r's messages travel while round r+1 computes; delay = 0 waits
-for them, and with the identity codec is exactly DiLoCo.
+With delay 0 and the identity codec e = 0 and f is empty at every round start: exactly DiLoCo.
+
+Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from θ ← φ.
+- With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
+  progress and the outer step then applies both (each message once, but the same progress
+  twice): measured, the delay alone cost +18.2% final loss against DiLoCo (benchmarks/
+  RESULTS.md, "DiLoCoX diagnostics"); a linear model's iteration has spectral radius 0.99
+  instead of 0.30. So the round in flight stays in the node's own weights, at weight λ, until
+  the group's mean of that round replaces it. λ = 1 (θ continues where the round ended) fixes
+  the repetition, but then the replicas keep their whole last round apart, and in directions
+  an inner phase converges fully that deviation never decays (in a noisy linear model the
+  iteration is marginally stable; measured on `tiny`: +5.5% with the identity codec). λ = 1/8
+  oscillates like λ = 0. λ = ½ (the default) contracts by at most 0.6 per round in the
+  linear model with and without noise, whatever fraction of a direction a round converges.
+- With a lossy codec, φ holds only the compressed part of the node's own work; the rest waits
+  in e for later rounds. Training from φ alone throws that work away for now, so heavy
+  compression made DiLoCoX end worse than training alone (rank 2, delay 0: 2.49 against
+  local-only 1.93). Keeping e in the node's own weights means a node trains on all of its own
+  work plus the swarm's consensus: with a codec that sends nothing it is local training.
+φ stays bitwise identical on every node and every message is still applied exactly once; a
+node's weights differ from φ by its own e and its share of its rounds in flight.
 
 Invariants:
 - Every accepted message is applied exactly once, or dropped and counted: messages are keyed by
@@ -19,6 +40,9 @@ Invariants:
 - Every node averages identical numbers in an identical order: all messages, own included, are
   decoded by the same D and summed in sorted sender order, so nodes that applied the same
   messages hold bitwise identical φ and m.
+- f holds at most `delay` rounds: `outer_step` drops every round up to the one it applies, and
+  a node that adopts a state to rejoin at another round drops f and its own pending messages
+  (the swarm is past those rounds).
 - Only compressed messages are held between rounds (memory ∝ group × compressed size); each is
   fully decoded once on receipt to validate it, and again when applied.
 """
@@ -35,16 +59,18 @@ import torch
 from protocol.codecs.base import Codec, Encoded
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
-from protocol.tensors import NamedTensors, check_same_layout, fp32_clone, mean, zeros_like
+from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_clone, mean, zeros_like
 
 
 @dataclass(frozen=True)
 class DiLoCoXHyperParameters:
-    """The outer optimizer, the delay (0 or 1 round) and how far ahead messages may run."""
+    """The outer optimizer, the delay (0 or 1 round), how far ahead messages may run, and λ,
+    the weight of the node's own round in flight in the weights it trains (see the module)."""
 
     outer: DiLoCoHyperParameters = field(default_factory=DiLoCoHyperParameters)
     delay: int = 1
     max_rounds_ahead: int = 8
+    in_flight_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if type(self.delay) is not int or self.delay not in (0, 1):
@@ -52,6 +78,10 @@ class DiLoCoXHyperParameters:
         if type(self.max_rounds_ahead) is not int or not 1 <= self.max_rounds_ahead <= 1024:
             raise ConfigurationError(
                 f"DiLoCoX max_rounds_ahead must be an int in [1, 1024], got {self.max_rounds_ahead!r}.")
+        if isinstance(self.in_flight_weight, bool) or not isinstance(self.in_flight_weight, (int, float)) \
+                or not 0 <= self.in_flight_weight <= 1:
+            raise ConfigurationError(
+                f"DiLoCoX in_flight_weight must be a number in [0, 1], got {self.in_flight_weight!r}.")
 
 
 @dataclass(frozen=True)
@@ -118,6 +148,7 @@ class DiLoCoX:
         self._residual = zeros_like(self._outer.slow_weights)
         self._shapes = {name: t.shape for name, t in self._residual.items()}
         self._pending: dict[int, dict[str, PseudoGradientMessage]] = {}
+        self._in_flight: dict[int, NamedTensors] = {}  # f: round -> D(c_own)
         self.last_applied_round = -1
         self.last_compressed_round = -1
         self.counters = DiLoCoXCounters()
@@ -140,9 +171,17 @@ class DiLoCoX:
         return fp32_clone(self._residual, what="residual")
 
     # ------------------------------------------------------------------ one round
+    def round_start_weights(self) -> NamedTensors:
+        """s = φ − e − λ·Σ D(c_own) over the own rounds in flight: where a round starts."""
+        start = difference(self._outer.slow_weights, self._residual)
+        for decoded in self._in_flight.values():
+            for name, tensor in start.items():
+                tensor.sub_(decoded[name], alpha=self.hyper.in_flight_weight)
+        return start
+
     def pseudo_gradient(self, fast_weights: Mapping[str, torch.Tensor]) -> NamedTensors:
-        """Δ = φ − θ at the end of a round."""
-        return self._outer.pseudo_gradient(fast_weights)
+        """Δ = s − θ at the end of a round: the progress of this round alone."""
+        return difference(self.round_start_weights(), fast_weights)
 
     def compress(self, delta: Mapping[str, torch.Tensor], round_index: int) -> PseudoGradientMessage:
         """c = C(Δ + e), e ← Δ + e − D(c); the message is also kept as this node's own."""
@@ -154,13 +193,15 @@ class DiLoCoX:
         check_same_layout(self._residual, delta, what="pseudo-gradient")
         encoded: dict[str, Encoded] = {}
         new_residual: NamedTensors = {}
+        decoded: NamedTensors = {}
         for name, residual in self._residual.items():
             target = delta[name].detach().to(torch.float32) + residual
             encoded[name] = self.codec.encode(target, name)
-            sent = self.codec.decode(encoded[name].description, encoded[name].payload,
-                                     max_elements=max(target.numel(), 1))
-            new_residual[name] = target - sent
+            decoded[name] = self.codec.decode(encoded[name].description, encoded[name].payload,
+                                              max_elements=max(target.numel(), 1))
+            new_residual[name] = target - decoded[name]
         self._residual = new_residual  # only once every tensor encoded: no half-updated e
+        self._in_flight[round_index] = decoded
         message = PseudoGradientMessage(self.node_id, round_index, encoded)
         self.last_compressed_round = round_index
         self._store(message)
@@ -198,6 +239,8 @@ class DiLoCoX:
         messages = self._pending.pop(target, {})
         senders = tuple(sorted(messages))
         self.last_applied_round = target
+        for own_round in [r for r in self._in_flight if r <= target]:
+            del self._in_flight[own_round]  # φ now holds it, through the group's mean
         self.last_step = OuterStepRecord(round_index, target, senders)
         if not senders:
             self.counters.empty_rounds += 1
@@ -252,9 +295,18 @@ class DiLoCoX:
         """φ and m alone: what a diverged node downloads from a majority peer."""
         return self._outer.state_dict()
 
-    def adopt_outer_state(self, state: Mapping[str, Any]) -> None:
-        """Replace φ and m by a peer's `outer_state()` (PROTOCOLS.md §3 "Consistency")."""
+    def adopt_outer_state(self, state: Mapping[str, Any], *, rejoin: bool = False) -> None:
+        """Replace φ and m by a peer's `outer_state()` (PROTOCOLS.md §3 "Consistency").
+
+        A resync within the same round keeps f: our messages of those rounds are still applied
+        by every node. `rejoin=True` (a late join or catch-up to another round) drops f and our
+        own pending messages: the swarm has moved past their rounds.
+        """
         self._outer.load_state_dict(state)
+        if rejoin:
+            for messages in self._pending.values():
+                messages.pop(self.node_id, None)
+            self._in_flight.clear()
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume: φ, m, e, codec state, pending messages, counters."""
@@ -264,7 +316,10 @@ class DiLoCoX:
         return {"outer": self._outer.state_dict(), "residual": self.residual,
                 "codec": {"name": self.codec.name, "params": self.codec.params(),
                           "state": self.codec.state_dict()},
-                "pending": pending, "last_applied_round": self.last_applied_round,
+                "pending": pending,
+                "in_flight": {r: fp32_clone(d, what="in-flight message")
+                              for r, d in self._in_flight.items()},
+                "last_applied_round": self.last_applied_round,
                 "last_compressed_round": self.last_compressed_round,
                 "counters": asdict(self.counters)}
 
@@ -287,6 +342,14 @@ class DiLoCoX:
         self._pending = {int(r): {s: PseudoGradientMessage(s, int(r), {
             n: Encoded(t["description"], t["payload"]) for n, t in tensors.items()})
             for s, tensors in msgs.items()} for r, msgs in pending.items()}
+        in_flight = {}
+        try:
+            for r, decoded in state.get("in_flight", {}).items():  # absent in older checkpoints
+                check_same_layout(self._residual, decoded, what="checkpoint in-flight message")
+                in_flight[int(r)] = fp32_clone(decoded, what="checkpoint in-flight message")
+        except (TypeError, ValueError) as wrong:
+            raise LayoutError(f"DiLoCoX state mangles its messages in flight ({wrong}).") from None
+        self._in_flight = in_flight
         self.last_applied_round, self.last_compressed_round = int(applied), int(compressed)
         self.counters = counters
 

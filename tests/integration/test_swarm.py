@@ -63,7 +63,7 @@ def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory)
 
 
 def test_dilocox_three_nodes_end_rounds_with_identical_phi(harness_factory):
-    m = small_manifest("t-dilocox", "dilocox", outer_momentum=0.0, rank=4)
+    m = small_manifest("t-dilocox", "dilocox", rank=4)
     m.train.eval_every = 20
     harness = harness_factory(m)
     nodes = harness.start(3, extra=["--max-steps", "160"])

@@ -59,7 +59,7 @@ def test_one_step_delay_applies_the_previous_rounds_mean() -> None:
     generator, shuffle = torch.Generator().manual_seed(2), random.Random(2)
     previous_deltas = None
     for round_index in range(4):
-        thetas = [_train(node.slow_weights, generator) for node in nodes]
+        thetas = [_train(node.round_start_weights(), generator) for node in nodes]
         deltas = [node.pseudo_gradient(theta) for node, theta in zip(nodes, thetas)]
         messages = [node.compress(delta, round_index) for node, delta in zip(nodes, deltas)]
         _exchange(nodes, messages, shuffle)
@@ -70,6 +70,43 @@ def test_one_step_delay_applies_the_previous_rounds_mean() -> None:
             assert node.last_step.applied_round == (None if round_index == 0 else round_index - 1)
             assert all(torch.equal(phi[n], expected[n]) for n in expected)
         previous_deltas = deltas
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+@pytest.mark.parametrize("codec, params", [("identity", {}),
+                                           ("lowrank", {"rank": 1, "bits": 4, "min_elements": 64})])
+def test_a_node_never_drops_nor_repeats_its_own_progress(codec: str, params: dict, delay: int) -> None:
+    """Alone, with η = 1 and no momentum, the outer step hands back exactly what the node sent,
+    so whatever the delay and however lossy the codec, each round starts where the previous
+    one ended (w holds what φ lacks: the round in flight and the compression residual)."""
+    from protocol.diloco import DiLoCoHyperParameters
+    plain = DiLoCoXHyperParameters(DiLoCoHyperParameters(1.0, 0.0, nesterov=False), delay=delay,
+                                   in_flight_weight=1.0)
+    alone = DiLoCoX(_model(), get_codec(codec, **params), "alone", plain)
+    generator = torch.Generator().manual_seed(7)
+    for round_index in range(4):
+        theta = _train(alone.round_start_weights(), generator)
+        alone.compress(alone.pseudo_gradient(theta), round_index)
+        alone.outer_step(round_index)
+        start = alone.round_start_weights()
+        assert all(torch.allclose(start[n], theta[n], atol=1e-5) for n in theta)
+    # w = e + own messages in flight
+    in_flight = alone.pending_rounds()
+    assert list(in_flight) == ([3] if delay else [])
+
+
+def test_the_round_in_flight_is_kept_until_applied_and_a_rejoin_forgets_it() -> None:
+    generator = torch.Generator().manual_seed(8)
+    nodes = _swarm("identity", 2, delay=1)
+    deltas = [node.pseudo_gradient(_train(node.round_start_weights(), generator)) for node in nodes]
+    _exchange(nodes, [n.compress(d, 0) for n, d in zip(nodes, deltas)], random.Random(7))
+    for node, delta in zip(nodes, deltas):
+        node.outer_step(0)  # nothing due yet: φ unchanged, the own round is in flight at λ = ½
+        start, phi = node.round_start_weights(), node.slow_weights
+        assert all(torch.allclose(start[n], phi[n] - delta[n] / 2) for n in phi)
+        node.adopt_outer_state(node.outer_state(), rejoin=True)  # a rejoin forgets it
+        assert all(torch.equal(node.round_start_weights()[n], phi[n]) for n in phi)
+        assert node.node_id not in node.pending_rounds().get(0, ())
 
 
 @pytest.mark.parametrize("codec, params", [("lowrank", {"rank": 2, "bits": 8, "min_elements": 64}),
@@ -196,6 +233,43 @@ def test_state_dict_round_trip_resumes_identically() -> None:
     for original, copy in zip(nodes, restored):
         for name, tensor in original.slow_weights.items():
             assert torch.equal(tensor, copy.slow_weights[name])
+            assert torch.equal(original.round_start_weights()[name], copy.round_start_weights()[name])
             assert torch.equal(original.residual[name], copy.residual[name])
     with pytest.raises(ConfigurationError, match="codec 'lowrank'"):
         _swarm("identity", 1, delay=1)[0].load_state_dict(nodes[0].state_dict())
+
+
+def _linear_swarm_error(in_flight_weight: float, converged: float, noise: float, rounds: int = 60,
+                        nodes: int = 8) -> float:
+    """DiLoCoX (the real class, identity codec, delay 1) on a linear model: each inner phase
+    moves θ a fraction `converged` of the way to the optimum 0, plus per-node noise. Returns the
+    mean squared distance of the nodes' start weights to 0 over the last 20 rounds."""
+    from protocol.diloco import DiLoCoHyperParameters
+    hyper = DiLoCoXHyperParameters(DiLoCoHyperParameters(0.7, 0.3), delay=1,
+                                   in_flight_weight=in_flight_weight)
+    swarm = [DiLoCoX({"x": torch.ones(1)}, get_codec("identity"), f"n{i}", hyper) for i in range(nodes)]
+    generator = torch.Generator().manual_seed(0)
+    squared = []
+    for round_index in range(rounds):
+        starts = [node.round_start_weights() for node in swarm]
+        thetas = [{"x": s["x"] * (1 - converged) + noise * torch.randn(1, generator=generator)}
+                  for s in starts]
+        messages = [n.compress(n.pseudo_gradient(t), round_index) for n, t in zip(swarm, thetas)]
+        for node in swarm:
+            for message in messages:
+                if message.sender != node.node_id:
+                    node.receive(message)
+            node.outer_step(round_index)
+        squared.append(sum(float(n.round_start_weights()["x"]) ** 2 for n in swarm) / nodes)
+    return sum(squared[-20:]) / 20
+
+
+@pytest.mark.parametrize("converged", [0.3, 0.7, 1.0])
+def test_half_weight_in_flight_keeps_the_delayed_iteration_stable(converged: float) -> None:
+    """Why λ = ½ (module docstring): on a linear model it converges without noise and stays
+    near the noise floor with it, where λ = 1 lets noise build up in fully converged directions."""
+    assert _linear_swarm_error(0.5, converged, noise=0.0) < 1e-6
+    half = _linear_swarm_error(0.5, converged, noise=0.1)
+    assert half < 0.05
+    if converged == 1.0:
+        assert _linear_swarm_error(1.0, converged, noise=0.1) > 3 * half

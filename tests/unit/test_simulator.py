@@ -117,17 +117,27 @@ def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus):
     expected = 3 * (3 * message.size_bytes + digests_per_round) + digests_per_round  # + final flush
     assert result.final.bytes_sent_per_replica == expected
     assert 3 * message.size_bytes < model_elements(simulation) * 4 / 3  # well under fp32 broadcast
-    assert result.final.weight_spread == 0.0 and result.final.resyncs == 0
+    assert len({weights_digest(n.slow_weights) for n in method.nodes.values()}) == 1  # one φ
+    assert result.final.resyncs == 0
+    # each replica trains φ minus its own compression residual (protocol/dilocox.py)
+    assert result.final.weight_spread > 0
     assert result.final_val_loss < INITIAL_LOSS - 0.5
 
 
 def test_dilocox_lost_messages_are_counted_and_phi_is_resynchronised(config, corpus):
-    simulation, result = simulate(config, corpus, "dilocox", drop_probability=0.3, codec="bf16",
-                                  rounds=4, outer_momentum=0.3)
+    settings = SimulationSettings("dilocox", workers=4, inner_steps=8, rounds=4, drop_probability=0.3,
+                                  codec="bf16", outer_momentum=0.3)
+    simulation = Simulation(settings, config, corpus)
+    phi_digests = []  # after each round: the distinct φ among the replicas
+    result = simulation.run(lambda record: phi_digests.append(
+        {weights_digest(node.slow_weights) for node in simulation.method.nodes.values()}))
     assert result.final.messages_dropped > 0
     assert result.final.messages_dropped == simulation.method.exchange.counters.messages_dropped
     assert result.final.resyncs > 0                 # some replica missed a message and diverged
-    assert all(r.weight_spread == 0.0 for r in result.records)  # and was brought back each round
+    assert len(phi_digests) >= 4 and all(len(d) == 1 for d in phi_digests)  # and was brought back
+    # θ differs from φ by each replica's own round in flight until the final flush, then only
+    # by its bf16 rounding residual
+    assert result.records[1].weight_spread > 0.01 and result.final.weight_spread < 1e-3
 
 
 def test_dilocox_messages_slower_than_a_round_are_late(config, corpus):

@@ -148,7 +148,7 @@ class DiLoCoXSwarm(Method):
             self.nodes[replica.name].outer_step(round_index)
         self._resynchronise()
         for replica in self.replicas:
-            replica.load(self.nodes[replica.name].slow_weights)
+            replica.load(self.nodes[replica.name].round_start_weights())
 
     def _resynchronise(self) -> None:
         """The digest check: the minority adopts φ and m of the most common digest."""

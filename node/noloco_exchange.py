@@ -84,6 +84,12 @@ class NoLoCoExchange:
             await asyncio.gather(self._task, return_exceptions=True)
 
     # ------------------------------------------------------------------ training thread side
+    def take_partner(self, round_index: int) -> PartnerSnapshot | None:
+        """Overlap: the partner snapshot swapped during `round_index`, if any (taken once)."""
+        async def take() -> PartnerSnapshot | None:
+            return self.partners.pop(round_index, None)
+        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=30.0)
+
     def finish_round(self, round_index: int, snapshot: list, wait_s: float) -> PartnerSnapshot | None:
         future = asyncio.run_coroutine_threadsafe(
             self._finish_round(round_index, snapshot, wait_s), self.loop)
@@ -96,10 +102,12 @@ class NoLoCoExchange:
     async def _finish_round(self, round_index: int, snapshot: list, wait_s: float):
         message = OutgoingMessage(SNAPSHOT, round_index, snapshot)
         if self.timing == "overlap":
-            partner = self.partners.pop(round_index, None)
+            late = self.partners.pop(round_index, None)  # landed after take_partner: unused
+            if late is not None:
+                self.report("late_partner", {"round": round_index, "peer": late.peer})
             self.offered = message  # what partners of the next round get
             self._next_round(round_index + 1)
-            return partner
+            return None
         # blocking: pair and swap this very snapshot, up to the deadline
         self.offered, self.accepting = message, True
         self.changed.set()

@@ -2,8 +2,10 @@
 
 At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), hands it to the exchange
 (the event loop), and gets back at most one partner snapshot:
-- `overlap` (default): the snapshot a partner swapped with us *during* round r (one round old);
-  the call returns at once, so training never waits on the network;
+- `overlap` (default): the round ends with the local update, and the snapshot a partner swapped
+  with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ as if that pair's
+  update had been taken in time (protocol/noloco.py late_pair_correction); nothing waits on
+  the network;
 - `blocking`: the exchange pairs and swaps S_r now, waiting at most `pair_deadline_s`.
 Whatever arrives is checked (names, shapes, finite, norm) before use; no partner, or a refused
 one, gives the local update of G = {self}, counted.
@@ -19,7 +21,7 @@ from node.contributions import ContributionRefused, check_contribution, global_n
 from node.trainer import InnerTrainer
 from node.wire_tensors import from_wire, to_wire
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
-from protocol.tensors import weights_digest
+from protocol.tensors import shift_in_place, weights_digest
 
 PHI, DELTA = "phi/", "delta/"
 
@@ -34,8 +36,12 @@ class PartnerSnapshot:
 class NoLoCoLink(Protocol):
     """The event loop's side, called from the training thread."""
 
+    def take_partner(self, round_index: int) -> PartnerSnapshot | None:
+        """Overlap: the partner snapshot swapped with us during `round_index`, if any."""
+
     def finish_round(self, round_index: int, snapshot: list, wait_s: float) -> PartnerSnapshot | None:
-        """Offers this round's snapshot to partners; returns the partner snapshot to use."""
+        """Offers this round's snapshot to partners; blocking: returns the partner snapshot of
+        this round (overlap: None, see take_partner)."""
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
@@ -62,27 +68,25 @@ class NoLoCoRound:
         self.partner_updates = 0
         self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
         self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
+        self.previous_own: NoLoCoSnapshot | None = None  # overlap: what we offered this round
 
     def end_round(self, round_index: int) -> dict[str, Any]:
-        own = self.outer.snapshot(self.trainer.named_parameters())
-        wait = self.pair_deadline_s if self.timing == "blocking" else 0.0
-        partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), wait)
-        partners, refused = [], None
-        if partner is not None:
-            try:
-                snapshot = decode_snapshot(partner.message)
-                for what, theirs, mine in (("slow weights", snapshot.slow_weights, own.slow_weights),
-                                           ("progress", snapshot.local_progress, own.local_progress)):
-                    check_contribution(partner.peer, theirs, mine, global_norm(mine),
-                                       self.max_norm_ratio, f"NoLoCo {what}")
-                partners.append(snapshot)
-            except (ContributionRefused, ValueError) as exc:
-                reason = getattr(exc, "reason", "malformed")
-                refused = str(exc)
-                self.link.refused(partner.peer, reason, refused)
-        with self.lock:
-            phi = self.outer.outer_step(own, partners)
-            self.state_round, self.phi_digest = round_index, weights_digest(phi)
+        if self.timing == "overlap":
+            partner, partners, refused = self._overlap_correction(round_index)
+            own = self.outer.snapshot(self.trainer.named_parameters())
+            self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0)
+            with self.lock:
+                phi = self.outer.outer_step(own)  # the local update; the pair's comes next round
+                self.state_round, self.phi_digest = round_index, weights_digest(phi)
+            self.previous_own = own
+        else:
+            own = self.outer.snapshot(self.trainer.named_parameters())
+            partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype),
+                                             self.pair_deadline_s)
+            partners, refused = self._checked(partner, own)
+            with self.lock:
+                phi = self.outer.outer_step(own, partners)
+                self.state_round, self.phi_digest = round_index, weights_digest(phi)
         self.trainer.load_parameters(phi)
         if partners:
             self.partner_updates += 1
@@ -93,6 +97,36 @@ class NoLoCoRound:
                 "local_update": not partners, "refused": refused,
                 "phi_digest": self.phi_digest,
                 "local_updates": self.local_updates, "partner_updates": self.partner_updates}
+
+    def _overlap_correction(self, round_index: int) -> tuple[PartnerSnapshot | None, list, str | None]:
+        """The pair formed during this round swapped our previous snapshot for the partner's:
+        apply that pair's update now, as a correction of φ, δ and θ (protocol/noloco.py)."""
+        partner = self.link.take_partner(round_index)
+        if partner is None or self.previous_own is None:
+            return partner, [], None  # nothing swapped, or we restarted since we offered it
+        partners, refused = self._checked(partner, self.previous_own)
+        if partners:
+            with self.lock:
+                correction = self.outer.late_pair_correction(self.previous_own, partners)
+            shift_in_place(self.trainer.named_parameters(), correction)
+        return partner, partners, refused
+
+    def _checked(self, partner: PartnerSnapshot | None,
+                 reference: NoLoCoSnapshot) -> tuple[list[NoLoCoSnapshot], str | None]:
+        """[the partner's snapshot] if it passes the contribution checks, else [] (counted)."""
+        if partner is None:
+            return [], None
+        try:
+            snapshot = decode_snapshot(partner.message)
+            for what, theirs, mine in (("slow weights", snapshot.slow_weights, reference.slow_weights),
+                                       ("progress", snapshot.local_progress, reference.local_progress)):
+                check_contribution(partner.peer, theirs, mine, global_norm(mine),
+                                   self.max_norm_ratio, f"NoLoCo {what}")
+            return [snapshot], None
+        except (ContributionRefused, ValueError) as exc:
+            reason = getattr(exc, "reason", "malformed")
+            self.link.refused(partner.peer, reason, str(exc))
+            return [], str(exc)
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.
@@ -107,6 +141,7 @@ class NoLoCoRound:
             self.outer.load_state_dict({"slow_weights": groups["phi"],
                                         "outer_momentum": groups["momentum"]})
             self.phi_digest = weights_digest(groups["phi"])
+            self.previous_own = None  # a pair formed on what we offered before cannot correct this
         self.trainer.load_parameters(groups["phi"])
 
     def state_dict(self) -> dict[str, Any]:

@@ -13,8 +13,17 @@ With G = {i} alone the γ term is zero and the update is local. With G = every r
 φ everywhere, the δ update is DiLoCo's heavy-ball form with μ = α and η = β on DiLoCo's
 Δ = φ − θ (tests/unit/test_noloco.py checks this against torch's SGD).
 
-A node publishes a `NoLoCoSnapshot` (φ_i, Δ_i) at the end of a round; the partner's snapshot may
-be a round old (the `overlap` timing), which is why snapshots carry their own φ.
+A node publishes a `NoLoCoSnapshot` (φ_i, Δ_i) at the end of a round; snapshots carry their own φ
+because a partner's may be of another round.
+
+Overlap timing, where this differs from PROTOCOLS.md §1 and why: §1 has a node use, at the end of
+round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that ended +5.85%
+above DiLoCo and above local-only training (benchmarks/RESULTS.md): the consensus term pulls
+each node towards a φ one outer step old, and the mean mixes progress of two rounds. Here the
+round ends with the local update, and when the partner's round-(r−1) snapshot arrives (during
+round r) `late_pair_correction` adds what that pair's update would have added, to φ, δ and θ:
+the node ends where the paper's blocking update on the two round-(r−1) snapshots would have put
+it, with round r's progress on top and no wait.
 """
 
 from __future__ import annotations
@@ -155,6 +164,41 @@ class NoLoCo:
         self._slow_weights, self._outer_momentum = noloco_update(
             self._slow_weights, self._outer_momentum, [own, *partners], self.hyper)
         return self.slow_weights
+
+    def late_pair_correction(self, own_previous: NoLoCoSnapshot,
+                             partners: Sequence[NoLoCoSnapshot]) -> NamedTensors:
+        """The overlap timing's pair update, one round late, as a correction; returns c.
+
+        The node took the local update (G = {i}) at the end of the round of `own_previous`, and
+        its partners' snapshots of that round arrived while it trained the next one. Had they
+        been there in time, δ would have been larger by
+
+            c = β·(mean_G Δ − Δ_i) − γ·(φ_i − mean_G φ)      (G = {own_previous} ∪ partners)
+
+        (the formula's difference between G and {i}; the α·δ term is the same in both). This
+        adds c to φ and δ; the caller adds it to θ, so the round in progress keeps its own
+        progress (θ − φ is unchanged) and from then on the node is where NoLoCo with that pair
+        would have put it, up to the inner optimizer's nonlinearity.
+        """
+        if not partners:
+            return zeros_like(self._slow_weights)
+        group = [own_previous, *partners]
+        for index, snapshot in enumerate(group):
+            check_same_layout(self._slow_weights, snapshot.slow_weights, what=f"group[{index}] slow_weights")
+            check_same_layout(self._slow_weights, snapshot.local_progress,
+                              what=f"group[{index}] local_progress")
+        beta, gamma, size = self.hyper.progress_weight, self.hyper.consensus_weight, len(group)
+        correction: NamedTensors = {}
+        for name in self._slow_weights:
+            own_phi = own_previous.slow_weights[name].to(torch.float32)
+            own_progress = own_previous.local_progress[name].to(torch.float32)
+            mean_progress = sum(s.local_progress[name].to(torch.float32) for s in group) / size
+            mean_slow = sum(s.slow_weights[name].to(torch.float32) for s in group) / size
+            correction[name] = beta * (mean_progress - own_progress) - gamma * (own_phi - mean_slow)
+        for name, c in correction.items():
+            self._slow_weights[name] = self._slow_weights[name] + c
+            self._outer_momentum[name] = self._outer_momentum[name] + c
+        return fp32_clone(correction, what="correction")
 
     def state_dict(self) -> dict[str, Any]:
         """φ and δ by name, for checkpoints."""

@@ -65,6 +65,14 @@ def difference(minuend: Mapping[str, torch.Tensor],
     return {name: minuend[name].float() - subtrahend[name].float() for name in minuend}
 
 
+@torch.no_grad()
+def shift_in_place(tensors: Mapping[str, torch.Tensor], shift: Mapping[str, torch.Tensor]) -> None:
+    """tensors += shift per name, in place (live parameters included: no autograd record)."""
+    check_same_layout(tensors, shift, what="shift")
+    for name, tensor in tensors.items():
+        tensor.add_(shift[name].to(device=tensor.device, dtype=tensor.dtype))
+
+
 def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]]) -> NamedTensors:
     """Elementwise mean of several dicts, summed in the order given.
 

@@ -34,6 +34,28 @@ def test_official_test_vector_both_ranks() -> None:
     torch.testing.assert_close(phi1["w"], torch.tensor([1.8, -0.225, -0.725]), atol=1e-6, rtol=0)
 
 
+def test_late_pair_correction_after_a_local_update_equals_the_pair_update() -> None:
+    """Overlap timing: the local update now and the pair's correction a round later land on the
+    test vector's φ and δ, and shift θ by exactly what φ moved beyond the local update."""
+    rank0, rank1 = _node([1, -2, 0.5], [0.2, -0.4, 0.1]), _node([3, 0, -1.5], [-0.3, 0.6, -0.2])
+    snap0 = rank0.snapshot({"w": torch.tensor([0.6, -1, 0.25])})
+    snap1 = rank1.snapshot({"w": torch.tensor([2.4, -0.5, -0.75])})
+    local0, local1 = rank0.outer_step(snap0), rank1.outer_step(snap1)
+    shift0 = rank0.late_pair_correction(snap0, [snap1])
+    shift1 = rank1.late_pair_correction(snap1, [snap0])
+    torch.testing.assert_close(rank0.outer_momentum["w"], torch.tensor([0.45, 0.675, -0.475]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(rank0.slow_weights["w"], torch.tensor([1.45, -1.325, 0.025]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(rank1.outer_momentum["w"], torch.tensor([-1.2, -0.225, 0.775]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(rank1.slow_weights["w"], torch.tensor([1.8, -0.225, -0.725]),
+                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(local0["w"] + shift0["w"], rank0.slow_weights["w"])
+    torch.testing.assert_close(local1["w"] + shift1["w"], rank1.slow_weights["w"])
+    assert not any(rank0.late_pair_correction(snap0, [])["w"])  # no partner: nothing to correct
+
+
 def test_alone_the_consensus_term_vanishes() -> None:
     node = _node([1.0, 2.0], [0.5, -0.5])
     own = node.snapshot({"w": torch.tensor([1.5, 1.0])})

@@ -6,11 +6,11 @@ The matching's control messages travel instantly and losslessly (protocol.matchi
 snapshots travel through the exchange, with its latency and losses.
 
 Timing, as PROTOCOLS.md defines it:
-- overlap: at the start of round r the replicas pair up and swap their latest completed
-  snapshots (round r−1's); the swap travels while round r computes, and at the end of round r
-  each applies G = {its own round-r snapshot, the partner's round-(r−1) snapshot}. A snapshot
-  that has not arrived by then (latency > H) is late: a local update instead. Round 0 has no
-  earlier snapshot anywhere, so its update is local.
+- overlap: each round ends with the local update (G = {i}); at the start of round r the
+  replicas pair up and swap their round-(r−1) snapshots, which travel while round r computes;
+  at the end of round r each applies that pair's update late, as a correction of φ, δ and θ
+  (NoLoCo.late_pair_correction), then round r's local update. A snapshot that has not arrived
+  by then (latency > H) is late: no correction. Round 0 has no earlier snapshot anywhere.
 - blocking: after round r the replicas pair up and swap round r's snapshots, and wait for them
   up to `deadline_steps` (idle time); one not arrived by the deadline is late: a local update.
 A lost snapshot also means a local update for its receiver only; its sender still pays the bytes.
@@ -24,7 +24,7 @@ from node.simulator.methods.base import Method
 from protocol.codecs import Encoded, get_codec
 from protocol.matching import MatchingState, ReadyAnnouncement, match_round
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
-from protocol.tensors import NamedTensors
+from protocol.tensors import NamedTensors, shift_in_place
 
 TOPIC = "noloco-snapshot"
 MANIFEST = "simulation"  # every replica runs the same manifest
@@ -44,12 +44,20 @@ class NoLoCoSwarm(Method):
         self._delivery_rng = random.Random(settings.seed + 1)
         self.published: dict[str, tuple[int, dict[str, dict[str, Encoded]], int]] = {}
         self.pair_history: list[list[tuple[str, str]]] = []
+        self.previous: dict[str, NoLoCoSnapshot] = {}  # overlap: own snapshot of the last round
 
     def run_round(self, round_index: int) -> None:
         if self.settings.timing == "overlap":
             self._pair_and_swap()           # round r−1's snapshots travel during round r
             self.inner_phase()
+            self._late_pair_corrections()   # round r−1's pair updates, applied now
             own = self._snapshots()
+            for replica in self.replicas:   # and round r's local update
+                replica.load(self.outer[replica.name].outer_step(own[replica.name]))
+            self.counters.late_messages += self.exchange.expire(TOPIC)
+            self._publish(own, round_index)
+            self.previous = own
+            return
         else:
             self.inner_phase()
             own = self._snapshots()
@@ -60,8 +68,16 @@ class NoLoCoSwarm(Method):
                                        self.settings.deadline_steps))
         self._outer_steps(own)
         self.counters.late_messages += self.exchange.expire(TOPIC)
+
+    def finish(self, rounds: int) -> None:
+        """Overlap: the pairs of the last round have not swapped yet when training stops: pair,
+        swap and apply those corrections (no training), so that the final weights hold every
+        round's pair update, as blocking's do (DiLoCoX's `finish` does the same)."""
         if self.settings.timing == "overlap":
-            self._publish(own, round_index)
+            if self._pair_and_swap():
+                self.exchange.wait(self.exchange.time_until_arrival(TOPIC))
+            self._late_pair_corrections()
+            self.counters.late_messages += self.exchange.expire(TOPIC)
 
     # ------------------------------------------------------------------ pieces
     def _snapshots(self) -> dict[str, NoLoCoSnapshot]:
@@ -108,6 +124,18 @@ class NoLoCoSwarm(Method):
             if not partners:
                 self.counters.local_updates += 1
             replica.load(self.outer[replica.name].outer_step(own[replica.name], partners))
+
+    def _late_pair_corrections(self) -> None:
+        """Overlap: the partner snapshots of round r−1 that arrived during round r correct φ, δ
+        and θ as if that pair's update had been taken in time (NoLoCo.late_pair_correction)."""
+        for replica in self.replicas:
+            partners = [self._decode(e.payload) for e in self.exchange.collect(replica.name, TOPIC)]
+            if not partners:
+                self.counters.local_updates += 1
+                continue
+            correction = self.outer[replica.name].late_pair_correction(self.previous[replica.name],
+                                                                       partners)
+            shift_in_place(replica.trainer.named_parameters(), correction)
 
     def _decode(self, encoded: dict[str, dict[str, Encoded]]) -> NoLoCoSnapshot:
         def tensors(part: str) -> NamedTensors:

@@ -87,6 +87,9 @@ class TrainConfig:
     checkpoint_every: int = spec(100, "write a checkpoint every N steps; 0 only at the end", min=0)
     seed: int = spec(0, "seed for initial weights and, with the identity, the batch stream", min=0)
     threads: int = spec(0, "torch CPU threads; 0 keeps torch's default", min=0, max=4096)
+    min_step_seconds: float = spec(0.0, "pad every inner step to at least this wall time, idle "
+                                   "(caps the duty cycle of a shared GPU or CPU); 0 disables",
+                                   min=0.0, max=3600.0)
     device: str = spec("auto", "auto picks cuda, then mps, then cpu",
                        choices=("auto", "cuda", "mps", "cpu"))
 

@@ -317,7 +317,7 @@ class Daemon:
         ckpt_rounds = every(self.manifest.train.checkpoint_every)
         self.worker = TrainingWorker(trainer, policy, H, total, self._event_from_thread,
                                      lambda: self._checkpoint(trainer, policy, corpus_digest),
-                                     eval_rounds, ckpt_rounds)
+                                     eval_rounds, ckpt_rounds, self.manifest.train.min_step_seconds)
         self.worker.start()
         finished = asyncio.ensure_future(self.loop.run_in_executor(None, self.worker.finished.wait))
         stopping = asyncio.ensure_future(self.stop_event.wait())

@@ -23,7 +23,7 @@ SWARM_DIR = CONFIG_DIR / "swarms"
 SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # How one machine runs, not what the swarm computes: members may differ in these.
 NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
-                         "eval_batches")
+                         "eval_batches", "min_step_seconds")
 
 
 @dataclass

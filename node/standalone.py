@@ -22,7 +22,7 @@ from node.checkpoint import CheckpointStore
 from node.config import Config
 from node.data import load_corpus, stream_seed
 from node.model import count_parameters
-from node.trainer import InnerTrainer, pick_device
+from node.trainer import InnerTrainer, pad_step, pick_device
 
 CHECKPOINT_FORMAT = 1
 Event = dict
@@ -139,6 +139,7 @@ def run_training(cfg: Config, identity: bytes, listeners: list[Listener] = (),
             seconds += result.seconds
             emit("step", step=result.step, loss=result.loss, lr=result.lr,
                  grad_norm=result.grad_norm, tokens_per_second=result.tokens / result.seconds)
+            pad_step(result.seconds, cfg.train.min_step_seconds, stop.event.wait)
             if cfg.train.eval_every and result.step % cfg.train.eval_every == 0:
                 val_loss = trainer.evaluate()
                 emit("eval", step=result.step, val_loss=val_loss, perplexity=math.exp(val_loss))

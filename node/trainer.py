@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -170,3 +171,13 @@ class InnerTrainer:
         torch.set_rng_state(state["rng"]["cpu"])
         if "cuda" in state["rng"] and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng"]["cuda"], self.device)
+
+
+def pad_step(step_seconds: float, min_step_seconds: float, wait: Callable[[float], object]) -> float:
+    """train.min_step_seconds: idles out the rest of a step that took `step_seconds`, through
+    `wait` (a stop event's wait, so that a stop request ends the pause); returns the pause."""
+    pause = min_step_seconds - step_seconds
+    if pause <= 0:
+        return 0.0
+    wait(pause)
+    return pause

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from node.trainer import InnerTrainer
+from node.trainer import InnerTrainer, pad_step
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class TrainingWorker(threading.Thread):
     def __init__(self, trainer: InnerTrainer, policy: RoundPolicy, inner_steps: int,
                  total_steps: int, emit: Callable[[dict], None],
                  save_checkpoint: Callable[[], None], eval_every_rounds: int = 1,
-                 checkpoint_rounds: int = 1):
+                 checkpoint_rounds: int = 1, min_step_seconds: float = 0.0):
         """`eval_every_rounds` / `checkpoint_rounds` of 0: never between rounds."""
         super().__init__(name="lowcomm-training", daemon=True)
         self.trainer, self.policy = trainer, policy
@@ -55,6 +55,7 @@ class TrainingWorker(threading.Thread):
         self.error: BaseException | None = None
         self.tokens = 0
         self.compute_seconds = 0.0
+        self.min_step_seconds = min_step_seconds
 
     @property
     def round_index(self) -> int:
@@ -83,6 +84,7 @@ class TrainingWorker(threading.Thread):
             self.emit({"event": "step", "step": result.step, "round": self.round_index,
                        "loss": result.loss, "lr": result.lr,
                        "tokens_per_second": result.tokens / result.seconds})
+            pad_step(result.seconds, self.min_step_seconds, self.stop_requested.wait)
             if trainer.step % self.inner_steps:
                 continue
             finished_round = trainer.step // self.inner_steps - 1

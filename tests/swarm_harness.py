@@ -39,6 +39,11 @@ def small_manifest(swarm: str, protocol: str, inner_steps: int = 20, **protocol_
     return m
 
 
+def left(events: list[dict]) -> bool:
+    """The node logged its clean exit (the predicate for NodeHandle.wait_for)."""
+    return any(e["event"] == "left" for e in events)
+
+
 class NodeHandle:
     def __init__(self, index: int, data_dir: Path, process: subprocess.Popen):
         self.index, self.data_dir, self.process = index, data_dir, process

@@ -6,15 +6,11 @@ import time
 
 import pytest
 
-from tests.swarm_harness import SwarmHarness, small_manifest
+from tests.swarm_harness import SwarmHarness, left, small_manifest
 
 pytestmark = pytest.mark.integration
 # Refusals that are part of normal operation, not security failures.
 BENIGN = {"REFUSED", "BUSY", "STALE_ROUND", "TIMEOUT"}
-
-
-def left(events):
-    return any(e["event"] == "left" for e in events)
 
 
 @pytest.fixture
@@ -162,3 +158,28 @@ def test_peer_on_another_manifest_is_named_and_ignored(harness_factory, tmp_path
         assert not any(r["partner"] for r in node.events("round"))
     finally:
         stranger.close()
+
+
+def test_a_node_at_a_third_of_the_speed_holds_nobody_back(harness_factory):
+    """No global barrier: steps padded to 0.2 s (train.min_step_seconds, node-local), one node's
+    to 0.6 s. A barrier would stretch everyone's rounds to the slow node's 3 s; the normal
+    nodes keep their own pace, and the slow node goes on learning at its own."""
+    m = small_manifest("t-slow", "noloco", inner_steps=5)
+    harness = harness_factory(m)
+
+    def paced(seconds: float, steps: int) -> list[str]:
+        return ["--set", f"train.min_step_seconds={seconds}", "--max-steps", str(steps)]
+    first = harness.start_node(0, extra=[*paced(0.2, 100), "--min-peers", "2"])
+    first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
+    normal = [first, harness.start_node(1, [first.address], paced(0.2, 100))]
+    slow = harness.start_node(2, [first.address], [*paced(0.6, 40), "--set", "train.eval_every=10"])
+    for node in normal:
+        node.wait_for(left, 180, "20 rounds and a clean exit")
+        starts = [r["time"] for r in node.events("round")]
+        durations = sorted(b - a for a, b in zip(starts[2:], starts[3:]))
+        median = durations[len(durations) // 2]
+        assert median < 2.0, f"normal node {node.index}: median round {median:.2f} s (1 s paced)"
+    assert len(slow.events("round")) <= 12  # meanwhile the slow node went at its own pace
+    slow.wait_for(left, 180, "the slow node's end")
+    vals = [r["val_loss"] for r in slow.events("round") if "val_loss" in r]
+    assert len(vals) >= 3 and vals[-1] < vals[0], vals

@@ -1,0 +1,216 @@
+"""A test-only entry point that runs a real `lowcomm-node` daemon with one misbehaviour patched in.
+
+    python -m tests.adversary --kind nan -- join --manifest m.toml --data-dir d ...
+
+The product has no adversary switch: this wrapper monkeypatches the node's own functions before
+calling `node.cli.main`, so everything else (identity, DHT, signed streams, training) is the real
+daemon. Kinds:
+
+- nan, inf:   every NoLoCo snapshot it offers carries NaN (or +Inf) in its progress Δ;
+- scale:      its Δ is multiplied by 1000 (a poisoned or runaway update);
+- noise:      its Δ is replaced by Gaussian noise of the same per-tensor norm;
+- replay:     after each message it sends a peer, it sends that peer the very first signed
+              message of the same kind again (same nonce, same signature: a byte-exact replay);
+- stall:      it keeps opening streams to every member and never writes a byte on them;
+- ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
+              (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point.
+
+What the adversary does is logged on stderr with the prefix "adversary:" so tests can wait on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import sys
+
+log = logging.getLogger("lowcomm.adversary")
+KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "ckpt-kill")
+SCALE = 1000.0
+STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
+
+
+# ---------------------------------------------------------------------- poisoned tensors
+def _poison(kind: str):
+    import torch
+
+    import node.noloco_round as noloco_round
+
+    honest = noloco_round.encode_snapshot
+
+    def corrupt(delta: dict) -> dict:
+        out = {}
+        for name, t in delta.items():
+            if kind == "nan":
+                out[name] = torch.full_like(t, float("nan"))
+            elif kind == "inf":
+                out[name] = torch.full_like(t, float("inf"))
+            elif kind == "scale":
+                out[name] = t * SCALE
+            else:  # noise of the same norm, tensor by tensor
+                noise = torch.randn_like(t)
+                out[name] = noise * (t.norm() / noise.norm().clamp_min(1e-12))
+        return out
+
+    def encode_snapshot(snapshot, wire_dtype):
+        bad = dataclasses.replace(snapshot, local_progress=corrupt(snapshot.local_progress))
+        log.warning("adversary: offering a %s snapshot", kind)
+        return honest(bad, wire_dtype)
+
+    noloco_round.encode_snapshot = encode_snapshot
+
+
+# ---------------------------------------------------------------------- replayed messages
+def _replay() -> None:
+    import contextvars
+
+    import p2p.streams as streams
+    from p2p.errors import P2PError
+
+    original_plan, original_call = streams.SendPlan, streams.Transport._call
+    first: dict[tuple, object] = {}
+    replaying = contextvars.ContextVar("replaying", default=False)
+
+    def send_plan(identity, *, recipient, message, mode, **kwargs):
+        key = (recipient, message.kind, mode)
+        if replaying.get() and key in first:
+            return first[key]   # the old plan: same nonce, timestamp, frames, signatures
+        plan = original_plan(identity, recipient=recipient, message=message, mode=mode, **kwargs)
+        first.setdefault(key, plan)
+        return plan
+
+    async def replay(transport, peer, message, mode, streams_, timeout):
+        replaying.set(True)
+        try:
+            await original_call(transport, peer, message, mode, streams_, timeout, None, 0)
+            log.warning("adversary: replay of %r to %s was ACCEPTED", message.kind, peer)
+        except P2PError as exc:
+            reason = getattr(exc, "reason", None)
+            log.warning("adversary: replay of %r to %s refused: %s", message.kind, peer,
+                        reason.name if reason is not None else exc)
+
+    async def call(self, peer, message, mode, streams_, timeout, accept_round, expected):
+        try:
+            return await original_call(self, peer, message, mode, streams_, timeout, accept_round,
+                                       expected)
+        finally:
+            if (peer.to_bytes(), message.kind, mode) in first:
+                asyncio.get_running_loop().create_task(
+                    replay(self, peer, message, mode, streams_, timeout))
+
+    streams.SendPlan = send_plan
+    streams.Transport._call = call
+
+
+# ---------------------------------------------------------------------- streams never finished
+def _stall() -> None:
+    import node.members as members
+    import p2p.streams as streams
+    from hivemind.p2p import PeerID
+
+    caches = []
+    original_start = members.MemberCache.start
+
+    async def start(self):
+        await original_start(self)
+        caches.append(self)
+
+    members.MemberCache.start = start
+    original_transport_start = streams.Transport.start
+
+    async def transport_start(self):
+        await original_transport_start(self)
+        asyncio.get_running_loop().create_task(attack(self))
+
+    async def attack(transport):
+        held: dict[str, list] = {}
+        announced = set()
+        while True:
+            await asyncio.sleep(0.5)
+            if not caches:
+                continue
+            for record in caches[0].peers():
+                open_ = [w for w in held.get(record.peer_id, []) if not w.is_closing()]
+                held[record.peer_id] = open_
+                for _ in range(STALL_STREAMS - len(open_)):
+                    try:
+                        _, _reader, writer = await asyncio.wait_for(
+                            transport.p2p.call_binary_stream_handler(
+                                PeerID.from_base58(record.peer_id), transport.protocol), 5)
+                    except Exception as exc:  # refused or busy: try again later
+                        log.info("adversary: stream to %s not opened: %s", record.peer_id, exc)
+                        break
+                    open_.append(writer)
+                if len(open_) >= 16 and record.peer_id not in announced:
+                    announced.add(record.peer_id)
+                    log.warning("adversary: holding %d silent streams to %s", len(open_),
+                                record.peer_id)
+
+    streams.Transport.start = transport_start
+
+
+# ---------------------------------------------------------------------- a kill inside a write
+def _checkpoint_kill() -> None:
+    import builtins
+
+    import node.checkpoint as checkpoint
+
+    target = int(os.environ.get("LOWCOMM_TEST_KILL_AT_CHECKPOINT", "2"))
+    saves = 0
+
+    class HalfWriter:
+        def __init__(self, file):
+            self.file = file
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.file.__exit__(*exc)
+
+        def write(self, data):
+            # half the checkpoint reaches the disk, then the process dies: a torn write
+            self.file.write(data[: len(data) // 2])
+            self.file.flush()
+            os.fsync(self.file.fileno())
+            log.warning("adversary: SIGKILL inside checkpoint write %d", saves)
+            logging.shutdown()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def open_(path, mode="r", *args, **kwargs):
+        nonlocal saves
+        file = builtins.open(path, mode, *args, **kwargs)
+        if "w" in mode and ".tmp-" in str(path):
+            saves += 1
+            if saves == target:
+                return HalfWriter(file)
+        return file
+
+    checkpoint.open = open_  # module global: shadows the builtin only in node/checkpoint.py
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    rest = argv[argv.index("--") + 1:] if "--" in argv else []
+    ours = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(prog="python -m tests.adversary")
+    parser.add_argument("--kind", choices=KINDS, required=True)
+    args = parser.parse_args(ours)
+    if args.kind in ("nan", "inf", "scale", "noise"):
+        _poison(args.kind)
+    elif args.kind == "replay":
+        _replay()
+    elif args.kind == "stall":
+        _stall()
+    elif args.kind == "ckpt-kill":
+        _checkpoint_kill()
+    from node.cli import main as node_main
+    return node_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

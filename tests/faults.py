@@ -1,0 +1,130 @@
+"""Fault injection on a local swarm of real daemons (issue 8), built on tests/swarm_harness.py.
+
+    harness = FaultHarness(tmp_path / "s", adversary_manifest("t-nan"))
+    honest = harness.start(2)
+    bad = harness.start_adversary(2, "nan", [honest[0].address])
+    ...
+    harness.kill_p2pd(honest[1])          # the node's own p2pd, SIGKILL, under it
+    with tmpfs(tmp_path / "full", "4m") as small: ...   # a data directory that fills up
+
+Adversaries are real `lowcomm-node join` processes started through `python -m tests.adversary`
+(a wrapper that patches one misbehaviour in; the product has no switch for it). Every wait is
+bounded and reads the node's metrics.jsonl or node.log; `close()` stops every process it
+started, and `tmpfs` always unmounts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from node.manifest import Manifest
+from tests.swarm_harness import NodeHandle, SwarmHarness, small_manifest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def adversary_manifest(swarm: str, protocol: str = "noloco", ban_after: int = 2,
+                       **protocol_values) -> Manifest:
+    """small_manifest with a quick ban, so that repeat offences show within a few rounds."""
+    m = small_manifest(swarm, protocol, **protocol_values)
+    m.contributions.ban_after = ban_after
+    return m
+
+
+def has(kind: str, count: int = 1, **fields):
+    """A predicate for NodeHandle.wait_for: `count` events of `kind` with these field values."""
+    def predicate(events: list[dict]) -> bool:
+        return sum(e["event"] == kind and all(e.get(k) == v for k, v in fields.items())
+                   for e in events) >= count
+    return predicate
+
+
+def joined(events: list[dict]) -> bool:
+    return any(e["event"] == "joined" for e in events)
+
+
+def finished(events: list[dict]) -> bool:
+    return any(e["event"] == "left" for e in events)
+
+
+class FaultHarness(SwarmHarness):
+    """SwarmHarness whose nodes may run under the adversary wrapper."""
+
+    def start_node(self, index: int, peers: list[str] = (), extra: list[str] = (),
+                   data_dir: Path | None = None, adversary: str | None = None,
+                   env: dict | None = None) -> NodeHandle:
+        data_dir = data_dir or self.base / f"node-{index}"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        (data_dir / "address").unlink(missing_ok=True)
+        entry = ["-m", "tests.adversary", "--kind", adversary, "--"] if adversary else ["-m", "node.cli"]
+        command = [sys.executable, *entry, "join", "--manifest", str(self.manifest_path),
+                   "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
+        for peer in peers:
+            command += ["--peer", peer]
+        environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, [environment.get("PYTHONPATH")])])
+        with open(data_dir / "node.log", "ab") as log:
+            process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                                       env=environment)
+        node = NodeHandle(index, data_dir, process)
+        self.nodes.append(node)
+        return node
+
+    def start_adversary(self, index: int, kind: str, peers: list[str], extra: list[str] = (),
+                        timeout: float = 90, env: dict | None = None) -> NodeHandle:
+        node = self.start_node(index, peers, extra, adversary=kind, env=env)
+        node.wait_for(joined, timeout, "joining")
+        return node
+
+    # ------------------------------------------------------------------ faults
+    @staticmethod
+    def p2pd_pid(node: NodeHandle) -> int:
+        """The node's own p2pd: its child process named p2pd."""
+        pid = node.process.pid
+        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            with contextlib.suppress(OSError):
+                if "p2pd" in Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")[0].decode():
+                    return int(child)
+        raise AssertionError(f"node {node.index} has no p2pd child")
+
+    def kill_p2pd(self, node: NodeHandle) -> int:
+        pid = self.p2pd_pid(node)
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+
+def wait_exit(node: NodeHandle, timeout: float) -> int:
+    """The node's exit code; fails with its log tail if it is still running after `timeout`."""
+    try:
+        return node.process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"node {node.index} still running after {timeout} s:\n"
+                             f"{node.log_tail()}") from None
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` (needs root), always unmounted afterwards."""
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(path)],
+                   check=True, capture_output=True)
+    try:
+        yield path
+    finally:
+        for _ in range(50):  # a process that just died may still hold a file for a moment
+            if subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
+                break
+            time.sleep(0.1)
+        else:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0

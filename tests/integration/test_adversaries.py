@@ -1,0 +1,130 @@
+"""Issue 8: adversaries as real nodes among honest ones (NoLoCo, loopback, real p2pd).
+
+Each adversary is a real daemon run through tests/adversary.py with one misbehaviour patched in.
+Asserted from what the honest daemons write (metrics.jsonl, node.log): the contribution is
+refused with the right reason, the sender is banned after `contributions.ban_after` offences,
+and the honest nodes keep training and swapping with each other.
+"""
+
+import time
+
+import pytest
+
+from tests.faults import FaultHarness, adversary_manifest, finished, has, joined
+
+pytestmark = pytest.mark.integration
+
+REFUSAL_TEXT = {"nan": "holds NaN or Inf", "inf": "holds NaN or Inf", "scale": "more than 10x"}
+
+
+@pytest.fixture
+def make_harness(tmp_path):
+    made = []
+
+    def make(manifest):
+        made.append(FaultHarness(tmp_path / manifest.swarm.id, manifest))
+        return made[-1]
+    yield make
+    for harness in made:
+        harness.close()
+
+
+def start_swarm(harness, honest: int, kind: str, extra=()):
+    """`honest` honest nodes and one adversary of `kind`; every node waits for all the others
+    before round 0, so they start together (a node rounds ahead could not pair)."""
+    extra = [*extra, "--min-peers", str(honest)]
+    first = harness.start_node(0, extra=extra)
+    first.wait_for(joined, 90, "joining")
+    nodes = [first] + [harness.start_node(i, [first.address], extra) for i in range(1, honest)]
+    for node in nodes[1:]:
+        node.wait_for(joined, 90, "joining")
+    bad = harness.start_adversary(honest, kind, [first.address], extra)
+    return nodes, bad
+
+
+def swapped_with(peer: str, after: float):
+    return lambda ev: any(e["event"] == "swapped" and e["partner"] == peer and e["time"] > after
+                          for e in ev)
+
+
+def wait_any_log(nodes, text: str, timeout: float):
+    """(node, log) of the first node whose log holds `text`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for node in nodes:
+            log = node.log_tail(100_000)
+            if text in log:
+                return node, log
+        time.sleep(0.2)
+    tails = "\n---\n".join(n.log_tail() for n in nodes)
+    raise AssertionError(f"no node logged {text!r} within {timeout} s:\n{tails}")
+
+
+@pytest.mark.parametrize("kind", ["nan", "scale"])
+def test_poisoned_updates_are_refused_and_the_sender_banned(make_harness, kind):
+    harness = make_harness(adversary_manifest(f"t-adv-{kind}"))
+    honest, bad = start_swarm(harness, 2, kind)
+    bad_id = bad.peer_id
+    banner, log = wait_any_log(honest, f"banned {bad_id}", 180)
+    banned_at = time.time()
+    # every refusal names the adversary and the right check; none names an honest node
+    refused = [r["refused"] for n in honest for r in n.events("round") if r.get("refused")]
+    assert len([s for s in refused if bad_id in s]) >= 2, refused
+    assert all(bad_id in s and REFUSAL_TEXT[kind] in s for s in refused), refused
+    assert "adversary: offering" in bad.log_tail(100_000)
+    # a refused contribution never reaches the outer step: the honest nodes keep learning
+    # from each other after the ban
+    other = next(n for n in honest if n is not banner)
+    banner.wait_for(swapped_with(other.peer_id, banned_at), 120,
+                    "a swap with the honest peer after the ban")
+    for node in honest:
+        rounds = node.events("round")
+        node.wait_rounds(len(rounds) + 2, timeout=90)
+    for node in [*honest, bad]:
+        harness.stop(node)
+    counters = banner.events("transport")[-1]
+    # after the ban the adversary's streams are refused before their payload is read
+    print(kind, "refusals:", len(refused), "banner counters:", counters["refused_incoming"])
+    for node in honest:
+        assert finished(node.events())
+
+
+def test_replayed_messages_are_refused_as_replayed(make_harness):
+    """The adversary sends each peer, after every message, the first signed message of the
+    same kind again, byte for byte: the replay guard refuses it (REPLAYED) and nothing else
+    changes. Replays are refused at the transport; they do not count towards a ban."""
+    harness = make_harness(adversary_manifest("t-adv-replay"))
+    honest, bad = start_swarm(harness, 2, "replay")
+    wait_any_log([bad], "refused: REPLAYED", 120)
+    attacked_at = time.time()
+    a, b = honest
+    a.wait_for(swapped_with(b.peer_id, attacked_at), 120, "an honest swap during the replays")
+    for node in [*honest, bad]:
+        harness.stop(node)
+    log = bad.log_tail(100_000)
+    assert "was ACCEPTED" not in log
+    replays = log.count("refused: REPLAYED")
+    refused = {k: v for n in honest for k, v in n.events("transport")[-1]["refused_incoming"].items()}
+    print("replays refused:", replays, "honest refusals:", refused)
+    assert sum(n.events("transport")[-1]["refused_incoming"].get("REPLAYED", 0)
+               for n in honest) >= 1
+
+
+def test_streams_never_finished_do_not_stop_honest_exchanges(make_harness):
+    """The adversary holds 16+ silent streams to every member (the per-peer limit); its extra
+    streams are refused BUSY, and the victims keep swapping with the honest node meanwhile."""
+    harness = make_harness(adversary_manifest("t-adv-stall"))
+    honest, bad = start_swarm(harness, 2, "stall")
+    victim = honest[0]
+    wait_any_log([bad], f"silent streams to {victim.peer_id}", 120)
+    attacked_at = time.time()
+    victim.wait_for(swapped_with(honest[1].peer_id, attacked_at), 120,
+                    "an honest swap while the silent streams are held")
+    assert bad.process.poll() is None  # the attack was live during that swap
+    rounds = len(victim.events("round"))
+    victim.wait_rounds(rounds + 2, timeout=60)
+    for node in [*honest, bad]:
+        harness.stop(node)
+    refused = victim.events("transport")[-1]["refused_incoming"]
+    print("victim refusals under the stall attack:", refused)
+    assert refused.get("BUSY", 0) >= 1, refused

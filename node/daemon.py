@@ -111,17 +111,19 @@ class Daemon:
             if counters:
                 self._bytes_mark = (counters.bytes_sent, counters.bytes_received)
             partners = [fields["partner"]] if fields.get("partner") else list(fields.get("group", []))
-            # fp32 size of what we sent: NoLoCo one (φ, Δ) snapshot, DiLoCoX Δ to each member
-            copies = 2 if self.manifest.protocol.name == "noloco" else max(1, len(partners))
             exchanged = bool(partners)
-            status.record_round(sent=sent, received=received, exchanged=exchanged,
-                                raw_bytes=self.param_bytes * copies if exchanged else None)
+            status.record_round(sent=sent, received=received, exchanged=exchanged)
             elapsed = time.monotonic() - self._started
             status.update(partners=partners, peers_alive=fields.get("peers_alive", 0),
                           peers_known=len(self.cache.records) if self.cache else 0,
                           rounds_per_minute=(fields["round"] + 1 - self._first_round) * 60 / elapsed)
             for refused in fields.get("refused") or []:
                 status.count_refused("contribution")
+        elif kind in ("swapped", "sent") and fields.get("bytes"):
+            # fp32 size over wire size of one payload: NoLoCo's (φ, Δ), DiLoCoX's coded Δ (per
+            # payload, since a swap may finish after its round's bytes were counted)
+            copies = 2 if kind == "swapped" else 1
+            status.update(compression_ratio=copies * self.param_bytes / fields["bytes"])
         elif kind == "checkpoint":
             status.update(checkpoint_at=time.time(), checkpoint_step=fields["step"])
         elif kind == "stopping":

@@ -16,6 +16,9 @@ Fields, units and meaning (None = not known yet):
     protocol                 str    outer protocol: noloco | diloco | dilocox
     started_at               float  unix time (s) the daemon started
     updated_at               float  unix time (s) of the last update to any field
+    seq                      int    status version: +1 on every update; two documents of one
+                                    daemon run with the same seq hold the same numbers (the
+                                    control socket's and the MQTT message's, say)
     round                    int    outer round (exchanges started since the run began)
     step                     int    inner optimizer step
     train_loss               float  latest training loss, nats/token
@@ -38,7 +41,7 @@ Fields, units and meaning (None = not known yet):
     bytes_received_round     int    bytes received on the wire in the last finished round
     bytes_sent_total         int    bytes sent since the daemon started
     bytes_received_total     int    bytes received since the daemon started
-    compression_ratio        float  raw fp32 bytes / wire bytes of the last round's payloads
+    compression_ratio        float  raw fp32 bytes / wire bytes of the last exchanged payload
     refused                  {str: int} refused incoming messages by reason, since start
     last_exchange_at         float  unix time (s) of the last successful exchange
     checkpoint_at            float  unix time (s) the newest checkpoint was written
@@ -79,6 +82,7 @@ class NodeStatus:
     protocol: str = ""
     started_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
+    seq: int = 0
     round: int = 0
     step: int = 0
     train_loss: float | None = None
@@ -122,24 +126,29 @@ class NodeStatus:
                 if name == "state" and value not in STATES:
                     raise ValueError(f"state {value!r} is not one of {', '.join(STATES)}")
                 setattr(self, name, value)
-            self.updated_at = time.time()
+            self._touch()
+
+    def _touch(self, now: float | None = None) -> None:
+        """Marks a change (under the lock): a new updated_at and the next seq."""
+        self.updated_at = time.time() if now is None else now
+        self.seq += 1
 
     def record_train_loss(self, loss: float) -> None:
         with self._lock:
             self.train_loss = float(loss)
             _push(self.train_loss_trend, float(loss))
-            self.updated_at = time.time()
+            self._touch()
 
     def record_val_loss(self, loss: float) -> None:
         with self._lock:
             self.val_loss = float(loss)
             _push(self.val_loss_trend, float(loss))
-            self.updated_at = time.time()
+            self._touch()
 
     def count_refused(self, reason: str, n: int = 1) -> None:
         with self._lock:
             self.refused[reason] = self.refused.get(reason, 0) + n
-            self.updated_at = time.time()
+            self._touch()
 
     def record_round(self, *, sent: int, received: int, raw_bytes: int | None = None,
                      exchanged: bool = True) -> None:
@@ -154,7 +163,7 @@ class NodeStatus:
             now = time.time()
             if exchanged:
                 self.last_exchange_at = now
-            self.updated_at = now
+            self._touch(now)
 
     # ---- readers -------------------------------------------------------------------------
     def to_dict(self, now: float | None = None) -> dict[str, Any]:

@@ -108,9 +108,11 @@ def _ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}x"
 
 
-def sections(doc: dict, *, narrow: bool = False) -> list[tuple[str, list[tuple[str, str]]]]:
-    """The view's content as (section, [(label, value)]): every layout draws these rows."""
-    spark = 10 if narrow else 20
+def sections(doc: dict, *, narrow: bool = False,
+             spark: int | None = None) -> list[tuple[str, list[tuple[str, str]]]]:
+    """The view's content as (section, [(label, value)]): every layout draws these rows;
+    `spark`: the width of the loss trends (default 10 narrow, else 20)."""
+    spark = spark or (10 if narrow else 20)
     peer = doc.get("peer_id") or "?"
     partners = doc.get("partners") or []
     partner_text = ", ".join(short_peer(p) for p in partners) if partners else "none"
@@ -167,7 +169,10 @@ class StatusView:
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
         narrow = options.max_width < NARROW_BELOW
-        secs = sections(self.doc, narrow=narrow)
+        per_row = 3 if options.max_width >= 110 else 2
+        # two panels a row: a trend short enough to stay on the value's line
+        secs = sections(self.doc, narrow=narrow,
+                        spark=12 if per_row == 2 and not narrow else None)
         if narrow:
             table = Table.grid(padding=(0, 1))
             table.add_column(style="bold", no_wrap=True)
@@ -182,7 +187,6 @@ class StatusView:
         header = Text.assemble(*[part for label, value in node_rows
                                  for part in ((f"{label} ", "bold"), (f"{value}   ", ""))])
         yield Panel(header, title="lowcomm-node", title_align="left", border_style="cyan")
-        per_row = 3 if options.max_width >= 110 else 2
         grid = Table.grid(expand=True, padding=(0, 1))
         for _ in range(per_row):
             grid.add_column(ratio=1)

@@ -8,12 +8,13 @@ peer and not in how many processes share the cores. Reported: each normal node's
 minute in both arms (after a warm-up of rounds), their ratio B / A (target: within 10%), the
 pairs the slow node formed, and its validation loss at its first and last evaluation.
 
-    .venv/bin/python benchmarks/no_barrier.py --normal 3 --step-seconds 0.3 --rounds 24
+    .venv/bin/python benchmarks/no_barrier.py --normal 3 --step-seconds 0.3 --rounds 24 --repeats 2
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -78,15 +79,28 @@ def main() -> None:
                         help="padded wall time of a normal node's step (the slow node: 3x)")
     parser.add_argument("--inner-steps", type=int, default=10, help="H (default 10)")
     parser.add_argument("--rounds", type=int, default=24, help="rounds of a normal node")
+    parser.add_argument("--repeats", type=int, default=2, help="pairs of arms, run A B, B A, "
+                        "A B, ... so that a drift in the machine's load hits both arms alike")
     args = parser.parse_args()
     started = time.time()
+    runs: dict[bool, list[dict]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
-        alone = run_arm(Path(tmp) / "a", args, with_slow=False)
-        mixed = run_arm(Path(tmp) / "b", args, with_slow=True)
+        for repeat in range(args.repeats):
+            for with_slow in ((False, True) if repeat % 2 == 0 else (True, False)):
+                arm = Path(tmp) / f"{repeat}-{'b' if with_slow else 'a'}"
+                runs[with_slow].append(run_arm(arm, args, with_slow))
+    alone = {"rpm": [statistics.median(r["rpm"][i] for r in runs[False]) for i in range(args.normal)]}
+    mixed = {**runs[True][-1],
+             "rpm": [statistics.median(r["rpm"][i] for r in runs[True]) for i in range(args.normal)]}
     ratios = [b / a for a, b in zip(alone["rpm"], mixed["rpm"])]
     print(f"{args.normal} normal NoLoCo nodes (overlap), steps padded to {args.step_seconds} s, "
           f"H = {args.inner_steps}, {args.rounds} rounds each; the slow node: steps of "
-          f"{3 * args.step_seconds:g} s; whole run {(time.time() - started) / 60:.1f} min")
+          f"{3 * args.step_seconds:g} s; {args.repeats} repeats of each arm (medians); "
+          f"whole run {(time.time() - started) / 60:.1f} min, load average now "
+          f"{os.getloadavg()[0]:.1f}")
+    print("per repeat, rounds/min of the normal nodes without / with the slow node: " + "; ".join(
+        f"{[round(x, 2) for x in a['rpm']]} / {[round(x, 2) for x in b['rpm']]}"
+        for a, b in zip(runs[False], runs[True])))
     print("| normal node | rounds/min without the slow node | with it | ratio |")
     print("|---|---|---|---|")
     for i, (a, b, r) in enumerate(zip(alone["rpm"], mixed["rpm"], ratios)):
@@ -94,7 +108,7 @@ def main() -> None:
     worst = min(ratios)
     print(f"median ratio {statistics.median(ratios):.3f}, worst {worst:.3f}: target within 10% "
           f"{'met' if abs(1 - worst) <= 0.10 and abs(1 - max(ratios)) <= 0.10 else 'not met'}")
-    print(f"slow node: {mixed['slow_rpm']:.2f} rounds/min ({mixed['slow_rounds']} rounds), "
+    print(f"slow node (last repeat): {mixed['slow_rpm']:.2f} rounds/min ({mixed['slow_rounds']} rounds), "
           f"paired in {mixed['slow_paired']} of them; the normal nodes paired with it "
           f"{mixed['paired_with_slow']} times; validation loss {mixed['slow_val_first']:.4f} -> "
           f"{mixed['slow_val_last']:.4f}")

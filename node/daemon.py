@@ -74,6 +74,7 @@ class Daemon:
         self.cache: MemberCache | None = None
         self.node_status = None
         self.transport = None
+        self.host = None
         self._bytes_mark = (0, 0)
         self._started = time.monotonic()
         self._first_round = 0
@@ -200,6 +201,7 @@ class Daemon:
             cache.update(round=start_round, status="training", extra={"since": start_round})
             self.event("started", round=start_round, step=trainer.step)
             watch = ManifestWatch(host.dht, m)
+            self.host = host
             code = await self._train(trainer, policy, corpus.digest, cache, watch, transport)
         finally:
             await self._leave(host, transport, membership, cache, exchange)
@@ -326,6 +328,14 @@ class Daemon:
         while not finished.done():
             await asyncio.wait({finished, stopping}, timeout=2.0,
                                return_when=asyncio.FIRST_COMPLETED)
+            lost = self.host.p2pd_lost() if self.host is not None else None
+            if lost is not None and not self.stop_event.is_set():
+                # Nobody can reach this node any more, and it can reach nobody: training on
+                # alone would look healthy and help no one. Checkpoint and say so.
+                self.event("failed", error=f"the p2p daemon (p2pd) exited under this node "
+                           f"({lost}); stopping with a checkpoint: restart the node to rejoin")
+                self.stop_event.set()
+                continue
             await watch.check(cache.peers())
             refused = dict(transport.counters.refused_incoming)
             if refused != self._refused_seen:  # transport refusals by reason, beside ours
@@ -340,7 +350,7 @@ class Daemon:
                                "period; exiting without a final checkpoint")
                     return 1
         stopping.cancel()
-        if self.worker.error is not None:
+        if self.worker.error is not None or (self.host is not None and self.host.p2pd_lost()):
             return 1
         return 0
 

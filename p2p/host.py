@@ -121,6 +121,15 @@ class P2PHost:
         """Addresses other nodes can pass as initial peers (each ends in /p2p/<our id>)."""
         return [str(maddr) for maddr in await self.dht.get_visible_maddrs()]
 
+    def p2pd_lost(self) -> str | None:
+        """How p2pd ended if it died under us (e.g. "killed by signal 9"); None while it runs
+        or after our own shutdown."""
+        child = getattr(self.p2p, "_child", None)
+        code = None if child is None or self._closed else child.returncode
+        if code is None:
+            return None
+        return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+
     async def shutdown(self) -> None:
         """Stop the DHT node and p2pd, and remove p2pd's unix sockets from /tmp. Idempotent."""
         if self._closed:

@@ -38,7 +38,7 @@ STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 def _poison(kind: str):
     import torch
 
-    import node.noloco_round as noloco_round
+    from node import noloco_round
 
     honest = noloco_round.encode_snapshot
 
@@ -68,7 +68,7 @@ def _poison(kind: str):
 def _replay() -> None:
     import contextvars
 
-    import p2p.streams as streams
+    from p2p import streams
     from p2p.errors import P2PError
 
     original_plan, original_call = streams.SendPlan, streams.Transport._call
@@ -108,9 +108,10 @@ def _replay() -> None:
 
 # ---------------------------------------------------------------------- streams never finished
 def _stall() -> None:
-    import node.members as members
-    import p2p.streams as streams
     from hivemind.p2p import PeerID
+
+    from node import members
+    from p2p import streams
 
     caches = []
     original_start = members.MemberCache.start
@@ -141,7 +142,7 @@ def _stall() -> None:
                         _, _reader, writer = await asyncio.wait_for(
                             transport.p2p.call_binary_stream_handler(
                                 PeerID.from_base58(record.peer_id), transport.protocol), 5)
-                    except Exception as exc:  # refused or busy: try again later
+                    except Exception as exc:  # noqa: BLE001 (refused, busy: try again later)
                         log.info("adversary: stream to %s not opened: %s", record.peer_id, exc)
                         break
                     open_.append(writer)
@@ -157,7 +158,7 @@ def _stall() -> None:
 def _checkpoint_kill() -> None:
     import builtins
 
-    import node.checkpoint as checkpoint
+    from node import checkpoint
 
     target = int(os.environ.get("LOWCOMM_TEST_KILL_AT_CHECKPOINT", "2"))
     saves = 0
@@ -183,7 +184,7 @@ def _checkpoint_kill() -> None:
 
     def open_(path, mode="r", *args, **kwargs):
         nonlocal saves
-        file = builtins.open(path, mode, *args, **kwargs)
+        file = builtins.open(path, mode, *args, **kwargs)  # noqa: SIM115 (returned)
         if "w" in mode and ".tmp-" in str(path):
             saves += 1
             if saves == target:

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.faults import FaultHarness, adversary_manifest, finished, has, joined
+from tests.faults import FaultHarness, adversary_manifest, finished, joined
 
 pytestmark = pytest.mark.integration
 
@@ -65,7 +65,7 @@ def test_poisoned_updates_are_refused_and_the_sender_banned(make_harness, kind):
     harness = make_harness(adversary_manifest(f"t-adv-{kind}"))
     honest, bad = start_swarm(harness, 2, kind)
     bad_id = bad.peer_id
-    banner, log = wait_any_log(honest, f"banned {bad_id}", 180)
+    banner, _ = wait_any_log(honest, f"banned {bad_id}", 180)
     banned_at = time.time()
     # every refusal names the adversary and the right check; none names an honest node
     refused = [r["refused"] for n in honest for r in n.events("round") if r.get("refused")]

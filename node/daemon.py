@@ -118,8 +118,11 @@ class Daemon:
             status.update(partners=partners, peers_alive=fields.get("peers_alive", 0),
                           peers_known=len(self.cache.records) if self.cache else 0,
                           rounds_per_minute=(fields["round"] + 1 - self._first_round) * 60 / elapsed)
-            for refused in fields.get("refused") or []:
-                status.count_refused("contribution")
+            refused = fields.get("refused") or []
+            if isinstance(refused, str):  # NoLoCo: one sentence; DiLoCoX: a list of them
+                refused = [refused]
+            if refused:
+                status.count_refused("contribution", len(refused))
         elif kind in ("swapped", "sent") and fields.get("bytes"):
             # fp32 size over wire size of one payload: NoLoCo's (φ, Δ), DiLoCoX's coded Δ (per
             # payload, since a swap may finish after its round's bytes were counted)

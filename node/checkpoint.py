@@ -91,6 +91,10 @@ class CheckpointStore:
                 os.fsync(f.fileno())
             os.replace(tmp, final)
             _fsync_dir(self.directory)
+        except OSError as exc:  # a full or read-only disk: one sentence, nothing half-written
+            tmp.unlink(missing_ok=True)
+            raise CheckpointError(f"could not write checkpoint {final.name} in {self.directory}: "
+                                  f"{exc.strerror or exc}; the previous checkpoint is kept") from None
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise

@@ -80,7 +80,9 @@ def test_a_full_disk_stops_the_node_cleanly_with_no_half_written_checkpoint(make
         checkpoints = [p.name for p in (data_dir / "checkpoints").iterdir()]
         print("exit", code, "failed:", failed, "files:", checkpoints)
         assert code == 1, node.log_tail()
-        assert failed and "No space left on device" in failed[0]["error"], node.log_tail()
+        assert len(failed) == 1, node.log_tail()
+        assert "could not write checkpoint ckpt-0000000040.pt" in failed[0]["error"]
+        assert "No space left on device; the previous checkpoint is kept" in failed[0]["error"]
         assert finished(events)  # it still left the swarm cleanly
         assert checkpoints == ["ckpt-0000000020.pt"], checkpoints  # no temporary left behind
         assert CheckpointStore(data_dir / "checkpoints").load_latest().state["trainer"]["step"] == 20

@@ -12,6 +12,8 @@ daemon. Kinds:
 - replay:     after each message it sends a peer, it sends that peer the very first signed
               message of the same kind again (same nonce, same signature: a byte-exact replay);
 - stall:      it keeps opening streams to every member and never writes a byte on them;
+- swap-kill:  SIGKILLs itself (and so its p2pd) halfway through the first frame of its first
+              NoLoCo snapshot on the wire: a kill mid-swap;
 - ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
               (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point.
 
@@ -29,7 +31,7 @@ import signal
 import sys
 
 log = logging.getLogger("lowcomm.adversary")
-KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "ckpt-kill")
+KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "ckpt-kill", "swap-kill")
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 
@@ -194,6 +196,25 @@ def _checkpoint_kill() -> None:
     checkpoint.open = open_  # module global: shadows the builtin only in node/checkpoint.py
 
 
+def _swap_kill() -> None:
+    from p2p import streams
+
+    original = streams.send_stream_frames
+
+    async def send_stream_frames(io, plan, stream, executor, stop=None):
+        if plan.kind == "noloco.snapshot" and plan.total:
+            async def write_views(views, chunk_bytes):
+                first = views[0]
+                await io.write(bytes(first[: len(first) // 2]))
+                log.warning("adversary: SIGKILL mid-swap (half a frame sent)")
+                logging.shutdown()
+                os.kill(os.getpid(), signal.SIGKILL)
+            io.write_views = write_views
+        return await original(io, plan, stream, executor, stop)
+
+    streams.send_stream_frames = send_stream_frames
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     rest = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -207,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         _replay()
     elif args.kind == "stall":
         _stall()
+    elif args.kind == "swap-kill":
+        _swap_kill()
     elif args.kind == "ckpt-kill":
         _checkpoint_kill()
     from node.cli import main as node_main

@@ -112,3 +112,45 @@ def test_killing_the_nodes_p2pd_stops_it_with_one_sentence(make_harness):
     a.wait_rounds(rounds + 2, timeout=90)  # the partner carries on alone
     again = harness.start_node(1, [a.address], data_dir=b.data_dir)
     again.wait_for(has("resumed"), 90, "resuming from the checkpoint")
+
+
+def test_sigkill_mid_swap_partner_does_a_local_update_and_nobody_hangs(make_harness):
+    """The third node SIGKILLs itself halfway through the first frame of its first snapshot
+    (tests/adversary.py --kind swap-kill). Its partner's swap fails at once, that round ends
+    with a local update, and the two survivors go on pairing with each other."""
+    harness = make_harness(adversary_manifest("t-swap-kill"))
+    extra = ["--min-peers", "2"]
+    first = harness.start_node(0, extra=extra)
+    first.wait_for(has("joined"), 90, "joining")
+    second = harness.start_node(1, [first.address], extra)
+    second.wait_for(has("joined"), 90, "joining")
+    victim = harness.start_adversary(2, "swap-kill", [first.address], extra)
+    victim_id = victim.peer_id
+    assert wait_exit(victim, 180) == -signal.SIGKILL, victim.log_tail()
+    killed_at = time.time()
+    assert "SIGKILL mid-swap" in victim.log_tail(100_000)
+    survivors = [first, second]
+    for node in survivors:
+        node.wait_rounds(len(node.events("round")) + 3, timeout=60)
+    # the partner of the killed swap: the survivor that paired with the victim last
+    partner = max(survivors, key=lambda n: max([e["time"] for e in n.events("paired")
+                                                 if e["partner"] == victim_id], default=0))
+    events = partner.events()
+    failed = [e for e in events if e["event"] in ("swap_failed", "swap_late")
+              and e["partner"] == victim_id]
+    used = [e for e in events if e["event"] == "round" and e.get("partner") == victim_id]
+    assert not used, "a half-sent snapshot must never be used"
+    # nobody waited on the dead node: rounds right after the kill are as long as before it
+    rounds = [e for e in events if e["event"] == "round"]
+    longest = max(e["round_seconds"] + e["outer_seconds"] for e in rounds if e["time"] > killed_at)
+    print(f"mid-swap kill: partner events {[(e['event'], e.get('error', '')[:80]) for e in failed]}, "
+          f"longest round after the kill {longest:.1f} s")
+    assert longest < 30
+    if victim_id < partner.peer_id:  # the victim initiated: its half-sent request is dropped
+        assert not failed or "refused our" in failed[-1]["error"], failed
+    else:  # the victim was replying: the partner's swap fails at once, TRUNCATED
+        assert "TRUNCATED" in failed[-1]["error"], failed
+    other = next(n for n in survivors if n is not partner)
+    partner.wait_for(lambda ev: any(e["event"] == "swapped" and e["partner"] == other.peer_id
+                                    and e["time"] > killed_at for e in ev), 120,
+                     "the survivors pairing with each other")

@@ -12,6 +12,9 @@ daemon. Kinds:
 - replay:     after each message it sends a peer, it sends that peer the very first signed
               message of the same kind again (same nonce, same signature: a byte-exact replay);
 - stall:      it keeps opening streams to every member and never writes a byte on them;
+- flood:      publishes GHOSTS fake members (fresh keys, validly signed, "ready" in the current
+              round, at dead addresses), and forged tombstones of the real members (signed
+              with its own key under their subkeys);
 - swap-kill:  SIGKILLs itself (and so its p2pd) halfway through the first frame of its first
               NoLoCo snapshot on the wire: a kill mid-swap;
 - ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
@@ -31,7 +34,8 @@ import signal
 import sys
 
 log = logging.getLogger("lowcomm.adversary")
-KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "ckpt-kill", "swap-kill")
+KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill")
+GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 
@@ -196,6 +200,60 @@ def _checkpoint_kill() -> None:
     checkpoint.open = open_  # module global: shadows the builtin only in node/checkpoint.py
 
 
+def _flood() -> None:
+    import time
+
+    from node import members
+    from p2p import records
+    from p2p.identity import NodeIdentity
+    from p2p.records import MemberRecord
+
+    ghosts = {}
+    original_sign = records.OwnerOnlyValidator.sign_value
+
+    def sign_value(self, record):
+        owner = records._owner_of(record.subkey)
+        if record.key in self._protected and owner in ghosts:  # a ghost signs its own record
+            identity = ghosts[owner]
+            return (record.value + identity.sign(records._record_signing_input(record, record.value))
+                    + records.SIGNED_MARKER)
+        return original_sign(self, record)
+
+    records.OwnerOnlyValidator.sign_value = sign_value
+    original_start = members.MemberCache.start
+
+    async def start(self):
+        await original_start(self)
+        asyncio.get_running_loop().create_task(flood(self))
+
+    async def flood(cache):
+        membership = cache.membership
+        dht, key, me = membership.host.dht, membership.key, membership.record
+        for _ in range(GHOSTS):
+            identity = NodeIdentity.generate()
+            ghosts[identity.peer_id.to_base58()] = identity
+        stored = forged = 0
+        while True:
+            now = time.time()
+            rnd = max([r.round for r in cache.peers()] + [me.round])
+            for ghost in ghosts:
+                record = MemberRecord(ghost, (f"/ip4/127.0.0.1/tcp/9/p2p/{ghost}",), me.protocol,
+                                      me.manifest, rnd, "ready", 1e6, {}, now)
+                stored += bool(await dht.store(key, record.to_value(), now + 30, subkey=ghost))
+            for real in cache.peers():
+                if real.peer_id in ghosts:
+                    continue
+                tomb = MemberRecord(real.peer_id, real.addrs, real.protocol, real.manifest,
+                                    real.round, "left", 0.0, {}, now)
+                forged += bool(await dht.store(key, tomb.to_value(), now + 60,
+                                               subkey=real.peer_id))
+            log.warning("adversary: flood stored %d ghost records, %d forged tombstones accepted",
+                        stored, forged)
+            await asyncio.sleep(2.0)
+
+    members.MemberCache.start = start
+
+
 def _swap_kill() -> None:
     from p2p import streams
 
@@ -228,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         _replay()
     elif args.kind == "stall":
         _stall()
+    elif args.kind == "flood":
+        _flood()
     elif args.kind == "swap-kill":
         _swap_kill()
     elif args.kind == "ckpt-kill":

@@ -153,3 +153,27 @@ def test_noise_of_the_right_norm_is_not_refused_today(make_harness):
         vals = [round(r["val_loss"], 3) for r in rounds if "val_loss" in r]
         print(f"node {node.index}: used the noise in rounds {used}, refused {refused}, val {vals}")
         assert used and not refused
+
+
+def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(make_harness):
+    """30 ghost members (validly signed by fresh keys, 'ready', unreachable) and forged
+    tombstones of the real members: the forgeries are refused by the owner-only validator, the
+    ghosts cost failed proposals, and the honest nodes still pair with each other."""
+    harness = make_harness(adversary_manifest("t-adv-flood"))
+    honest, bad = start_swarm(harness, 2, "flood")
+    wait_any_log([bad], "adversary: flood stored", 60)
+    flooded_at = time.time()
+    a, b = honest
+    for node, other in ((a, b), (b, a)):
+        node.wait_for(lambda ev, o=other: sum(e["event"] == "swapped" and e["partner"] == o.peer_id
+                                              and e["time"] > flooded_at for e in ev) >= 2,
+                      150, "two honest swaps during the flood")
+    log = bad.log_tail(100_000)
+    last = [line for line in log.splitlines() if "adversary: flood stored" in line][-1]
+    assert "0 forged tombstones accepted" in last, last
+    for node in [*honest, bad]:
+        harness.stop(node)
+    for node in honest:
+        rounds = [r for r in node.events("round") if r["time"] > flooded_at]
+        paired = sum(bool(r["partner"]) for r in rounds)
+        print(f"node {node.index}: {paired}/{len(rounds)} rounds paired during the flood; {last}")

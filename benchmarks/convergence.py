@@ -2,7 +2,8 @@
 
 Main comparison (tiny model, embedded stdlib corpus, 8 replicas, equal tokens per replica, same
 seeds and batch streams): data-parallel, DiLoCo (H=100, the NoLoCo paper's baseline μ=0.3),
-NoLoCo (H=50, blocking and overlap), DiLoCoX (H=100, low-rank + 8-bit, delay 1) and local-only.
+NoLoCo (H=50, blocking and overlap, and overlap with a swap that takes 10 of the 50 steps),
+DiLoCoX (H=100, low-rank + 8-bit, delay 1) and local-only.
 Writes benchmarks/convergence.{png,json} and its block of benchmarks/RESULTS.md.
 
     .venv/bin/python benchmarks/convergence.py
@@ -118,6 +119,9 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
                                               timing="blocking", **common),
         "noloco-overlap": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
                                              timing="overlap", **common),
+        # the same with a swap that takes a fifth of a round: the correction lands at step 10
+        "noloco-overlap-slow-swap": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
+                                                       timing="overlap", latency_steps=10, **common),
         "dilocox": SimulationSettings("dilocox", inner_steps=100, rounds=args.steps // 100,
                                       **dilocox, **common),
         "local": SimulationSettings("local", inner_steps=50, rounds=every_50, **common),

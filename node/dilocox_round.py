@@ -99,6 +99,9 @@ class DiLoCoXRound:
         # may have finished another round by the time its request arrives.
         self.history: deque = deque(maxlen=2)
 
+    def between_steps(self, round_index: int) -> None:
+        """Nothing to do mid-round: the group's messages are applied at the round's end."""
+
     def end_round(self, round_index: int) -> dict[str, Any]:
         delta = self.outer.pseudo_gradient(self.trainer.named_parameters())
         own = self.outer.compress(delta, round_index)

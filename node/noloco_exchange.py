@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import threading
 from collections.abc import Callable
 
 from hivemind.p2p import PeerID
@@ -60,6 +61,7 @@ class NoLoCoExchange:
         self.offered: OutgoingMessage | None = None
         self.accepting = timing == "overlap"  # blocking: only while waiting at a round's end
         self.partners: dict[int, PartnerSnapshot] = {}
+        self.landed = threading.Event()  # a partner snapshot waits: read by the training thread
         self.changed = asyncio.Event()
         self.swaps_ok = self.swaps_failed = 0
         self._task: asyncio.Task | None = None
@@ -84,9 +86,13 @@ class NoLoCoExchange:
             await asyncio.gather(self._task, return_exceptions=True)
 
     # ------------------------------------------------------------------ training thread side
+    def partner_landed(self) -> bool:
+        return self.landed.is_set()
+
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
         """Overlap: the partner snapshot swapped during `round_index`, if any (taken once)."""
         async def take() -> PartnerSnapshot | None:
+            self.landed.clear()
             return self.partners.pop(round_index, None)
         return asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=30.0)
 
@@ -135,6 +141,8 @@ class NoLoCoExchange:
         for message in outcome.outgoing:
             self._send_control(message)
         self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
+        if next_round not in self.partners:
+            self.landed.clear()  # nothing waits for the round that starts
         self.membership.update(round=next_round, status="ready" if self.offered else "training")
         self.changed.set()
 
@@ -247,6 +255,7 @@ class NoLoCoExchange:
             return
         self.swaps_ok += 1
         self.partners[round_index] = PartnerSnapshot(partner, received.round, received)
+        self.landed.set()
         self.report("swapped", {"round": round_index, "partner": partner,
                                 "partner_round": received.round,
                                 "bytes": len(received.payload)})

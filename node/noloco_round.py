@@ -3,9 +3,9 @@
 At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), hands it to the exchange
 (the event loop), and gets back at most one partner snapshot:
 - `overlap` (default): the round ends with the local update, and the snapshot a partner swapped
-  with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ as if that pair's
-  update had been taken in time (protocol/noloco.py late_pair_correction); nothing waits on
-  the network;
+  with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ at the next
+  step boundary, as if that pair's update had been taken in time (protocol/noloco.py
+  late_pair_correction); nothing waits on the network;
 - `blocking`: the exchange pairs and swaps S_r now, waiting at most `pair_deadline_s`.
 Whatever arrives is checked (names, shapes, finite, norm) before use; no partner, or a refused
 one, gives the local update of G = {self}, counted.
@@ -35,6 +35,9 @@ class PartnerSnapshot:
 
 class NoLoCoLink(Protocol):
     """The event loop's side, called from the training thread."""
+
+    def partner_landed(self) -> bool:
+        """Overlap: a partner snapshot is waiting to be taken (cheap, from any thread)."""
 
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
         """Overlap: the partner snapshot swapped with us during `round_index`, if any."""
@@ -69,10 +72,23 @@ class NoLoCoRound:
         self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
         self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
         self.previous_own: NoLoCoSnapshot | None = None  # overlap: what we offered this round
+        self._corrected: tuple[int, tuple] | None = None  # overlap: (round, correction result)
+
+    def between_steps(self, round_index: int) -> None:
+        """Overlap: a partner snapshot that landed during the round corrects θ at this step
+        boundary rather than at the round's end, so the rest of the round trains from where
+        the pair's update puts the node (with a fast swap: exactly where blocking would)."""
+        if self.timing != "overlap" or not self.link.partner_landed() \
+                or (self._corrected is not None and self._corrected[0] == round_index):
+            return
+        self._corrected = (round_index, self._overlap_correction(round_index))
 
     def end_round(self, round_index: int) -> dict[str, Any]:
         if self.timing == "overlap":
-            partner, partners, refused = self._overlap_correction(round_index)
+            if self._corrected is not None and self._corrected[0] == round_index:
+                partner, partners, refused = self._corrected[1]
+            else:
+                partner, partners, refused = self._overlap_correction(round_index)
             own = self.outer.snapshot(self.trainer.named_parameters())
             self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0)
             with self.lock:

@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 class RoundPolicy(Protocol):
     """The protocol-specific end of a round (NoLoCo or DiLoCoX), run in the training thread."""
 
+    def between_steps(self, round_index: int) -> None:
+        """Called after every inner step that does not end a round (must be cheap)."""
+
     def end_round(self, round_index: int) -> dict[str, Any]:
         """Applies the outer step, leaves θ = the new φ, and returns fields to report."""
 
@@ -86,6 +89,7 @@ class TrainingWorker(threading.Thread):
                        "tokens_per_second": result.tokens / result.seconds})
             pad_step(result.seconds, self.min_step_seconds, self.stop_requested.wait)
             if trainer.step % self.inner_steps:
+                self.policy.between_steps(self.round_index)
                 continue
             finished_round = trainer.step // self.inner_steps - 1
             compute = time.monotonic() - round_started

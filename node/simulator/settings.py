@@ -93,7 +93,8 @@ class SimulationSettings:
     def describe(self) -> str:
         """One line naming the method as the results table shows it."""
         if self.protocol == "noloco":
-            return f"NoLoCo H={self.inner_steps} {self.timing}"
+            latency = f", swap takes {self.latency_steps} steps" if self.latency_steps else ""
+            return f"NoLoCo H={self.inner_steps} {self.timing}{latency}"
         if self.protocol == "dilocox":
             params = ", ".join(f"{k}={v}" for k, v in self.codec_parameters().items())
             codec = f"{self.codec}({params})" if params else self.codec

@@ -169,6 +169,18 @@ def test_noloco_overlap_uses_last_rounds_snapshots_and_never_waits(config, corpu
     assert too_slow.final.messages_late == 8 and too_slow.final.local_updates == 12
 
 
+def test_noloco_overlap_without_latency_computes_what_blocking_does(config, corpus):
+    """The pair's update, applied as a correction before the next round's first step, lands
+    where blocking's update does (up to rounding), with the same pairs."""
+    overlap, overlapped = simulate(config, corpus, "noloco", timing="overlap", rounds=4)
+    blocking, blocked = simulate(config, corpus, "noloco", timing="blocking", rounds=4)
+    assert overlap.method.pair_history[1:] == blocking.method.pair_history
+    for ours, theirs in zip(overlap.method.replica_weights(), blocking.method.replica_weights()):
+        for name in ours:
+            torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=1e-3)
+    assert overlapped.final_val_loss == pytest.approx(blocked.final_val_loss, abs=1e-4)
+
+
 def test_noloco_blocking_waits_up_to_the_deadline_and_counts_losses(config, corpus):
     _, waits = simulate(config, corpus, "noloco", timing="blocking", latency_steps=3)
     assert waits.final.idle_steps == 3 * 3 and waits.final.local_updates == 0

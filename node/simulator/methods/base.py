@@ -31,12 +31,14 @@ class Method(ABC):
         self.counters = MethodCounters()
         self.round_train_losses: list[float] = []
 
-    def inner_phase(self) -> None:
-        """H inner steps on every replica, one after another (they are all at the same time)."""
-        losses = []
+    def inner_phase(self, steps: int | None = None, continues: bool = False) -> None:
+        """`steps` (default H) inner steps on every replica, one after another (they are all at
+        the same time); `continues`: the second part of a round split in two."""
+        steps = self.settings.inner_steps if steps is None else steps
+        losses = self.round_train_losses if continues else []
         for replica in self.replicas:
-            losses.extend(replica.train(self.settings.inner_steps))
-        self.exchange.compute(self.settings.inner_steps)
+            losses.extend(replica.train(steps))
+        self.exchange.compute(steps)
         self.round_train_losses = losses
 
     @abstractmethod

@@ -8,9 +8,11 @@ snapshots travel through the exchange, with its latency and losses.
 Timing, as PROTOCOLS.md defines it:
 - overlap: each round ends with the local update (G = {i}); at the start of round r the
   replicas pair up and swap their round-(r−1) snapshots, which travel while round r computes;
-  at the end of round r each applies that pair's update late, as a correction of φ, δ and θ
-  (NoLoCo.late_pair_correction), then round r's local update. A snapshot that has not arrived
-  by then (latency > H) is late: no correction. Round 0 has no earlier snapshot anywhere.
+  at the first step boundary after they arrive each applies that pair's update late, as a
+  correction of φ, δ and θ (NoLoCo.late_pair_correction). With no latency that is before the
+  round's first step, and overlap computes exactly what blocking does, without its wait. A
+  snapshot that has not arrived by the round's end (latency > H) is late: no correction. Round
+  0 has no earlier snapshot anywhere.
 - blocking: after round r the replicas pair up and swap round r's snapshots, and wait for them
   up to `deadline_steps` (idle time); one not arrived by the deadline is late: a local update.
 A lost snapshot also means a local update for its receiver only; its sender still pays the bytes.
@@ -48,9 +50,13 @@ class NoLoCoSwarm(Method):
 
     def run_round(self, round_index: int) -> None:
         if self.settings.timing == "overlap":
-            self._pair_and_swap()           # round r−1's snapshots travel during round r
-            self.inner_phase()
-            self._late_pair_corrections()   # round r−1's pair updates, applied now
+            # round r−1's snapshots travel during round r; each pair's update is applied as a
+            # correction at the first step boundary after they arrive
+            arrival = min(self.exchange.time_until_arrival(TOPIC), self.settings.inner_steps) \
+                if self._pair_and_swap() else self.settings.inner_steps
+            self.inner_phase(arrival)
+            self._late_pair_corrections()
+            self.inner_phase(self.settings.inner_steps - arrival, continues=True)
             own = self._snapshots()
             for replica in self.replicas:   # and round r's local update
                 replica.load(self.outer[replica.name].outer_step(own[replica.name]))

@@ -100,6 +100,14 @@ class FaultHarness(SwarmHarness):
         return pid
 
 
+def stop_all(nodes: list[NodeHandle], timeout: float = 40) -> list[int]:
+    """SIGTERM to every node at once, then their exit codes (each must leave within `timeout`)."""
+    for node in nodes:
+        if node.process.poll() is None:
+            node.process.send_signal(signal.SIGTERM)
+    return [wait_exit(node, timeout) for node in nodes]
+
+
 def wait_exit(node: NodeHandle, timeout: float) -> int:
     """The node's exit code; fails with its log tail if it is still running after `timeout`."""
     try:

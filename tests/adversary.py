@@ -69,6 +69,25 @@ def _poison(kind: str):
 
     noloco_round.encode_snapshot = encode_snapshot
 
+    if kind in ("nan", "inf", "scale"):  # DiLoCoX with the bf16 codec: poison its payloads
+        from node import dilocox_round
+
+        honest_message = dilocox_round.encode_message
+
+        def encode_message(message):
+            tensors = {}
+            for name, encoded in message.tensors.items():
+                if encoded.description.get("codec") != "bf16":
+                    raise SystemExit("adversary: DiLoCoX poisoning needs protocol.codec = 'bf16'")
+                values = torch.frombuffer(bytearray(encoded.payload), dtype=torch.bfloat16)
+                bad = corrupt({name: values.float()})[name].to(torch.bfloat16)
+                tensors[name] = dataclasses.replace(encoded,
+                                                    payload=bad.view(torch.uint8).numpy().tobytes())
+            log.warning("adversary: sending a %s pseudo-gradient", kind)
+            return honest_message(dataclasses.replace(message, tensors=tensors))
+
+        dilocox_round.encode_message = encode_message
+
 
 # ---------------------------------------------------------------------- replayed messages
 def _replay() -> None:

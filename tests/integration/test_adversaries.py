@@ -167,3 +167,25 @@ def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(make_harness):
         rounds = [r for r in node.events("round") if r["time"] > flooded_at]
         paired = sum(bool(r["partner"]) for r in rounds)
         print(f"node {node.index}: {paired}/{len(rounds)} rounds paired during the flood; {last}")
+
+
+def test_dilocox_nan_pseudo_gradients_are_refused_and_honest_phi_agrees(make_harness):
+    """DiLoCoX (bf16 codec): the adversary's NaN pseudo-gradient reaches the whole group every
+    round; both honest nodes refuse it, ban its sender, and still end rounds on the same φ."""
+    harness = make_harness(adversary_manifest("t-adv-dx-nan", "dilocox", codec="bf16"))
+    honest, bad = start_swarm(harness, 2, "nan")
+    bad_id = bad.peer_id
+    for node in honest:
+        node.wait_log(f"banned {bad_id}", 150)
+    banned_at = time.time()
+    for node in honest:
+        node.wait_for(lambda ev: any(e["event"] == "round" and e["time"] > banned_at + 1
+                                     for e in ev), 60, "a round after the ban")
+    stop_all([*honest, bad])
+    refused = [s for n in honest for r in n.events("round") for s in r.get("refused") or []]
+    # the bf16 codec refuses it while decoding, before the contribution checks
+    assert len(refused) >= 4 and all(bad_id in s and "nan or inf" in s.lower() for s in refused)
+    digests = [{r["round"]: r["phi_digest"] for r in n.events("round")} for n in honest]
+    common = sorted(set(digests[0]) & set(digests[1]))
+    assert common and digests[0][common[-1]] == digests[1][common[-1]], common
+    print(f"dilocox nan: {len(refused)} refusals; honest φ agree at round {common[-1]}")

@@ -96,3 +96,18 @@ def p2p_cleanup():
     yield cleanup
     leftovers = cleanup.finish()
     assert not leftovers, f"p2pd sockets left behind by the code under test: {leftovers}"
+
+
+@pytest.fixture
+def harness_factory(tmp_path):
+    """Makes swarm harnesses of real daemons (tests/swarm_harness.py, or a subclass such as
+    tests/faults.py's FaultHarness) under tmp_path, and closes every one at the end."""
+    from tests.swarm_harness import SwarmHarness
+    made = []
+
+    def make(manifest, name=None, harness_class=SwarmHarness):
+        made.append(harness_class(tmp_path / (name or manifest.swarm.id), manifest))
+        return made[-1]
+    yield make
+    for harness in made:
+        harness.close()

@@ -18,18 +18,6 @@ pytestmark = pytest.mark.integration
 REFUSAL_TEXT = {"nan": "holds NaN or Inf", "inf": "holds NaN or Inf", "scale": "more than 10x"}
 
 
-@pytest.fixture
-def make_harness(tmp_path):
-    made = []
-
-    def make(manifest):
-        made.append(FaultHarness(tmp_path / manifest.swarm.id, manifest))
-        return made[-1]
-    yield make
-    for harness in made:
-        harness.close()
-
-
 def start_swarm(harness, honest: int, kind: str, extra=()):
     """`honest` honest nodes and one adversary of `kind`; every node waits for all the others
     before round 0, so they start together (a node rounds ahead could not pair)."""
@@ -62,8 +50,8 @@ def wait_any_log(nodes, text: str, timeout: float):
 
 
 @pytest.mark.parametrize("kind", ["nan", "scale"])
-def test_poisoned_updates_are_refused_and_the_sender_banned(make_harness, kind):
-    harness = make_harness(adversary_manifest(f"t-adv-{kind}"))
+def test_poisoned_updates_are_refused_and_the_sender_banned(harness_factory, kind):
+    harness = harness_factory(adversary_manifest(f"t-adv-{kind}"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, kind)
     bad_id = bad.peer_id
     banner, _ = wait_any_log(honest, f"banned {bad_id}", 180)
@@ -89,11 +77,11 @@ def test_poisoned_updates_are_refused_and_the_sender_banned(make_harness, kind):
         assert finished(node.events())
 
 
-def test_replayed_messages_are_refused_as_replayed(make_harness):
+def test_replayed_messages_are_refused_as_replayed(harness_factory):
     """The adversary sends each peer, after every message, the first signed message of the
     same kind again, byte for byte: the replay guard refuses it (REPLAYED) and nothing else
     changes. Replays are refused at the transport; they do not count towards a ban."""
-    harness = make_harness(adversary_manifest("t-adv-replay"))
+    harness = harness_factory(adversary_manifest("t-adv-replay"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "replay")
     wait_any_log([bad], "refused: REPLAYED", 120)
     attacked_at = time.time()
@@ -109,10 +97,10 @@ def test_replayed_messages_are_refused_as_replayed(make_harness):
                for n in honest) >= 1
 
 
-def test_streams_never_finished_do_not_stop_honest_exchanges(make_harness):
+def test_streams_never_finished_do_not_stop_honest_exchanges(harness_factory):
     """The adversary holds 16+ silent streams to every member (the per-peer limit); its extra
     streams are refused BUSY, and the victims keep swapping with the honest node meanwhile."""
-    harness = make_harness(adversary_manifest("t-adv-stall"))
+    harness = harness_factory(adversary_manifest("t-adv-stall"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "stall")
     victim = honest[0]
     wait_any_log([bad], f"silent streams to {victim.peer_id}", 120)
@@ -128,10 +116,10 @@ def test_streams_never_finished_do_not_stop_honest_exchanges(make_harness):
 
 @pytest.mark.skipif(not os.environ.get("LOWCOMM_KNOWN_GAPS"), reason="a known gap, run by hand: no check refuses noise of the right norm "
                   "(names, shapes, finite values and the norm bound all pass); see issue 8")
-def test_noise_of_the_right_norm_is_not_refused_today(make_harness):
+def test_noise_of_the_right_norm_is_not_refused_today(harness_factory):
     m = adversary_manifest("t-adv-noise")
     m.train.eval_every = 20
-    harness = make_harness(m)
+    harness = harness_factory(m, harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "noise")
     bad_id = bad.peer_id
     for node in honest:
@@ -149,11 +137,11 @@ def test_noise_of_the_right_norm_is_not_refused_today(make_harness):
         assert used and not refused
 
 
-def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(make_harness):
+def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(harness_factory):
     """30 ghost members (validly signed by fresh keys, 'ready', unreachable) and forged
     tombstones of the real members: the forgeries are refused by the owner-only validator, the
     ghosts cost failed proposals, and the honest nodes still pair with each other."""
-    harness = make_harness(adversary_manifest("t-adv-flood"))
+    harness = harness_factory(adversary_manifest("t-adv-flood"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "flood")
     wait_any_log([bad], "adversary: flood stored", 60)
     flooded_at = time.time()
@@ -169,10 +157,10 @@ def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(make_harness):
         print(f"node {node.index}: {paired}/{len(rounds)} rounds paired during the flood; {last}")
 
 
-def test_dilocox_nan_pseudo_gradients_are_refused_and_honest_phi_agrees(make_harness):
+def test_dilocox_nan_pseudo_gradients_are_refused_and_honest_phi_agrees(harness_factory):
     """DiLoCoX (bf16 codec): the adversary's NaN pseudo-gradient reaches the whole group every
     round; both honest nodes refuse it, ban its sender, and still end rounds on the same φ."""
-    harness = make_harness(adversary_manifest("t-adv-dx-nan", "dilocox", codec="bf16"))
+    harness = harness_factory(adversary_manifest("t-adv-dx-nan", "dilocox", codec="bf16"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "nan")
     bad_id = bad.peer_id
     for node in honest:

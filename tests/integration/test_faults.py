@@ -27,26 +27,14 @@ from tests.faults import (
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def make_harness(tmp_path):
-    made = []
-
-    def make(manifest, name=None):
-        made.append(FaultHarness(tmp_path / (name or manifest.swarm.id), manifest))
-        return made[-1]
-    yield make
-    for harness in made:
-        harness.close()
-
-
 def alone(manifest):
     """A node of one: rounds end with local updates, a checkpoint after every round."""
     manifest.train.checkpoint_every = manifest.protocol.inner_steps
     return manifest
 
 
-def test_sigkill_inside_a_checkpoint_write_leaves_the_previous_one_loadable(make_harness):
-    harness = make_harness(alone(adversary_manifest("t-ckpt-kill")))
+def test_sigkill_inside_a_checkpoint_write_leaves_the_previous_one_loadable(harness_factory):
+    harness = harness_factory(alone(adversary_manifest("t-ckpt-kill")), harness_class=FaultHarness)
     node = harness.start_node(0, adversary="ckpt-kill",
                               env={"LOWCOMM_TEST_KILL_AT_CHECKPOINT": "3"})
     assert wait_exit(node, 180) == -signal.SIGKILL, node.log_tail()
@@ -68,11 +56,11 @@ def test_sigkill_inside_a_checkpoint_write_leaves_the_previous_one_loadable(make
 
 
 @pytest.mark.skipif(not can_mount(), reason="mounting a tmpfs needs root")
-def test_a_full_disk_stops_the_node_cleanly_with_no_half_written_checkpoint(make_harness,
+def test_a_full_disk_stops_the_node_cleanly_with_no_half_written_checkpoint(harness_factory,
                                                                               tmp_path):
     # a checkpoint of this model is 2.3 MB: the first fits in 3.5 MB, the second does not
     with tmpfs(tmp_path / "small-disk", "3500k") as data_dir:
-        harness = make_harness(alone(adversary_manifest("t-full")), "full")
+        harness = harness_factory(alone(adversary_manifest("t-full")), "full", harness_class=FaultHarness)
         node = harness.start_node(0, data_dir=data_dir)
         try:
             code = wait_exit(node, 180)
@@ -91,11 +79,11 @@ def test_a_full_disk_stops_the_node_cleanly_with_no_half_written_checkpoint(make
         assert CheckpointStore(data_dir / "checkpoints").load_latest().state["trainer"]["step"] == 20
 
 
-def test_killing_the_nodes_p2pd_stops_it_with_one_sentence(make_harness):
+def test_killing_the_nodes_p2pd_stops_it_with_one_sentence(harness_factory):
     """Without its p2pd a node can reach nobody and nobody can reach it: it says so in one
     sentence, checkpoints and exits 1 (it used to train on alone, silently, for ever); its
     partner carries on; restarted, it rejoins from that checkpoint."""
-    harness = make_harness(adversary_manifest("t-p2pd"))
+    harness = harness_factory(adversary_manifest("t-p2pd"), harness_class=FaultHarness)
     a, b = harness.start(2)
     a.wait_for(has("swapped"), 120, "a first swap")
     started = time.monotonic()
@@ -116,11 +104,11 @@ def test_killing_the_nodes_p2pd_stops_it_with_one_sentence(make_harness):
     again.wait_for(has("resumed"), 90, "resuming from the checkpoint")
 
 
-def test_sigkill_mid_swap_partner_does_a_local_update_and_nobody_hangs(make_harness):
+def test_sigkill_mid_swap_partner_does_a_local_update_and_nobody_hangs(harness_factory):
     """The third node SIGKILLs itself halfway through the first frame of its first snapshot
     (tests/adversary.py --kind swap-kill). Its partner's swap fails at once, that round ends
     with a local update, and the two survivors go on pairing with each other."""
-    harness = make_harness(adversary_manifest("t-swap-kill"))
+    harness = harness_factory(adversary_manifest("t-swap-kill"), harness_class=FaultHarness)
     extra = ["--min-peers", "2"]
     first = harness.start_node(0, extra=extra)
     first.wait_for(has("joined"), 90, "joining")

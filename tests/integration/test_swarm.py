@@ -13,18 +13,6 @@ pytestmark = pytest.mark.integration
 BENIGN = {"REFUSED", "BUSY", "STALE_ROUND", "TIMEOUT"}
 
 
-@pytest.fixture
-def harness_factory(tmp_path):
-    made = []
-
-    def make(manifest):
-        made.append(SwarmHarness(tmp_path / manifest.swarm.id, manifest))
-        return made[-1]
-    yield make
-    for harness in made:
-        harness.close()
-
-
 def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory):
     m = small_manifest("t-noloco", "noloco")
     m.train.eval_every = 20

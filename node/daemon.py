@@ -87,7 +87,7 @@ class Daemon:
         record = {"event": kind, "time": time.time(), **fields}
         if self.node_status is not None:
             self._feed_status(kind, fields)
-        if kind == "round" and self.cache is not None:
+        if kind in ("round", "pair_correction") and self.cache is not None:
             # What late joiners and the DiLoCoX consensus check read: the digest of our φ.
             self.cache.update(extra={"phi": fields["phi_digest"], "phi_round": fields["round"]})
         if self.metrics:

@@ -101,6 +101,7 @@ class DiLoCoXRound:
 
     def between_steps(self, round_index: int) -> None:
         """Nothing to do mid-round: the group's messages are applied at the round's end."""
+        return None
 
     def end_round(self, round_index: int) -> dict[str, Any]:
         delta = self.outer.pseudo_gradient(self.trainer.named_parameters())

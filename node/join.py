@@ -143,7 +143,8 @@ async def download_state(transport, cache, manifest: Manifest, attempts: int = 3
                 break
             digest, digest_round = expected_digest(fresh.values(), fresh[source.peer_id],
                                                    manifest.protocol.name)
-            if digest_round == state_round or time.monotonic() > deadline:
+            # NoLoCo's overlap correction changes φ within a round: wait for its announcement
+            if (digest_round == state_round and digest == got) or time.monotonic() > deadline:
                 break
             cache.refreshed.clear()
             with contextlib.suppress(asyncio.TimeoutError):

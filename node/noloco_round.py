@@ -74,14 +74,20 @@ class NoLoCoRound:
         self.previous_own: NoLoCoSnapshot | None = None  # overlap: what we offered this round
         self._corrected: tuple[int, tuple] | None = None  # overlap: (round, correction result)
 
-    def between_steps(self, round_index: int) -> None:
+    def between_steps(self, round_index: int) -> dict[str, Any] | None:
         """Overlap: a partner snapshot that landed during the round corrects θ at this step
         boundary rather than at the round's end, so the rest of the round trains from where
-        the pair's update puts the node (with a fast swap: exactly where blocking would)."""
+        the pair's update puts the node (with a fast swap: exactly where blocking would). φ
+        changed, so the event returned carries its new digest for late joiners to verify."""
         if self.timing != "overlap" or not self.link.partner_landed() \
                 or (self._corrected is not None and self._corrected[0] == round_index):
-            return
+            return None
         self._corrected = (round_index, self._overlap_correction(round_index))
+        partner, partners, _ = self._corrected[1]
+        if not partners:
+            return None
+        return {"event": "pair_correction", "round": self.state_round,
+                "phi_digest": self.phi_digest, "partner": partner.peer}
 
     def end_round(self, round_index: int) -> dict[str, Any]:
         if self.timing == "overlap":
@@ -122,8 +128,9 @@ class NoLoCoRound:
             return partner, [], None  # nothing swapped, or we restarted since we offered it
         partners, refused = self._checked(partner, self.previous_own)
         if partners:
-            with self.lock:
+            with self.lock:  # φ of `state_round` changes: what we serve and announce with it
                 correction = self.outer.late_pair_correction(self.previous_own, partners)
+                self.phi_digest = weights_digest(self.outer.slow_weights)
             shift_in_place(self.trainer.named_parameters(), correction)
         return partner, partners, refused
 

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 class RoundPolicy(Protocol):
     """The protocol-specific end of a round (NoLoCo or DiLoCoX), run in the training thread."""
 
-    def between_steps(self, round_index: int) -> None:
-        """Called after every inner step that does not end a round (must be cheap)."""
+    def between_steps(self, round_index: int) -> dict[str, Any] | None:
+        """Called after every inner step that does not end a round (must be cheap); returns
+        an event to report, if any."""
 
     def end_round(self, round_index: int) -> dict[str, Any]:
         """Applies the outer step, leaves θ = the new φ, and returns fields to report."""
@@ -89,7 +90,9 @@ class TrainingWorker(threading.Thread):
                        "tokens_per_second": result.tokens / result.seconds})
             pad_step(result.seconds, self.min_step_seconds, self.stop_requested.wait)
             if trainer.step % self.inner_steps:
-                self.policy.between_steps(self.round_index)
+                event = self.policy.between_steps(self.round_index)
+                if event is not None:
+                    self.emit(event)
                 continue
             finished_round = trainer.step // self.inner_steps - 1
             compute = time.monotonic() - round_started

@@ -11,6 +11,8 @@ Debian's package).
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
 import shutil
 import signal
@@ -20,7 +22,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import aiomqtt
 import pytest
+
+from node.telemetry import parse_mqtt_url
 
 MOSQUITTO = shutil.which("mosquitto") or next(
     (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.path.exists(p)), None)
@@ -114,3 +119,18 @@ def mosquitto_broker():
     finally:
         broker.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+async def retained(url: str, topic: str, predicate=lambda doc: True, timeout: float = 10.0):
+    """The first message on `topic` (retained or live) whose JSON satisfies `predicate`."""
+    target = parse_mqtt_url(url)
+    async with aiomqtt.Client(target.host, target.port) as client:
+        await client.subscribe(topic, qos=1)
+
+        async def first():
+            async for message in client.messages:
+                doc = json.loads(message.payload)
+                if predicate(doc):
+                    return message, doc
+
+        return await asyncio.wait_for(first(), timeout)

@@ -12,31 +12,16 @@ import sys
 import time
 from pathlib import Path
 
-import aiomqtt
 import pytest
 
 from node.status import DERIVED, SCHEMA_VERSION, NodeStatus
-from node.telemetry import TelemetryPublisher, parse_mqtt_url, status_topic
+from node.telemetry import TelemetryPublisher, status_topic
+from tests.mqtt_broker import retained
 
 pytestmark = pytest.mark.integration
 SCRIPT = Path(__file__).with_name("publish_status.py")
 CLI = [sys.executable, "-m", "node.cli"]
 SCHEMA_KEYS = {f.name for f in dataclasses.fields(NodeStatus)} | set(DERIVED)
-
-
-async def retained(url: str, topic: str, predicate=lambda doc: True, timeout: float = 10.0):
-    """The first message on `topic` (retained or live) whose JSON satisfies `predicate`."""
-    target = parse_mqtt_url(url)
-    async with aiomqtt.Client(target.host, target.port) as client:
-        await client.subscribe(topic, qos=1)
-
-        async def first():
-            async for message in client.messages:
-                doc = json.loads(message.payload)
-                if predicate(doc):
-                    return message, doc
-
-        return await asyncio.wait_for(first(), timeout)
 
 
 def node_status(peer: str, swarm: str, **values) -> NodeStatus:

@@ -8,35 +8,20 @@ gone and keep training at its pace."""
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 import statistics
 import time
 
-import aiomqtt
 import pytest
 
-from node.telemetry import parse_mqtt_url, status_topic
+from node.telemetry import status_topic
 from p2p.identity import NodeIdentity, identity_path
+from tests.mqtt_broker import retained
 from tests.mqtt_broker import MosquittoBroker, require_mosquitto
 from tests.swarm_harness import SwarmHarness, left, small_manifest
 
 pytestmark = pytest.mark.integration
 STEPS = 120
-
-
-async def first_training_status(url: str, topic: str, timeout: float) -> dict:
-    target = parse_mqtt_url(url)
-    async with aiomqtt.Client(target.host, target.port) as client:
-        await client.subscribe(topic, qos=1)
-
-        async def first():
-            async for message in client.messages:
-                doc = json.loads(message.payload)
-                if doc.get("online") and doc.get("step", 0) >= 10:
-                    return doc
-
-        return await asyncio.wait_for(first(), timeout)
 
 
 def test_killing_the_broker_mid_run_leaves_the_loss_curve_unchanged(tmp_path):
@@ -61,8 +46,8 @@ def test_killing_the_broker_mid_run_leaves_the_loss_curve_unchanged(tmp_path):
                 "--max-steps", str(STEPS)]))
         up, killed = nodes
         killed.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
-        doc = asyncio.run(first_training_status(
-            brokers[1].url, status_topic("outage", killed.peer_id), 60))
+        _, doc = asyncio.run(retained(brokers[1].url, status_topic("outage", killed.peer_id),
+                                      lambda d: d.get("online") and d.get("step", 0) >= 10, 60))
         brokers[1].kill()
         killed_at = time.time()
         for node in nodes:

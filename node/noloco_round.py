@@ -82,7 +82,7 @@ class NoLoCoRound:
         if self.timing != "overlap" or not self.link.partner_landed() \
                 or (self._corrected is not None and self._corrected[0] == round_index):
             return None
-        self._corrected = (round_index, self._overlap_correction(round_index))
+        self._corrected = (round_index, self._overlap_correction(round_index, mid_round=True))
         partner, partners, _ = self._corrected[1]
         if not partners:
             return None
@@ -120,17 +120,21 @@ class NoLoCoRound:
                 "phi_digest": self.phi_digest,
                 "local_updates": self.local_updates, "partner_updates": self.partner_updates}
 
-    def _overlap_correction(self, round_index: int) -> tuple[PartnerSnapshot | None, list, str | None]:
+    def _overlap_correction(self, round_index: int, mid_round: bool = False
+                            ) -> tuple[PartnerSnapshot | None, list, str | None]:
         """The pair formed during this round swapped our previous snapshot for the partner's:
-        apply that pair's update now, as a correction of φ, δ and θ (protocol/noloco.py)."""
+        apply that pair's update now, as a correction of φ, δ and θ (protocol/noloco.py).
+        Mid-round, φ of `state_round` changes: what we serve, and its digest with it (at the
+        round's end the local update follows, and its digest replaces both)."""
         partner = self.link.take_partner(round_index)
         if partner is None or self.previous_own is None:
             return partner, [], None  # nothing swapped, or we restarted since we offered it
         partners, refused = self._checked(partner, self.previous_own)
         if partners:
-            with self.lock:  # φ of `state_round` changes: what we serve and announce with it
+            with self.lock:
                 correction = self.outer.late_pair_correction(self.previous_own, partners)
-                self.phi_digest = weights_digest(self.outer.slow_weights)
+                if mid_round:
+                    self.phi_digest = weights_digest(self.outer.slow_weights)
             shift_in_place(self.trainer.named_parameters(), correction)
         return partner, partners, refused
 

@@ -50,30 +50,35 @@ class NoLoCoSwarm(Method):
 
     def run_round(self, round_index: int) -> None:
         if self.settings.timing == "overlap":
-            # round r−1's snapshots travel during round r; each pair's update is applied as a
-            # correction at the first step boundary after they arrive
-            arrival = min(self.exchange.time_until_arrival(TOPIC), self.settings.inner_steps) \
-                if self._pair_and_swap() else self.settings.inner_steps
-            self.inner_phase(arrival)
-            self._late_pair_corrections()
-            self.inner_phase(self.settings.inner_steps - arrival, continues=True)
-            own = self._snapshots()
-            for replica in self.replicas:   # and round r's local update
-                replica.load(self.outer[replica.name].outer_step(own[replica.name]))
-            self.counters.late_messages += self.exchange.expire(TOPIC)
-            self._publish(own, round_index)
-            self.previous = own
-            return
+            self._overlap_round(round_index)
         else:
-            self.inner_phase()
-            own = self._snapshots()
-            self._publish(own, round_index)
-            sent = self._pair_and_swap()    # round r's snapshots; wait for them
-            if sent:
-                self.exchange.wait(min(self.exchange.time_until_arrival(TOPIC),
-                                       self.settings.deadline_steps))
-        self._outer_steps(own)
+            self._blocking_round(round_index)
         self.counters.late_messages += self.exchange.expire(TOPIC)
+
+    def _overlap_round(self, round_index: int) -> None:
+        """Round r−1's snapshots travel during round r; each pair's update is applied as a
+        correction at the first step boundary after they arrive; round r ends locally."""
+        steps = self.settings.inner_steps
+        arrival = min(self.exchange.time_until_arrival(TOPIC), steps) if self._pair_and_swap() \
+            else steps
+        self.inner_phase(arrival)
+        self._late_pair_corrections()
+        self.inner_phase(steps - arrival, continues=True)
+        own = self._snapshots()
+        for replica in self.replicas:
+            replica.load(self.outer[replica.name].outer_step(own[replica.name]))
+        self._publish(own, round_index)
+        self.previous = own
+
+    def _blocking_round(self, round_index: int) -> None:
+        """Round r's snapshots are swapped after it, waited for up to the deadline."""
+        self.inner_phase()
+        own = self._snapshots()
+        self._publish(own, round_index)
+        if self._pair_and_swap():
+            self.exchange.wait(min(self.exchange.time_until_arrival(TOPIC),
+                                   self.settings.deadline_steps))
+        self._outer_steps(own)
 
     def finish(self, rounds: int) -> None:
         """Overlap: the pairs of the last round have not swapped yet when training stops: pair,

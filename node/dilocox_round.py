@@ -11,6 +11,7 @@ majority re-downloads φ and m from a majority peer (the exchange arranges it).
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -106,16 +107,18 @@ class DiLoCoXRound:
     def end_round(self, round_index: int) -> dict[str, Any]:
         delta = self.outer.pseudo_gradient(self.trainer.named_parameters())
         own = self.outer.compress(delta, round_index)
+        waited = time.monotonic()  # what the training thread waits on the network this round
         self.link.send_round(round_index, encode_message(own),
                              self.collect_wait_s if self.outer.hyper.delay == 0 else 0.0)
         target = round_index - self.outer.hyper.delay
+        arrived = self.link.collect(target, self.collect_wait_s) if target >= 0 else []
+        waited = time.monotonic() - waited
         accepted, refused = [], []
-        if target >= 0:
-            own_norm = global_norm(delta)
-            for item in self.link.collect(target, self.collect_wait_s):
-                outcome = self._admit(item, own_norm, refused)
-                if outcome is ReceiveOutcome.ACCEPTED:
-                    accepted.append(item.peer)
+        own_norm = global_norm(delta)
+        for item in arrived:
+            outcome = self._admit(item, own_norm, refused)
+            if outcome is ReceiveOutcome.ACCEPTED:
+                accepted.append(item.peer)
         with self.lock:
             resync = self.link.take_resync(round_index - 1)
             if resync is not None:  # our φ of the last round disagreed with the majority's
@@ -133,6 +136,7 @@ class DiLoCoXRound:
         return {"applied_round": step.applied_round if step else None,
                 "group": list(step.senders) if step else [], "refused": refused,
                 "sent_bytes": own.size_bytes, "phi_digest": digest, "resyncs": self.resyncs,
+                "network_wait_seconds": waited,
                 "energy_kept": own.energy_kept, "late": self.outer.counters.late}
 
     def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:

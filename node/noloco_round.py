@@ -14,6 +14,7 @@ one, gives the local update of G = {self}, counted.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -96,15 +97,19 @@ class NoLoCoRound:
             else:
                 partner, partners, refused = self._overlap_correction(round_index)
             own = self.outer.snapshot(self.trainer.named_parameters())
+            waited = time.monotonic()
             self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0)
+            waited = time.monotonic() - waited
             with self.lock:
                 phi = self.outer.outer_step(own)  # the local update; the pair's comes next round
                 self.state_round, self.phi_digest = round_index, weights_digest(phi)
             self.previous_own = own
         else:
             own = self.outer.snapshot(self.trainer.named_parameters())
+            waited = time.monotonic()
             partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype),
                                              self.pair_deadline_s)
+            waited = time.monotonic() - waited
             partners, refused = self._checked(partner, own)
             with self.lock:
                 phi = self.outer.outer_step(own, partners)
@@ -117,7 +122,7 @@ class NoLoCoRound:
         return {"partner": partner.peer if partners else None,
                 "partner_round": partner.round_index if partners else None,
                 "local_update": not partners, "refused": refused,
-                "phi_digest": self.phi_digest,
+                "phi_digest": self.phi_digest, "network_wait_seconds": waited,
                 "local_updates": self.local_updates, "partner_updates": self.partner_updates}
 
     def _overlap_correction(self, round_index: int, mid_round: bool = False

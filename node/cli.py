@@ -59,6 +59,15 @@ def _load_manifest(args: argparse.Namespace):
     return load_manifest(path, nest_overrides([parse_override(o) for o in args.overrides]))
 
 
+def _multiaddr(text: str, option: str) -> str:
+    from hivemind.utils.multiaddr import Multiaddr  # hivemind's vendored copy
+    try:
+        return str(Multiaddr(text))
+    except Exception:
+        raise ConfigError(f"{option} {text!r} is not a multiaddr: write it like "
+                          f"/ip4/203.0.113.7/tcp/31337") from None
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     manifest = _load_manifest(args)
     import logging
@@ -73,6 +82,7 @@ def cmd_join(args: argparse.Namespace) -> int:
            "preemption_interval": args.preemption_interval}
     settings = NodeSettings(Path(args.data_dir or f"runs/{manifest.swarm.id}"),
                             listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
+                            announce=[_multiaddr(a, "--announce") for a in args.announce],
                             peers=check_peer_maddrs(args.peer), grace_s=args.grace,
                             max_steps=args.max_steps, port_mapping=args.port_mapping, ops=ops,
                             min_peers=args.min_peers)
@@ -173,6 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "(repeatable; added to the manifest's bootstrap peers)")
     join.add_argument("--listen", metavar="MULTIADDR", action="append", default=[],
                       help="where to listen (repeatable; default /ip4/0.0.0.0/tcp/0)")
+    join.add_argument("--announce", metavar="MULTIADDR", action="append", default=[],
+                      help="the address peers should dial instead of --listen's, e.g. a port "
+                      "forwarded to this machine (repeatable)")
     join.add_argument("--data-dir", metavar="DIR", help="identity, checkpoints and logs "
                       "(default runs/<swarm id>)")
     join.add_argument("--min-peers", type=int, default=0, metavar="N",

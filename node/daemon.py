@@ -52,6 +52,7 @@ class NodeSettings:
 
     data_dir: Path
     listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    announce: list[str] = field(default_factory=list)  # what peers dial, when not `listen`
     peers: list[str] = field(default_factory=list)
     grace_s: float = 25.0
     max_steps: int = 0            # stop after this many inner steps (0: the schedule's end)
@@ -177,6 +178,7 @@ class Daemon:
     async def _run_networked(self, identity, peer_id, trainer, corpus) -> int:
         m = self.manifest
         host = await P2PHost.start(identity, host_maddrs=self.settings.listen,
+                                   announce_maddrs=self.settings.announce or None,
                                    initial_peers=[*self.settings.peers, *m.network.bootstrap_peers],
                                    nat_port_map=self.settings.port_mapping)
         transport = membership = cache = exchange = None

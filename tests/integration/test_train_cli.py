@@ -125,3 +125,12 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
                     "--set", "model.n_heads=4")
     assert other.returncode == 1
     assert "was trained with model.dim = 64, this config says 96" in other.stderr
+
+
+def test_bad_announce_address_is_named_before_anything_starts(tmp_path):
+    result = run_cli("join", "--swarm", "local", "--data-dir", str(tmp_path),
+                     "--announce", "10.0.0.1:4100")
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("lowcomm-node: config error: --announce '10.0.0.1:4100' is "
+                                     "not a multiaddr: write it like /ip4/203.0.113.7/tcp/31337")
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())

@@ -5,6 +5,13 @@ value is not finite, or when its norm exceeds `max_norm_ratio` times the norm of
 matching tensor set (a poisoned or scaled update). A refusal drops the contribution, counts one
 strike against the sender, and `ban_after` strikes ban the sender for `ban_seconds`.
 
+Streams the transport refuses for misbehaviour (a replayed, forged, malformed or oversized
+message, more streams than allowed, a stream left idle past its deadline) strike their sender
+the same way (`transport_refusal`). Refusals an honest peer meets in normal life (a stale round,
+clock skew, a truncated stream from a peer that crashed, an application refusal that is already
+struck as a contribution) do not. Strikes count within a window of `ban_seconds`, so an honest
+peer whose link drops now and then is not banned for offences hours apart.
+
 Invariant: a refused contribution never reaches the outer step; a banned peer's messages are
 refused before their payload is read (the network layer asks `is_banned` first).
 """
@@ -14,13 +21,24 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
 log = logging.getLogger("lowcomm.contributions")
+
+# Transport refusals (p2p.errors.Reason names) that only a misbehaving peer causes. Not here:
+# STALE_ROUND, EXPIRED, WRONG_VERSION, UNSUPPORTED, WRONG_SWARM, WRONG_MANIFEST, WRONG_RECIPIENT
+# (a peer on another round, clock, version or swarm), TRUNCATED (a peer killed mid-transfer),
+# BANNED, REFUSED (struck as a contribution already) and INTERNAL (our own failure).
+# TIMEOUT is here although a cut link causes it too: the ban expires, and the window keeps a
+# peer whose link drops now and then from collecting strikes.
+MISBEHAVIOUR = frozenset({"BAD_SIGNATURE", "WRONG_SENDER", "BAD_DIGEST", "REPLAYED", "MALFORMED",
+                          "TOO_LARGE", "BUSY", "TIMEOUT"})
+MAX_TRACKED_PEERS = 1024
+
 
 class ContributionRefused(ValueError):
     """Why a contribution was dropped: `reason` is a short code, str() one sentence."""
@@ -71,18 +89,25 @@ class BanList:
     ban_after: int
     ban_seconds: float
     clock: Callable[[], float] = time.monotonic
-    strikes: Counter = field(default_factory=Counter)
+    strikes: dict[str, deque] = field(default_factory=dict)   # peer -> times of its strikes
     banned_until: dict[str, float] = field(default_factory=dict)
     refused_by_reason: Counter = field(default_factory=Counter)
 
     def strike(self, peer: str, reason: str) -> bool:
-        """Counts one refused contribution; returns True when this strike bans the peer."""
+        """Counts one refusal; returns True when this strike bans the peer (`ban_after`
+        strikes within `ban_seconds`)."""
         self.refused_by_reason[reason] += 1
-        self.strikes[peer] += 1
-        if self.strikes[peer] >= self.ban_after:
-            self.banned_until[peer] = self.clock() + self.ban_seconds
-            self.strikes[peer] = 0
+        now = self.clock()
+        times = self.strikes.setdefault(peer, deque())
+        times.append(now)
+        while times and times[0] <= now - self.ban_seconds:
+            times.popleft()
+        if len(times) >= self.ban_after:
+            self.banned_until[peer] = now + self.ban_seconds
+            del self.strikes[peer]
             return True
+        if len(self.strikes) > MAX_TRACKED_PEERS:  # peer ids are free to mint: stay bounded
+            del self.strikes[next(iter(self.strikes))]
         return False
 
     def refuse(self, peer: str, reason: str, sentence: str,
@@ -93,6 +118,16 @@ class BanList:
         if self.strike(peer, reason):
             log.warning("banned %s for %.0f s after repeated refused contributions", peer,
                         self.ban_seconds)
+            ban(peer, self.ban_seconds)
+
+    def transport_refusal(self, peer: str, reason: str, ban: Callable[[str, float], None]) -> None:
+        """The transport refused a stream of `peer` for `reason` (a p2p Reason name): strikes
+        it when the reason is misbehaviour, and bans it through `ban` on the last strike."""
+        if reason not in MISBEHAVIOUR:
+            return
+        if self.strike(peer, reason.lower()):
+            log.warning("banned %s for %.0f s after repeated refused streams (last: %s)", peer,
+                        self.ban_seconds, reason)
             ban(peer, self.ban_seconds)
 
     def is_banned(self, peer: str) -> bool:

@@ -197,6 +197,8 @@ class Daemon:
             self.event("joined", peer_id=peer_id, addresses=addresses, manifest=m.digest,
                        corpus_digest=corpus.digest)
             bans = BanList(m.contributions.ban_after, m.contributions.ban_seconds)
+            transport.counters.on_refusal_issued = \
+                lambda peer, reason: bans.transport_refusal(peer, reason.name, transport.ban)
             policy, exchange = self._protocol(trainer, transport, cache, peer_id, bans)
             start_round = await self._resume_or_join(trainer, policy, transport, cache)
             transport.on_request(STATE_KIND, lambda header: self._serve_state(policy, header),

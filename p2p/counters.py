@@ -8,6 +8,7 @@ overhead, which p2pd does not report per stream, so it is not included.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2p.errors import Reason
@@ -27,10 +28,16 @@ class TransportCounters:
     refused_incoming: Counter = field(default_factory=Counter)   # Reason name -> count, refusals we issued
     refused_outgoing: Counter = field(default_factory=Counter)   # Reason name -> count, refusals we got
     refusals_by_peer: OrderedDict = field(default_factory=OrderedDict)  # peer b58 -> refusals we issued
+    # Told of every refusal this node issues to a known peer (the node strikes and bans on it).
+    # Invariant: each refused stream or message is counted here exactly once, so one offence is
+    # one call.
+    on_refusal_issued: Callable[[str, Reason], None] | None = None
 
     def count_refusal_issued(self, reason: Reason, peer: str | None) -> None:
         self.refused_incoming[reason.name] += 1
         if peer is not None:
+            if self.on_refusal_issued is not None:
+                self.on_refusal_issued(peer, reason)
             self.refusals_by_peer[peer] = self.refusals_by_peer.pop(peer, 0) + 1
             while len(self.refusals_by_peer) > _MAX_TRACKED_PEERS:
                 self.refusals_by_peer.popitem(last=False)

@@ -79,11 +79,12 @@ def test_poisoned_updates_are_refused_and_the_sender_banned(harness_factory, kin
 
 def test_replayed_messages_are_refused_as_replayed(harness_factory):
     """The adversary sends each peer, after every message, the first signed message of the
-    same kind again, byte for byte: the replay guard refuses it (REPLAYED) and nothing else
-    changes. Replays are refused at the transport; they do not count towards a ban."""
+    same kind again, byte for byte: the replay guard refuses it (REPLAYED), and repeated
+    replays ban the sender (its streams are then refused BANNED)."""
     harness = harness_factory(adversary_manifest("t-adv-replay"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "replay")
     wait_any_log([bad], "refused: REPLAYED", 120)
+    wait_any_log(honest, f"banned {bad.peer_id}", 120)
     attacked_at = time.time()
     a, b = honest
     a.wait_for(swapped_with(b.peer_id, attacked_at), 120, "an honest swap during the replays")
@@ -99,7 +100,8 @@ def test_replayed_messages_are_refused_as_replayed(harness_factory):
 
 def test_streams_never_finished_do_not_stop_honest_exchanges(harness_factory):
     """The adversary holds 16+ silent streams to every member (the per-peer limit); its extra
-    streams are refused BUSY, and the victims keep swapping with the honest node meanwhile."""
+    streams are refused BUSY, which bans it, and the victims keep swapping with the honest node
+    meanwhile."""
     harness = harness_factory(adversary_manifest("t-adv-stall"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "stall")
     victim = honest[0]
@@ -112,6 +114,8 @@ def test_streams_never_finished_do_not_stop_honest_exchanges(harness_factory):
     refused = victim.events("transport")[-1]["refused_incoming"]
     print("victim refusals under the stall attack:", refused)
     assert refused.get("BUSY", 0) >= 1, refused
+    assert f"banned {bad.peer_id}" in victim.log_tail(1_000_000)
+    assert "refused streams (last: BUSY)" in victim.log_tail(1_000_000)
 
 
 @pytest.mark.skipif(not os.environ.get("LOWCOMM_KNOWN_GAPS"), reason="a known gap, run by hand: no check refuses noise of the right norm "

@@ -48,3 +48,38 @@ def test_refuse_bans_through_the_given_callback_on_the_last_strike():
     assert banned == []
     bans.refuse("p", "norm", "again", lambda *a: banned.append(a))
     assert banned == [("p", 30)]
+
+
+def test_strikes_far_apart_do_not_add_up_to_a_ban():
+    now = [0.0]
+    bans = BanList(ban_after=2, ban_seconds=60, clock=lambda: now[0])
+    assert not bans.strike("p", "norm")
+    now[0] = 60.0  # the first strike has left the window
+    assert not bans.strike("p", "norm")
+    now[0] = 119.0
+    assert bans.strike("p", "norm") and bans.is_banned("p")
+
+
+@pytest.mark.parametrize("reason", ["REPLAYED", "BUSY", "TIMEOUT", "BAD_SIGNATURE", "MALFORMED"])
+def test_transport_refusals_for_misbehaviour_ban(reason):
+    bans, banned = BanList(ban_after=2, ban_seconds=30), []
+    bans.transport_refusal("p", reason, lambda *a: banned.append(a))
+    assert banned == []
+    bans.transport_refusal("p", reason, lambda *a: banned.append(a))
+    assert banned == [("p", 30)] and bans.is_banned("p")
+    assert bans.refused_by_reason == {reason.lower(): 2}
+
+
+@pytest.mark.parametrize("reason", ["STALE_ROUND", "EXPIRED", "TRUNCATED", "REFUSED", "BANNED"])
+def test_transport_refusals_an_honest_peer_meets_never_strike(reason):
+    bans, banned = BanList(ban_after=1, ban_seconds=30), []
+    for _ in range(5):
+        bans.transport_refusal("p", reason, lambda *a: banned.append(a))
+    assert banned == [] and not bans.is_banned("p") and not bans.refused_by_reason
+
+
+def test_strike_table_stays_bounded_under_minted_peer_ids():
+    bans = BanList(ban_after=3, ban_seconds=60)
+    for i in range(5000):
+        bans.strike(f"peer-{i}", "norm")
+    assert len(bans.strikes) <= 1025

@@ -1,8 +1,12 @@
 """Checks on every tensor a peer sends before it is used, and the bans that follow.
 
 A contribution is refused when its names or shapes differ from the node's own tensors, when a
-value is not finite, or when its norm exceeds `max_norm_ratio` times the norm of the node's own
-matching tensor set (a poisoned or scaled update). A refusal drops the contribution, counts one
+value is not finite, when its norm exceeds `max_norm_ratio` times the norm of the node's own
+matching tensor set (a poisoned or scaled update), or, where the caller asks for it, when its
+direction is no closer to the node's own than random noise is (`min_alignment_sigmas`: noise of
+any norm has a cosine of about N(0, 1/d) with a fixed d-element tensor set, while honest
+replicas' updates of the same round measured cosines of 0.5-0.9; a sign-flipped update is
+refused too). A refusal drops the contribution, counts one
 strike against the sender, and `ban_after` strikes ban the sender for `ban_seconds`.
 
 Streams the transport refuses for misbehaviour (a replayed, forged, malformed or oversized
@@ -54,11 +58,13 @@ def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
 
 def check_contribution(sender: str, received: Mapping[str, torch.Tensor],
                        reference: Mapping[str, torch.Tensor], reference_norm: float,
-                       max_norm_ratio: float, what: str) -> None:
+                       max_norm_ratio: float, what: str, min_alignment_sigmas: float = 0.0) -> None:
     """Raises ContributionRefused naming the first problem; returns quietly when usable.
 
     `reference` is the node's own tensors of the same meaning (its φ for a peer's φ, its Δ for a
     peer's Δ), `reference_norm` their global norm (computed once per round by the caller).
+    `min_alignment_sigmas` > 0 also refuses a contribution whose cosine with `reference` is
+    below that many standard deviations of noise, 1/sqrt(elements) each.
     """
     if set(received) != set(reference):
         missing = sorted(set(reference) - set(received))[:3]
@@ -80,6 +86,16 @@ def check_contribution(sender: str, received: Mapping[str, torch.Tensor],
         raise ContributionRefused("norm", f"{what} from {sender} has norm {norm:.4g}, more than "
                                   f"{max_norm_ratio:g}x this node's own {reference_norm:.4g}; "
                                   f"dropped")
+    if min_alignment_sigmas > 0 and norm > 0 and reference_norm > 0:  # zero: nothing to compare
+        elements = sum(t.numel() for t in received.values())
+        dot = sum(float(torch.dot(t.detach().reshape(-1).float(),
+                                  reference[n].detach().reshape(-1).float()))
+                  for n, t in received.items())
+        cosine, floor = dot / (norm * reference_norm), min_alignment_sigmas / math.sqrt(elements)
+        if cosine < floor:
+            raise ContributionRefused("noise", f"{what} from {sender} points nowhere near this "
+                                      f"node's own (cosine {cosine:.2g}, below the noise floor "
+                                      f"{floor:.2g}): random or reversed, dropped")
 
 
 @dataclass

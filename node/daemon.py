@@ -227,7 +227,8 @@ class Daemon:
                                       p.pair_deadline_s, rng, report)
             hyper = NoLoCoHyperParameters(p.momentum, p.progress_weight, p.consensus_weight)
             policy = NoLoCoRound(trainer, hyper, exchange, p.wire_dtype, p.timing,
-                                 p.pair_deadline_s, m.contributions.max_norm_ratio)
+                                 p.pair_deadline_s, m.contributions.max_norm_ratio,
+                                 m.contributions.min_alignment_sigmas)
             return policy, exchange
         from node.dilocox_exchange import DiLoCoXExchange
         from node.dilocox_round import DiLoCoXRound

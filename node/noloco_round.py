@@ -63,11 +63,13 @@ def decode_snapshot(message: Any) -> NoLoCoSnapshot:
 
 class NoLoCoRound:
     def __init__(self, trainer: InnerTrainer, hyper: NoLoCoHyperParameters, link: NoLoCoLink,
-                 wire_dtype: str, timing: str, pair_deadline_s: float, max_norm_ratio: float):
+                 wire_dtype: str, timing: str, pair_deadline_s: float, max_norm_ratio: float,
+                 min_alignment_sigmas: float = 0.0):
         self.trainer, self.link = trainer, link
         self.outer = NoLoCo({k: v.detach() for k, v in trainer.named_parameters().items()}, hyper)
         self.wire_dtype, self.timing = wire_dtype, timing
         self.pair_deadline_s, self.max_norm_ratio = pair_deadline_s, max_norm_ratio
+        self.min_alignment_sigmas = min_alignment_sigmas
         self.local_updates = 0
         self.partner_updates = 0
         self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
@@ -153,7 +155,7 @@ class NoLoCoRound:
             for what, theirs, mine in (("slow weights", snapshot.slow_weights, reference.slow_weights),
                                        ("progress", snapshot.local_progress, reference.local_progress)):
                 check_contribution(partner.peer, theirs, mine, global_norm(mine),
-                                   self.max_norm_ratio, f"NoLoCo {what}")
+                                   self.max_norm_ratio, f"NoLoCo {what}", self.min_alignment_sigmas)
             return [snapshot], None
         except (ContributionRefused, ValueError) as exc:
             reason = getattr(exc, "reason", "malformed")

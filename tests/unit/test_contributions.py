@@ -83,3 +83,40 @@ def test_strike_table_stays_bounded_under_minted_peer_ids():
     for i in range(5000):
         bans.strike(f"peer-{i}", "norm")
     assert len(bans.strikes) <= 1025
+
+
+def _updates(seed: int = 0, elements: int = 200_000, shared: float = 0.5):
+    """Two honest-like updates: a common direction plus each one's own noise (cosine ~ shared),
+    and random noise of the same norm as the second."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(elements, generator=g)
+    own = {"w": shared * common + (1 - shared) * torch.randn(elements, generator=g)}
+    theirs = {"w": shared * common + (1 - shared) * torch.randn(elements, generator=g)}
+    noise = torch.randn(elements, generator=g)
+    noise = {"w": noise * theirs["w"].norm() / noise.norm()}
+    return own, theirs, noise
+
+
+def check_aligned(received, own, sigmas=5.0):
+    check_contribution("peerX", received, own, global_norm(own), 10.0, "NoLoCo progress", sigmas)
+
+
+def test_an_update_correlated_with_ours_passes_the_alignment_check():
+    own, theirs, _ = _updates(shared=0.3)  # cosine about 0.16: far above 5/sqrt(2e5) = 0.011
+    check_aligned(theirs, own)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noise_of_the_right_norm_is_refused_as_noise(seed):
+    own, _, noise = _updates(seed)
+    with pytest.raises(ContributionRefused) as err:
+        check_aligned(noise, own)
+    assert err.value.reason == "noise" and "below the noise floor" in str(err.value)
+
+
+def test_a_reversed_update_is_refused_and_the_check_can_be_turned_off():
+    own, theirs, noise = _updates()
+    with pytest.raises(ContributionRefused, match="random or reversed"):
+        check_aligned({"w": -theirs["w"]}, own)
+    check_aligned(noise, own, sigmas=0.0)  # 0: off, as DiLoCoX's compressed messages use it
+

@@ -27,7 +27,7 @@ from node.checkpoint import CheckpointStore
 from node.contributions import BanList
 from node.data import load_corpus, stream_seed
 from node.join import (STATE_KIND, ManifestWatch, check_admission, download_state,
-                       publish_manifest, swarm_round, wait_for_members)
+                       publish_manifest, refused_admission, swarm_round, wait_for_members)
 from node.local_swarm import ADDRESS_FILE
 from node.manifest import Manifest
 from node.members import MemberCache
@@ -73,6 +73,7 @@ class Daemon:
         self.metrics: MetricsLog | None = None
         self.worker: TrainingWorker | None = None
         self.cache: MemberCache | None = None
+        self.not_admitted = False  # a member refused us NOT_ADMITTED: we stop with exit 1
         self.node_status = None
         self.transport = None
         self.host = None
@@ -185,11 +186,15 @@ class Daemon:
         try:
             transport = self.transport = Transport(host.p2p, identity, swarm=m.swarm.id,
                                                    manifest=m.digest)
+            admit = None
+            if m.admission.mode == "allowlist":  # members refuse, and never call, unlisted keys
+                admit = set(m.admission.public_keys).__contains__
+                transport.admit = admit
             await transport.start()
             membership = Membership(host, m.swarm.id, protocol=m.protocol.name,
                                     manifest=m.digest, ttl_s=self.settings.member_ttl_s)
             await membership.start()
-            cache = self.cache = MemberCache(membership)
+            cache = self.cache = MemberCache(membership, admit=admit)
             await cache.start()
             await publish_manifest(host.dht, m)
             addresses = await host.maddrs()
@@ -344,6 +349,13 @@ class Daemon:
                            f"({lost}); stopping with a checkpoint: restart the node to rejoin")
                 self.stop_event.set()
                 continue
+            if transport.counters.refused_outgoing.get("NOT_ADMITTED") and not self.stop_event.is_set():
+                # Only a node that skipped its own check gets here (check_admission).
+                self.event("failed", error=refused_admission(
+                    self.manifest.swarm.id, transport.identity.peer_id.to_base58(), "a member"))
+                self.not_admitted = True
+                self.stop_event.set()
+                continue
             await watch.check(cache.peers())
             refused = dict(transport.counters.refused_incoming)
             if refused != self._refused_seen:  # transport refusals by reason, beside ours
@@ -358,7 +370,8 @@ class Daemon:
                                "period; exiting without a final checkpoint")
                     return 1
         stopping.cancel()
-        if self.worker.error is not None or (self.host is not None and self.host.p2pd_lost()):
+        if self.worker.error is not None or self.not_admitted or \
+                (self.host is not None and self.host.p2pd_lost()):
             return 1
         return 0
 

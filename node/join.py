@@ -25,7 +25,7 @@ import torch
 
 from node.manifest import Manifest, canonical_json, differences, digest_of
 from node.wire_tensors import from_wire
-from p2p.errors import P2PError
+from p2p.errors import P2PError, Reason, RemoteRefused
 from protocol.tensors import weights_digest
 
 log = logging.getLogger("lowcomm.join")
@@ -42,6 +42,13 @@ def check_admission(manifest: Manifest, peer_id: str) -> None:
     if admission.mode == "allowlist" and peer_id not in admission.public_keys:
         raise AdmissionError(f"this node's key {peer_id} is not on swarm '{manifest.swarm.id}''s "
                              f"allowlist: send it to the swarm's operator to be added")
+
+
+def refused_admission(swarm: str, peer_id: str, members: str) -> str:
+    """The sentence of a node that members refused NOT_ADMITTED (it skipped check_admission,
+    or its manifest is older than the members' allowlist)."""
+    return (f"{members} of swarm '{swarm}' refused this node: its key {peer_id} is not on the "
+            f"swarm's allowlist; send it to the swarm's operator to be added")
 
 
 def manifest_key(swarm: str, digest: str) -> str:
@@ -125,13 +132,14 @@ async def download_state(transport, cache, manifest: Manifest, attempts: int = 3
     """
     candidates = sorted((r for r in cache.peers() if r.manifest == manifest.digest
                          and r.round > 0 and r.extra.get("phi")), key=lambda r: -r.round)
-    errors = []
+    errors, not_admitted = [], 0
     for source in candidates[:attempts]:
         try:
             received = await transport.request(source.peer_id, STATE_KIND, 0, timeout=timeout_s,
                                                streams=transport.limits.parallel_streams)
         except P2PError as exc:
             errors.append(f"{source.peer_id}: {exc}")
+            not_admitted += isinstance(exc, RemoteRefused) and exc.reason == Reason.NOT_ADMITTED
             continue
         groups = {g: from_wire(received, f"{g}/") for g in ("phi", "momentum")}
         got, state_round = weights_digest(groups["phi"]), received.meta.get("phi_round")
@@ -155,6 +163,10 @@ async def download_state(transport, cache, manifest: Manifest, attempts: int = 3
             continue
         return JoinState(int(received.meta.get("round", source.round)), groups,
                          dict(received.meta), source.peer_id)
+    if errors and not_admitted == len(errors):
+        raise AdmissionError(refused_admission(manifest.swarm.id,
+                                               transport.identity.peer_id.to_base58(),
+                                               f"all {not_admitted} members asked"))
     if errors:
         raise RuntimeError("late join failed: no member served a verifiable state ("
                            + "; ".join(errors[:3]) + "); retry later")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from p2p.records import MemberRecord
@@ -17,8 +18,11 @@ log = logging.getLogger("lowcomm.members")
 
 
 class MemberCache:
-    def __init__(self, membership, refresh_s: float = 0.5):
-        self.membership, self.refresh_s = membership, refresh_s
+    def __init__(self, membership, refresh_s: float = 0.5,
+                 admit: Callable[[str], bool] | None = None):
+        """`admit`: in an allowlist swarm, records of unlisted keys are left out of the view, so
+        nothing here ever pairs with or sends to them."""
+        self.membership, self.refresh_s, self.admit = membership, refresh_s, admit
         self.records: dict[str, MemberRecord] = {}
         self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order
         self.refreshed = asyncio.Event()
@@ -37,7 +41,9 @@ class MemberCache:
             await asyncio.wait(self._updates, timeout=5)
 
     async def refresh(self) -> None:
-        self.records = await self.membership.peers()
+        records = await self.membership.peers()
+        self.records = records if self.admit is None else \
+            {peer: record for peer, record in records.items() if self.admit(peer)}
         self.refreshed.set()
 
     async def _loop(self) -> None:

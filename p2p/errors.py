@@ -34,6 +34,7 @@ class Reason(enum.IntEnum):
     TIMEOUT = 17          # the transfer did not finish within its deadline
     REFUSED = 18          # the application handler declined the message
     INTERNAL = 19         # the receiver failed while handling the message (its bug, not ours)
+    NOT_ADMITTED = 20     # the swarm admits only listed keys, and the sender's is not listed
 
     @classmethod
     def from_wire(cls, code: int) -> "Reason":

@@ -88,6 +88,9 @@ class Transport:
         self._handlers: dict[tuple[str, int], _Handler] = {}
         self._assemblies: dict[tuple[bytes, bytes], Assembly] = {}
         self._bans: dict[bytes, float] = {}
+        # Admission: None admits every peer; otherwise a peer for which it returns False has each
+        # stream refused NOT_ADMITTED before anything of it is read.
+        self.admit: Callable[[str], bool] | None = None
         self._tasks: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lowcomm-hash")
         self._started = False
@@ -326,6 +329,9 @@ class Transport:
         bound: list[asyncio.Future] = []
         opened = False
         try:
+            if self.admit is not None and not self.admit(peer.to_base58()):
+                raise Refusal(Reason.NOT_ADMITTED, "this swarm admits only the keys on its "
+                              "allowlist, and yours is not on it")
             if self._bans.get(peer_bytes, 0.0) > time.monotonic():
                 raise Refusal(Reason.BANNED, "this node has banned you for a while")
             if not self._ledger.try_open_stream(peer_bytes):

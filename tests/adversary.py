@@ -18,7 +18,10 @@ daemon. Kinds:
 - swap-kill:  SIGKILLs itself (and so its p2pd) halfway through the first frame of its first
               NoLoCo snapshot on the wire: a kill mid-swap;
 - ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
-              (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point.
+              (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point;
+- unlisted:   skips its own allowlist check (node.join.check_admission), so that in an
+              allowlist swarm it joins with a key the manifest does not list: the members'
+              refusal is what stops it.
 
 What the adversary does is logged on stderr with the prefix "adversary:" so tests can wait on it.
 """
@@ -34,7 +37,8 @@ import signal
 import sys
 
 log = logging.getLogger("lowcomm.adversary")
-KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill")
+KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill",
+         "unlisted")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
@@ -311,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         _swap_kill()
     elif args.kind == "ckpt-kill":
         _checkpoint_kill()
+    elif args.kind == "unlisted":
+        from node import daemon
+        daemon.check_admission = lambda manifest, peer_id: log.warning(
+            "adversary: skipping the allowlist check for %s", peer_id)
     from node.cli import main as node_main
     return node_main(rest)
 

@@ -84,6 +84,7 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
                 ("garbage tag", b"X" + os.urandom(100), {}, Reason.MALFORMED),
                 ("stream flood", b"", {"flood": 5}, Reason.BUSY),
                 ("banned peer", frame(round=5), {"ban": True}, Reason.BANNED),
+                ("key not on the allowlist", frame(round=5), {"unlisted": True}, Reason.NOT_ADMITTED),
             ]
             report, honest_ok = [], 0
             tracemalloc.start()
@@ -91,6 +92,9 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
                 for name, data, options, expected in attacks:
                     if options.get("ban"):
                         victim.ban(attacker_host.peer_id, 60)
+                    # an allowlist swarm for the last attack (the honest peer is listed and still served)
+                    victim.admit = {honest_host.peer_id.to_base58()}.__contains__ \
+                        if options.get("unlisted") else None
                     before_refusals = sum(victim.counters.refused_incoming.values())
                     tracemalloc.reset_peak()
                     baseline = tracemalloc.get_traced_memory()[0]

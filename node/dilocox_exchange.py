@@ -48,11 +48,13 @@ class DiLoCoXExchange:
         self.arrived = asyncio.Event()
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
+        self.first_round = 0  # the round this node (re)started at: see _collect
         self.sent_ok = self.sent_failed = 0
         self._tasks: set[asyncio.Task] = set()
 
     def start(self, round_index: int) -> None:
         self.oldest_wanted = max(0, round_index - 1)
+        self.first_round = round_index
         self.transport.on_push(PGRAD, self._on_message,
                                accept_round=lambda r: r >= self.oldest_wanted)
 
@@ -126,6 +128,11 @@ class DiLoCoXExchange:
                 and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
 
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        if round_index < self.first_round:
+            # Sent before this node (re)joined: members whose group did not list us yet never
+            # send them, so waiting would only stall the first round for the whole deadline. We
+            # take what came; a φ that then differs is resynced from the majority.
+            wait_s = 0.0
         deadline = self.loop.time() + wait_s
         while True:
             box = self.inbox.get(round_index, {})

@@ -137,7 +137,9 @@ async def download_state(transport, cache, manifest: Manifest, attempts: int = 3
         try:
             received = await transport.request(source.peer_id, STATE_KIND, 0, timeout=timeout_s,
                                                streams=transport.limits.parallel_streams)
-        except P2PError as exc:
+        except P2PError as exc:  # a member that failed mid-transfer: nothing of it is kept
+            log.warning("the state from %s did not arrive (%s); asking the next member",
+                        source.peer_id, exc)
             errors.append(f"{source.peer_id}: {exc}")
             not_admitted += isinstance(exc, RemoteRefused) and exc.reason == Reason.NOT_ADMITTED
             continue

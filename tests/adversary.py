@@ -17,6 +17,8 @@ daemon. Kinds:
               with its own key under their subkeys);
 - swap-kill:  SIGKILLs itself (and so its p2pd) halfway through the first frame of its first
               NoLoCo snapshot on the wire: a kill mid-swap;
+- push-kill:  the same, in its first DiLoCoX pseudo-gradient message: a kill mid-DiLoCoX send;
+- serve-kill: the same, in the first outer state it serves a late joiner: a kill mid-transfer;
 - ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
               (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point;
 - unlisted:   skips its own allowlist check (node.join.check_admission), so that in an
@@ -38,7 +40,7 @@ import sys
 
 log = logging.getLogger("lowcomm.adversary")
 KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill",
-         "unlisted")
+         "push-kill", "serve-kill", "unlisted")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
@@ -277,17 +279,24 @@ def _flood() -> None:
     members.MemberCache.start = start
 
 
-def _swap_kill() -> None:
+# kind -> (message kind on the wire, what the log says): a SIGKILL halfway through the first
+# frame of the first such message this node writes
+KILL_MID_SEND = {"swap-kill": ("noloco.snapshot", "SIGKILL mid-swap"),
+                 "push-kill": ("dilocox.pgrad", "SIGKILL mid-DiLoCoX send"),
+                 "serve-kill": ("state", "SIGKILL mid late-join transfer")}
+
+
+def _kill_mid_send(wire_kind: str, label: str) -> None:
     from p2p import streams
 
     original = streams.send_stream_frames
 
     async def send_stream_frames(io, plan, stream, executor, stop=None):
-        if plan.kind == "noloco.snapshot" and plan.total:
+        if plan.kind == wire_kind and plan.total:
             async def write_views(views, chunk_bytes):
                 first = views[0]
                 await io.write(bytes(first[: len(first) // 2]))
-                log.warning("adversary: SIGKILL mid-swap (half a frame sent)")
+                log.warning("adversary: %s (half a frame sent)", label)
                 logging.shutdown()
                 os.kill(os.getpid(), signal.SIGKILL)
             io.write_views = write_views
@@ -311,8 +320,8 @@ def main(argv: list[str] | None = None) -> int:
         _stall()
     elif args.kind == "flood":
         _flood()
-    elif args.kind == "swap-kill":
-        _swap_kill()
+    elif args.kind in KILL_MID_SEND:
+        _kill_mid_send(*KILL_MID_SEND[args.kind])
     elif args.kind == "ckpt-kill":
         _checkpoint_kill()
     elif args.kind == "unlisted":

@@ -1,22 +1,24 @@
-"""A shaped link between two network namespaces, for benchmarks that need a WAN on one machine.
+"""Shaped links between network namespaces, for benchmarks that need a WAN on one machine.
 
-    with ShapedLink(rate="100mbit") as link:                  # needs root (ip netns, tc)
-        relay = link.popen(link.b, [sys.executable, "benchmarks/netns.py", "relay",
-                                    "--listen", f"{link.addr_b}:4001", "--target", "127.0.0.1:4000",
-                                    "--delay-ms", "50"])
-        server = link.popen(link.b, [...listen on 127.0.0.1:4000...])
-        client = link.popen(link.a, [...connect to {link.addr_b}:4001...])
+    with ShapedSwarm(n=4, rate="20mbit", delay_ms=50) as swarm:    # needs root (ip netns, tc)
+        swarm.relay(i, 4101, ("127.0.0.1", 4100))      # node i's listener, reached +50 ms each way
+        swarm.popen(i, [sys.executable, ...listen on 127.0.0.1:4100, announce address(i):4101...])
+        swarm.tx_bytes(i)                               # bytes node i put on its access link
 
-Two namespaces joined by a veth pair; each veth end gets a tbf qdisc at `rate` (both
-directions shaped). Latency: this kernel has no netem, so a small asyncio TCP relay adds a
-fixed delay to every byte in each direction (`relay` subcommand, run inside a namespace in front
-of the real listener). The relay holds at most `--max-buffer` bytes per direction and stops
-reading beyond that, so TCP's flow control still works end to end.
+Each node has its own namespace (`lcbench-<pid>-<i>`, address 10.78.0.<i+1>) whose `eth0` is
+one end of a veth pair; the other ends sit on one Linux bridge in a namespace of their own
+(`lcbench-<pid>-br`). tbf limits both ends of each pair to `rate`, so a node's upload and its
+download are each its access link. Latency: this kernel has no netem, so a small asyncio TCP
+relay (`relay` subcommand, started by ShapedSwarm.relay inside the node's namespace in front of
+its real listener) holds every chunk back `delay_ms` in each direction; a connection to a node
+through its relay therefore sees `delay_ms` one way and 2 x `delay_ms` round trip. The relay
+holds at most `--max-buffer` bytes per direction and stops reading beyond that, so TCP's flow
+control still works end to end. ShapedLink is the two-node case with the older names.
 
-Clean-up: the namespaces (and with them the veth pair and qdiscs) are deleted on exit from the
-`with` block, on SIGINT/SIGTERM/SIGHUP (a handler turns them into SystemExit so `finally` runs),
-and by `atexit`; namespaces left by a crashed earlier run (their creator pid is gone) are swept
-on the next start. Names are `lcbench-<pid>-a` / `-b`.
+Clean-up: every namespace (and with them the veth pairs, bridge and qdiscs) and every process
+started with popen/relay goes on exit from the `with` block, on SIGINT/SIGTERM/SIGHUP (a handler
+turns them into SystemExit so `finally` runs), and by `atexit`; namespaces left by a crashed
+earlier run (their creator pid is gone) are swept on the next start.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections import deque
 
@@ -37,15 +41,15 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
 
 
-def sweep_stale_namespaces() -> list[str]:
-    """Delete lcbench namespaces whose creating process no longer exists."""
+def sweep_stale_namespaces(prefix: str = PREFIX) -> list[str]:
+    """Delete namespaces named `<prefix><pid>...` whose creating process no longer exists."""
     removed = []
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
-        if not name.startswith(PREFIX):
+        if not name.startswith(prefix):
             continue
         try:
-            pid = int(name[len(PREFIX):].split("-")[0])
+            pid = int(name[len(prefix):].split("-")[0])
             os.kill(pid, 0)
             continue  # its creator is alive: not ours to touch
         except (ValueError, ProcessLookupError):
@@ -57,23 +61,28 @@ def sweep_stale_namespaces() -> list[str]:
     return removed
 
 
-class ShapedLink:
-    """Namespaces `a` and `b` on a veth pair, each direction limited to `rate` by tbf."""
+class ShapedSwarm:
+    """`n` namespaces on one bridge, each node's access link limited to `rate` both ways."""
 
-    def __init__(self, rate: str = "100mbit", subnet: str = "10.77.0", burst: str = "128kb",
-                 queue_latency: str = "100ms"):
+    def __init__(self, n: int, rate: str = "100mbit", delay_ms: float = 0.0, subnet: str = "10.78.0",
+                 burst: str = "128kb", queue_latency: str = "100ms"):
+        if not 1 <= n <= 200:
+            raise ValueError(f"a shaped swarm has 1 to 200 nodes, not {n}")
         tag = f"{PREFIX}{os.getpid()}"
-        self.a, self.b = f"{tag}-a", f"{tag}-b"
-        self.addr_a, self.addr_b = f"{subnet}.1", f"{subnet}.2"
-        self.rate, self.burst, self.queue_latency = rate, burst, queue_latency
-        self._veth = (f"lcv{os.getpid() % 100000}a", f"lcv{os.getpid() % 100000}b")
+        self.n, self.rate, self.delay_ms = n, rate, delay_ms
+        self.namespaces = [f"{tag}-{i}" for i in range(n)]
+        self.bridge_namespace = f"{tag}-br"
+        self.subnet, self.burst, self.queue_latency = subnet, burst, queue_latency
         self._processes: list[subprocess.Popen] = []
-        self._created = False
+        self._created: list[str] = []
         self._old_handlers: dict[int, object] = {}
 
-    def __enter__(self) -> "ShapedLink":
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def __enter__(self):
         if os.geteuid() != 0:
-            raise PermissionError("the shaped link needs root (ip netns, tc); run the benchmark as root.")
+            raise PermissionError("the shaped network needs root (ip netns, tc); run the benchmark as root.")
         sweep_stale_namespaces()
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
@@ -91,29 +100,60 @@ class ShapedLink:
     def _on_signal(self, signum, frame) -> None:
         raise SystemExit(128 + signum)
 
-    def _create(self) -> None:
-        veth_a, veth_b = self._veth
-        self._created = True
-        _run("ip", "netns", "add", self.a)
-        _run("ip", "netns", "add", self.b)
-        _run("ip", "link", "add", veth_a, "type", "veth", "peer", "name", veth_b)
-        for namespace, veth, address in ((self.a, veth_a, self.addr_a), (self.b, veth_b, self.addr_b)):
-            _run("ip", "link", "set", veth, "netns", namespace)
-            _run("ip", "-n", namespace, "addr", "add", f"{address}/24", "dev", veth)
-            _run("ip", "-n", namespace, "link", "set", veth, "up")
-            _run("ip", "-n", namespace, "link", "set", "lo", "up")
-            _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", veth, "root", "tbf",
-                 "rate", self.rate, "burst", self.burst, "latency", self.queue_latency)
+    def _namespace(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self._created.append(name)
+        _run("ip", "-n", name, "link", "set", "lo", "up")
 
-    def popen(self, namespace: str, argv: list[str], **options) -> subprocess.Popen:
-        """Start a process inside `namespace`; it is killed when the link closes."""
+    def _shape(self, namespace: str, device: str) -> None:
+        _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
+             "rate", self.rate, "burst", self.burst, "latency", self.queue_latency)
+
+    def _create(self) -> None:
+        bridge = self.bridge_namespace
+        self._namespace(bridge)
+        _run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        _run("ip", "-n", bridge, "link", "set", "br0", "up")
+        for i, namespace in enumerate(self.namespaces):
+            self._namespace(namespace)
+            # made in the node's namespace so that no name can clash with the root namespace's
+            _run("ip", "-n", namespace, "link", "add", "eth0", "type", "veth", "peer", "name", f"port{i}",
+                 "netns", bridge)
+            _run("ip", "-n", namespace, "addr", "add", f"{self.address(i)}/24", "dev", "eth0")
+            _run("ip", "-n", namespace, "link", "set", "eth0", "up")
+            _run("ip", "-n", bridge, "link", "set", f"port{i}", "master", "br0")
+            _run("ip", "-n", bridge, "link", "set", f"port{i}", "up")
+            self._shape(namespace, "eth0")        # the node's upload
+            self._shape(bridge, f"port{i}")       # its download
+
+    def popen(self, i: int | str, argv: list[str], **options) -> subprocess.Popen:
+        """Start a process inside node i's namespace (or a namespace by name); it is killed when
+        the swarm closes."""
+        namespace = self.namespaces[i] if isinstance(i, int) else i
         process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], **options)
         self._processes.append(process)
         return process
 
-    def qdisc_stats(self, namespace: str) -> str:
-        veth = self._veth[0] if namespace == self.a else self._veth[1]
-        return _run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", veth, check=False).stdout
+    def relay(self, i: int, listen_port: int, target: tuple[str, int]) -> subprocess.Popen:
+        """A delaying relay on node i's address:`listen_port` in front of `target` (inside node
+        i's namespace); returns once it listens."""
+        process = self.popen(i, [sys.executable, os.path.abspath(__file__), "relay",
+                                 "--listen", f"{self.address(i)}:{listen_port}",
+                                 "--target", f"{target[0]}:{target[1]}", "--delay-ms", str(self.delay_ms)],
+                             stdout=subprocess.PIPE, text=True)
+        if not process.stdout.readline().startswith("relay"):
+            raise RuntimeError(f"the delaying relay of node {i} did not start (exit {process.poll()})")
+        return process
+
+    def tx_bytes(self, i: int) -> int:
+        """Bytes node i has sent on its access link (its eth0's counter)."""
+        shown = json.loads(_run("ip", "-n", self.namespaces[i], "-j", "-s", "link", "show", "eth0").stdout)
+        return int(shown[0]["stats64"]["tx"]["bytes"])
+
+    def qdisc_stats(self, i: int | str) -> str:
+        namespace = self.namespaces[i] if isinstance(i, int) else i
+        return _run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", "eth0",
+                    check=False).stdout
 
     def close(self) -> None:
         for process in self._processes:
@@ -124,13 +164,21 @@ class ShapedLink:
             except subprocess.TimeoutExpired:
                 pass
         self._processes.clear()
-        if self._created:
-            for namespace in (self.a, self.b):
-                _run("ip", "netns", "del", namespace, check=False)
-            self._created = False
+        for namespace in reversed(self._created):
+            _run("ip", "netns", "del", namespace, check=False)
+        self._created.clear()
         for signum, handler in self._old_handlers.items():
             signal.signal(signum, handler)
         self._old_handlers.clear()
+
+
+class ShapedLink(ShapedSwarm):
+    """Two shaped nodes, `a` and `b` (namespace names) at `addr_a` and `addr_b`."""
+
+    def __init__(self, rate: str = "100mbit", **options):
+        super().__init__(2, rate, **options)
+        self.a, self.b = self.namespaces
+        self.addr_a, self.addr_b = self.address(0), self.address(1)
 
 
 # ---------------------------------------------------------------------------- delaying relay

@@ -30,7 +30,7 @@ from node.join import (STATE_KIND, ManifestWatch, check_admission, download_stat
                        publish_manifest, refused_admission, swarm_round, wait_for_members)
 from node.local_swarm import ADDRESS_FILE
 from node.manifest import Manifest
-from node.members import MemberCache
+from node.members import MemberCache, Reconnector
 from node.standalone import MetricsLog
 from node.trainer import InnerTrainer, pick_device
 from node.wire_tensors import to_wire
@@ -337,6 +337,7 @@ class Daemon:
                                      eval_rounds, ckpt_rounds, self.manifest.train.min_step_seconds)
         self.worker.start()
         finished = asyncio.ensure_future(self.loop.run_in_executor(None, self.worker.finished.wait))
+        reconnector = Reconnector(self.host, cache)
         stopping = asyncio.ensure_future(self.stop_event.wait())
         while not finished.done():
             await asyncio.wait({finished, stopping}, timeout=2.0,
@@ -357,6 +358,7 @@ class Daemon:
                 self.stop_event.set()
                 continue
             await watch.check(cache.peers())
+            reconnector.check()
             refused = dict(transport.counters.refused_incoming)
             if refused != self._refused_seen:  # transport refusals by reason, beside ours
                 self.node_status.update(refused={**self.node_status.refused, **refused})
@@ -370,6 +372,7 @@ class Daemon:
                                "period; exiting without a final checkpoint")
                     return 1
         stopping.cancel()
+        await reconnector.stop()
         if self.worker.error is not None or self.not_admitted or \
                 (self.host is not None and self.host.p2pd_lost()):
             return 1

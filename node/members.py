@@ -68,3 +68,55 @@ class MemberCache:
         task = asyncio.get_running_loop().create_task(self.membership.update(**fields))
         self._updates.add(task)
         task.add_done_callback(self._updates.discard)
+
+
+class Reconnector:
+    """Redials the swarm when this node has seen no other member for `alone_s` seconds.
+
+    After a link outage longer than the DHT's timeouts, both sides have dropped each other and
+    nothing bootstraps again by itself: the node would train alone for good. Every
+    `interval_s` while alone it dials its initial peers and the members it last knew
+    (P2PHost.reconnect). A node that starts a swarm alone just dials nobody.
+    """
+
+    def __init__(self, host, cache: MemberCache, alone_s: float = 10.0, interval_s: float = 10.0):
+        self.host, self.cache, self.alone_s, self.interval_s = host, cache, alone_s, interval_s
+        self.known: dict[str, tuple[str, ...]] = {}   # peer id -> its last published addresses
+        self._alone_since: float | None = None
+        self._next_try = 0.0
+        self._task: asyncio.Task | None = None
+        self.attempts = 0
+
+    def check(self) -> None:
+        """Call now and then from the event loop (cheap)."""
+        now = asyncio.get_running_loop().time()
+        others = self.cache.peers()
+        if others:
+            self.known = {r.peer_id: r.addrs for r in others if not r.left}
+            self._alone_since = None
+            return
+        if self._alone_since is None:
+            self._alone_since = now
+        busy = self._task is not None and not self._task.done()
+        if now - self._alone_since < self.alone_s or now < self._next_try or busy:
+            return
+        candidates = [*self.host.initial_peers,
+                      *(a if "/p2p/" in a else f"{a}/p2p/{peer}"
+                        for peer, addrs in self.known.items() for a in addrs)]
+        if not candidates:
+            return
+        self._next_try, self.attempts = now + self.interval_s, self.attempts + 1
+        self._task = asyncio.get_running_loop().create_task(self._redial(candidates))
+
+    async def _redial(self, candidates: list[str]) -> None:
+        answered = await self.host.reconnect(candidates)
+        log.info("no other member seen for %.0f s: redialled %d address(es), %d answered",
+                 asyncio.get_running_loop().time() - (self._alone_since or 0), len(candidates),
+                 answered)
+        if answered:
+            await self.cache.refresh()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)

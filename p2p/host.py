@@ -68,6 +68,7 @@ class P2PHost:
     def __init__(self, identity: NodeIdentity, p2p: P2P, dht: DHTNode, validator: OwnerOnlyValidator):
         self.identity, self.p2p, self.dht, self.validator = identity, p2p, dht, validator
         self.peer_id: PeerID = p2p.peer_id
+        self.initial_peers: list[str] = []
         self._closed = False
 
     @classmethod
@@ -114,12 +115,38 @@ class P2PHost:
                                 "and that they are running.") from None
             raise HostError(f"the DHT node did not start: {error}") from None
         host = cls(identity, p2p, dht, validator)
+        host.initial_peers = initial_peers
         logger.info("p2p host %s listening on %s", host.peer_id, await host.maddrs())
         return host
 
     async def maddrs(self) -> list[str]:
         """Addresses other nodes can pass as initial peers (each ends in /p2p/<our id>)."""
         return [str(maddr) for maddr in await self.dht.get_visible_maddrs()]
+
+    async def reconnect(self, maddrs: Sequence[str], timeout_s: float = 10.0) -> int:
+        """Dial each address (full multiaddrs with /p2p/...) and ping it as a DHT node, then look
+        up our neighbours again; returns how many answered.
+
+        For a node cut off from the swarm for longer than the DHT's timeouts: its routing table
+        has dropped every peer by then and bootstrapping happens only at start, so without this
+        it would stay alone after its link comes back.
+        """
+        answered = 0
+        for text in dict.fromkeys(maddrs):  # unique, in order
+            with suppress(Exception):
+                maddr = Multiaddr(text)
+                peer = PeerID.from_base58(maddr["p2p"])
+                if peer == self.peer_id:
+                    continue
+                async with asyncio.timeout(timeout_s):
+                    # hivemind has no public dial; p2pd takes the address without /p2p/<id>
+                    await self.p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer}"))])
+                    answered += await self.dht.protocol.call_ping(peer) is not None
+        if answered:
+            with suppress(Exception):
+                async with asyncio.timeout(timeout_s):
+                    await self.dht.find_nearest_nodes([self.dht.node_id])
+        return answered
 
     def p2pd_lost(self) -> str | None:
         """How p2pd ended if it died under us (e.g. "killed by signal 9"); None while it runs

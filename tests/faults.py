@@ -58,13 +58,16 @@ class FaultHarness(SwarmHarness):
 
     def start_node(self, index: int, peers: list[str] = (), extra: list[str] = (),
                    data_dir: Path | None = None, adversary: str | None = None,
-                   env: dict | None = None) -> NodeHandle:
+                   env: dict | None = None, listen: str = "/ip4/127.0.0.1/tcp/0",
+                   netns: str | None = None) -> NodeHandle:
+        """`netns`: run the node inside that network namespace (tests/netns_link.py)."""
         data_dir = data_dir or self.base / f"node-{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
         (data_dir / "address").unlink(missing_ok=True)
         entry = ["-m", "tests.adversary", "--kind", adversary, "--"] if adversary else ["-m", "node.cli"]
-        command = [sys.executable, *entry, "join", "--manifest", str(self.manifest_path),
-                   "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
+        command = [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, *entry,
+                   "join", "--manifest", str(self.manifest_path), "--data-dir", str(data_dir),
+                   "--listen", listen, *extra]
         for peer in peers:
             command += ["--peer", peer]
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}

@@ -1,5 +1,6 @@
-"""Issue 8: SIGKILL at the two remaining named points, mid-DiLoCoX send and mid late-join
-transfer (tests/adversary.py --kind push-kill / serve-kill), on real daemons with real p2pd.
+"""Issue 8: SIGKILL at two more named points, mid-DiLoCoX send and mid late-join transfer
+(tests/adversary.py --kind push-kill / serve-kill), and a node's link cut and restored
+(tests/netns_link.py), on real daemons with real p2pd.
 
 Asserted from the nodes' own records: the survivors keep training and agree, nothing half-sent
 is ever used, and the node that lost its transfer recovers (restarts from its data directory,
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from tests import netns_link
 from tests.faults import FaultHarness, adversary_manifest, has, stop_all, wait_exit
 
 pytestmark = pytest.mark.integration
@@ -82,3 +84,45 @@ def test_sigkill_mid_late_join_transfer_the_joiner_takes_another_members_state(h
     for node in (first, second):
         node.wait_rounds(len(node.events("round")) + 1, timeout=60)
     assert stop_all([first, second, joiner]) == [0, 0, 0]
+
+
+@pytest.mark.skipif(netns_link.available() is not None, reason=str(netns_link.available()))
+def test_a_cut_link_fails_swaps_fast_and_the_node_pairs_again_once_restored(harness_factory):
+    """One node sits in its own network namespace; its link goes down for 30 s, then up."""
+    m = adversary_manifest("t-link-cut")
+    harness = harness_factory(m, harness_class=FaultHarness)
+    with netns_link.NamespaceLink() as link:
+        extra = ["--min-peers", "2", "--listen", link.host_listen]
+        first = harness.start_node(0, extra=extra)
+        first.wait_for(has("joined"), 90, "joining")
+        reachable = next(a for a in (first.data_dir / "address").read_text().split()
+                         if link.host_address in a)
+        second = harness.start_node(1, [reachable], extra)
+        cut_off = harness.start_node(2, [reachable], ["--min-peers", "2"], netns=link.namespace,
+                                     listen=link.inner_listen)
+        others = [first, second]
+        cut_off.wait_for(lambda ev: any(e["event"] == "round" and e.get("partner") for e in ev),
+                         120, "the namespaced node to pair before the cut")
+        link.cut()
+        cut_at = time.time()
+        for node in [*others, cut_off]:  # everyone keeps training through the cut
+            node.wait_for(lambda ev: sum(e["event"] == "round" and e["time"] > cut_at + 20
+                                         for e in ev) >= 2, 120, "two rounds well into the cut")
+        link.restore()
+        restored_at = time.time()
+        cut_off.wait_for(lambda ev: any(e["event"] == "round" and e.get("partner")
+                                        and e["time"] > restored_at for e in ev), 150,
+                         "the namespaced node to pair again after the restore")
+        assert stop_all([*others, cut_off]) == [0, 0, 0]
+    cut_id = cut_off.peer_id
+    during = lambda n: [r for r in n.events("round") if cut_at + 20 < r["time"] < restored_at]  # noqa: E731
+    assert not [r for r in during(cut_off) if r.get("partner")], "paired across a cut link"
+    assert any(r.get("partner") for n in others for r in during(n)), "the others stopped pairing"
+    # no exchange hung: rounds in the cut are no longer than a deadline-bounded swap allows
+    longest = max(r["round_seconds"] + r["outer_seconds"] for n in [*others, cut_off]
+                  for r in n.events("round") if cut_at < r["time"] < restored_at)
+    failed = [e for n in others for e in n.events() if e["event"] in ("swap_failed", "swap_late")
+              and e.get("partner") == cut_id and e["time"] > cut_at]
+    print(f"link cut: longest round in the cut {longest:.1f} s; swaps with the cut node that "
+          f"failed {len(failed)}; rounds of the cut node in the cut {len(during(cut_off))}")
+    assert longest < 30

@@ -114,8 +114,11 @@ class NoLoCoExchange:
             self.offered = message  # what partners of the next round get
             self._next_round(round_index + 1)
             return None
-        # blocking: pair and swap this very snapshot, up to the deadline
+        # blocking: pair and swap this very snapshot, up to the deadline; peers propose only to
+        # members announced ready, so announce it now (the first round would otherwise wait
+        # the whole deadline alone)
         self.offered, self.accepting = message, True
+        self.membership.update(round=round_index, status="ready")
         self.changed.set()
         try:
             await asyncio.wait_for(self._wait_partner(round_index), timeout=wait_s)
@@ -143,7 +146,10 @@ class NoLoCoExchange:
         self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
         if next_round not in self.partners:
             self.landed.clear()  # nothing waits for the round that starts
-        self.membership.update(round=next_round, status="ready" if self.offered else "training")
+        # overlap: ready all round with the snapshot just offered; blocking: ready only while
+        # waiting at the round's end (a training node cannot accept)
+        ready = self.offered is not None and self.timing == "overlap"
+        self.membership.update(round=next_round, status="ready" if ready else "training")
         self.changed.set()
 
     # ------------------------------------------------------------------ matching

@@ -175,3 +175,20 @@ def test_a_node_at_a_third_of_the_speed_holds_nobody_back(harness_factory):
     slow.wait_for(left, 180, "the slow node's end")
     vals = [r["val_loss"] for r in slow.events("round") if "val_loss" in r]
     assert len(vals) >= 3 and vals[-1] < vals[0], vals
+
+
+def test_blocking_timing_pairs_from_the_first_round_without_waiting_the_deadline(harness_factory):
+    """Blocking NoLoCo: each round ends with a swap of that round's snapshot. The first round
+    used to find no partner (a node announced itself ready only from its second round on) and
+    wait the whole pair deadline."""
+    m = small_manifest("t-blocking", "noloco", timing="blocking", pair_deadline_s=60.0)
+    harness = harness_factory(m)
+    nodes = harness.start(2, extra=["--max-steps", "60"])
+    for node in nodes:
+        node.wait_for(left, 150, "the node to finish and leave")
+        assert node.process.wait(timeout=30) == 0
+    for node in nodes:
+        rounds = node.events("round")
+        assert [r["round"] for r in rounds] == [0, 1, 2]
+        assert all(r["partner"] for r in rounds), [r["partner"] for r in rounds]
+        assert max(r["network_wait_seconds"] for r in rounds) < 20, rounds

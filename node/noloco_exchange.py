@@ -40,6 +40,9 @@ CONTROL_TIMEOUT_S = 10.0
 # instant a round ends would meet peers still finishing the previous round, already paired:
 # they decline, pairs form in finishing order, and with steady node speeds never change.
 PROPOSAL_WINDOW = 0.6
+# While this node wants a partner it looks for newly ready peers this often (the member
+# cache refreshes every 0.5 s); blocking timing waits on it at every round's end.
+MATCH_POLL_S = 0.25
 
 
 def peer_name(raw: bytes | PeerID | str) -> str:
@@ -168,8 +171,9 @@ class NoLoCoExchange:
     async def _matchmaker(self) -> None:
         """Proposes whenever this node may pair and has no partner and no proposal in flight."""
         while True:
-            wait = 1.0  # membership changes arrive by heartbeat: look again every second
+            wait = 1.0  # membership changes arrive by the cache's refresh: look again soon
             if self.accepting and self.offered is not None and self.matching.wants_partner:
+                wait = MATCH_POLL_S  # a partner may have just become ready: every poll counts
                 early = self.propose_after - self.loop.time()
                 if early > 0:
                     wait = min(wait, early)

@@ -42,7 +42,9 @@ def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def sweep_stale_namespaces(prefix: str = PREFIX) -> list[str]:
-    """Delete namespaces named `<prefix><pid>...` whose creating process no longer exists."""
+    """Delete namespaces named `<prefix><pid>...` whose creating process no longer exists and in
+    which nothing runs. The second check matters because a pid is only unique within one pid
+    namespace: a run in a container sees another container's live creator as dead."""
     removed = []
     for line in _run("ip", "netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.strip() else ""
@@ -56,6 +58,8 @@ def sweep_stale_namespaces(prefix: str = PREFIX) -> list[str]:
             pass
         except PermissionError:
             continue
+        if _run("ip", "netns", "pids", name, check=False).stdout.strip():
+            continue  # processes still run in it: some live run owns it
         _run("ip", "netns", "del", name, check=False)
         removed.append(name)
     return removed

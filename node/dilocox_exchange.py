@@ -11,7 +11,9 @@ them, checks its digest, and the training thread adopts it before its next outer
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
 - `collect` waits at most its deadline, and only for members that already finished the round;
-- a resync state is used only if its digest equals the majority's digest for that round.
+- a resync state is used only if its digest equals the majority's digest for that round;
+- every node picks the same winner from the same votes (`winning_digest`: ties go to the
+  smallest digest), so a split of two survivors is healed, not kept.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from node.noloco_exchange import peer_name
 from node.wire_tensors import from_wire
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, ReceivedMessage
+from protocol.dilocox import winning_digest
 from protocol.tensors import weights_digest
 
 log = logging.getLogger("lowcomm.dilocox")
@@ -171,8 +174,8 @@ class DiLoCoXExchange:
             if sum(votes.values()) > len(self._finished(round_index - 1)):
                 break  # everyone who could vote has voted
             await asyncio.sleep(0.5)
-        majority, count = votes.most_common(1)[0]
-        if majority == digest or count <= votes[digest]:
+        majority = winning_digest(votes)
+        if majority == digest:
             return
         self.report("diverged", {"round": round_index, "ours": digest[:12],
                                  "majority": majority[:12], "votes": dict(votes)})

@@ -26,6 +26,7 @@ import torch
 from node.manifest import Manifest, canonical_json, differences, digest_of
 from node.wire_tensors import from_wire
 from p2p.errors import P2PError, Reason, RemoteRefused
+from protocol.dilocox import winning_digest
 from protocol.tensors import weights_digest
 
 log = logging.getLogger("lowcomm.join")
@@ -113,14 +114,12 @@ def expected_digest(records, source, protocol: str) -> tuple[str | None, int | N
     """
     if protocol == "noloco":
         return source.extra.get("phi"), source.extra.get("phi_round")
-    votes = Counter((r.extra.get("phi_round"), r.extra.get("phi")) for r in records
-                    if r.extra.get("phi"))
-    if not votes:
+    announced = [(r.extra.get("phi_round"), r.extra["phi"]) for r in records
+                 if r.extra.get("phi") and isinstance(r.extra.get("phi_round"), int)]
+    if not announced:
         return None, None
-    newest = max(rnd for rnd, _ in votes if rnd is not None)
-    (rnd, digest), _ = max(((k, v) for k, v in votes.items() if k[0] == newest),
-                           key=lambda kv: kv[1])
-    return digest, rnd
+    newest = max(rnd for rnd, _ in announced)
+    return winning_digest(Counter(digest for rnd, digest in announced if rnd == newest)), newest
 
 
 async def download_state(transport, cache, manifest: Manifest, attempts: int = 3,

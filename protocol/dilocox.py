@@ -63,6 +63,16 @@ from protocol.errors import ConfigurationError, LayoutError, ProtocolError
 from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_clone, mean, zeros_like
 
 
+def winning_digest(votes: Mapping[str, int]) -> str:
+    """The φ digest the swarm settles on: the most votes, a tie going to the smallest digest.
+
+    Every node must pick the same winner from the same votes, or a tie (two survivors that each
+    applied a different set of messages) would never be broken and φ would stay split forever.
+    """
+    top = max(votes.values())
+    return min(digest for digest, count in votes.items() if count == top)
+
+
 @dataclass(frozen=True)
 class DiLoCoXHyperParameters:
     """The outer optimizer, the delay (0 or 1 round), how far ahead messages may run, and λ,

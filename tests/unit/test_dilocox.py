@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 import torch
 
 from protocol.codecs import CodecError, Encoded, get_codec
 from protocol.diloco import DiLoCo
-from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
+from protocol.dilocox import (DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome,
+                              winning_digest)
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
 
 
@@ -273,3 +275,11 @@ def test_half_weight_in_flight_keeps_the_delayed_iteration_stable(converged: flo
     assert half < 0.05
     if converged == 1.0:
         assert _linear_swarm_error(1.0, converged, noise=0.1) > 3 * half
+
+
+def test_every_node_settles_a_tied_vote_on_the_same_digest():
+    # two survivors that applied different messages vote 1:1; each must pick the same φ,
+    # whatever order it counted the votes in, or the split would never heal
+    assert winning_digest(Counter({"bb": 1, "aa": 1})) == winning_digest({"aa": 1, "bb": 1}) == "aa"
+    assert winning_digest({"aa": 1, "bb": 2, "cc": 2}) == "bb"    # a majority beats the tie rule
+    assert winning_digest({"ff": 3, "00": 1}) == "ff"

@@ -28,7 +28,7 @@ import torch
 from node.simulator.methods.base import Method
 from protocol.codecs import Codec, Encoded, get_codec
 from protocol.diloco import DiLoCoHyperParameters
-from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, ReceiveOutcome
+from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, ReceiveOutcome, winning_digest
 from protocol.tensors import numel, weights_digest
 
 TOPIC = "dilocox-pseudo-gradient"
@@ -155,9 +155,7 @@ class DiLoCoXSwarm(Method):
         digests = {name: weights_digest(node.slow_weights) for name, node in self.nodes.items()}
         for name in self.names:
             self.exchange.count_bytes(name, DIGEST_BYTES * (len(self.names) - 1))
-        counts = Counter(digests.values())
-        top = max(counts.values())
-        majority = next(digests[name] for name in sorted(digests) if counts[digests[name]] == top)
+        majority = winning_digest(Counter(digests.values()))
         provider = next(name for name in sorted(digests) if digests[name] == majority)
         for name, digest in digests.items():
             if digest != majority:

@@ -43,6 +43,8 @@ PROPOSAL_WINDOW = 0.6
 # While this node wants a partner it looks for newly ready peers this often (the member
 # cache refreshes every 0.5 s); blocking timing waits on it at every round's end.
 MATCH_POLL_S = 0.25
+# Overlap timing, until the proposal window closes, a node does not propose to its last round's
+# partner (see `_announcements`).
 
 
 def peer_name(raw: bytes | PeerID | str) -> str:
@@ -70,6 +72,8 @@ class NoLoCoExchange:
         self._task: asyncio.Task | None = None
         self.propose_after = 0.0
         self.previous_pair = None  # a pair formed late in the last round may still be swapping
+        self.last_partner: str | None = None
+        self.window_closes = 0.0
         self._round_started = loop.time()
         self.round_seconds = 0.0
 
@@ -142,8 +146,10 @@ class NoLoCoExchange:
         self.round_seconds, self._round_started = now - self._round_started, now
         if self.timing == "overlap":
             self.propose_after = now + self.rng.uniform(0, PROPOSAL_WINDOW * self.round_seconds)
+            self.window_closes = now + PROPOSAL_WINDOW * self.round_seconds
         outcome = self.matching.end_round(next_round)
         self.previous_pair = outcome.pair
+        self.last_partner = outcome.pair.partner if outcome.pair else None
         for message in outcome.outgoing:
             self._send_control(message)
         self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
@@ -157,16 +163,22 @@ class NoLoCoExchange:
 
     # ------------------------------------------------------------------ matching
     def _announcements(self) -> list[ReadyAnnouncement]:
-        """Ready peers; those already in our round or past it first. A peer still in an earlier
-        round has most likely paired for it and would decline, so it is tried only when no
-        peer of our round is left (it stays eligible within max_staleness)."""
+        """Unpaired peers: a member announces "ready" while it may pair and "exchanging" once
+        paired, so a proposal rarely meets a decline. Every eligible round counts the same
+        (PROTOCOLS.md §1): preferring peers of our own round made nodes of equal speed pair only
+        with each other, and a swarm of two fast and two slow nodes split into two pairs that
+        never mixed (measured: tests/integration/test_swarm.py, 2 distinct pairs in 10 rounds)."""
         ready = [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)
                  for rec in self.membership.peers()
                  if rec.peer_id != self.peer_id and rec.protocol == "noloco"
                  and rec.status == "ready" and not self.bans.is_banned(rec.peer_id)]
-        current = [a for a in ready if a.round_index >= self.matching.round_index]
-        eligible_current = self.matching.candidates(current)
-        return current if eligible_current else ready
+        if self.loop.time() < self.window_closes:
+            # A node pairs early in its round, so the peers free then are those whose rounds
+            # start with ours: nodes of equal speed lock in phase, and uniform draws among them
+            # kept the same two pairs round after round (4 nodes: 2 distinct pairs in 10
+            # rounds). Passing over the last partner until the window closes mixes the phases.
+            ready = [a for a in ready if a.peer_id != self.last_partner]
+        return ready
 
     async def _matchmaker(self) -> None:
         """Proposes whenever this node may pair and has no partner and no proposal in flight."""
@@ -226,6 +238,7 @@ class NoLoCoExchange:
         pair = self.matching.pair
         if pair is not None and had_pair is None:
             self.report("paired", {"round": pair.round_index, "partner": pair.partner})
+            self.membership.update(status="exchanging")  # no more proposals this round
             if pair.initiator == self.peer_id:
                 self.loop.create_task(self._swap(pair.partner, pair.round_index))
         self.changed.set()

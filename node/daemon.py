@@ -90,8 +90,12 @@ class Daemon:
         if self.node_status is not None:
             self._feed_status(kind, fields)
         if kind in ("round", "pair_correction") and self.cache is not None:
-            # What late joiners and the DiLoCoX consensus check read: the digest of our φ.
-            self.cache.update(extra={"phi": fields["phi_digest"], "phi_round": fields["round"]})
+            # What late joiners and the DiLoCoX consensus check read: the digest of our φ, and
+            # the one before it, so that a member a round ahead still reads our vote.
+            previous = self.cache.extra
+            self.cache.update(extra={"phi": fields["phi_digest"], "phi_round": fields["round"],
+                                     "phi_prev": previous.get("phi", ""),
+                                     "phi_prev_round": previous.get("phi_round", -1)})
         if self.metrics:
             self.metrics(record)
         if kind in ("round", "joined", "late_join", "diverged", "resync_ready", "no_partner",

@@ -39,6 +39,15 @@ PGRAD = "dilocox.pgrad"
 CONSENSUS_WAIT_S = 5.0
 
 
+def phi_vote(extra: dict, round_index: int) -> str | None:
+    """A member's announced φ digest after `round_index`: its latest, or the one before (a
+    member may have finished another round before we look)."""
+    for digest, announced in (("phi", "phi_round"), ("phi_prev", "phi_prev_round")):
+        if extra.get(announced) == round_index and isinstance(extra.get(digest), str):
+            return extra[digest]
+    return None
+
+
 class DiLoCoXExchange:
     def __init__(self, loop: asyncio.AbstractEventLoop, transport, members, peer_id: str,
                  manifest_digest: str, fan_out: int, message_deadline_s: float, bans: BanList,
@@ -168,15 +177,18 @@ class DiLoCoXExchange:
         while self.loop.time() < deadline:
             votes, holders = Counter({digest: 1}), {}
             for r in self.members.peers():
-                if r.manifest == self.manifest and r.extra.get("phi_round") == round_index:
-                    votes[r.extra["phi"]] += 1
-                    holders.setdefault(r.extra["phi"], []).append(r.peer_id)
+                banned = self.bans.is_banned(r.peer_id)  # a banned peer has no say in φ
+                vote = phi_vote(r.extra, round_index) if r.manifest == self.manifest and not banned else None
+                if vote:
+                    votes[vote] += 1
+                    holders.setdefault(vote, []).append(r.peer_id)
             if sum(votes.values()) > len(self._finished(round_index - 1)):
                 break  # everyone who could vote has voted
             await asyncio.sleep(0.5)
         majority = winning_digest(votes)
-        if majority == digest:
-            return
+        complete = sum(votes.values()) > len(self._finished(round_index - 1))
+        if majority == digest or (not complete and votes[majority] <= votes[digest]):
+            return  # a tie is broken only once every vote is in: a missing one may decide it
         self.report("diverged", {"round": round_index, "ours": digest[:12],
                                  "majority": majority[:12], "votes": dict(votes)})
         for peer in holders.get(majority, []):

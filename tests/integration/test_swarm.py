@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.swarm_harness import SwarmHarness, left, small_manifest
+from tests.swarm_harness import SwarmHarness, assert_phi_heals, left, small_manifest
 
 pytestmark = pytest.mark.integration
 # Refusals that are part of normal operation, not security failures.
@@ -57,11 +57,7 @@ def test_dilocox_three_nodes_end_rounds_with_identical_phi(harness_factory):
     nodes = harness.start(3, extra=["--max-steps", "160"])
     for node in nodes:
         node.wait_for(left, 300, "the node to finish and leave")
-    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
-    common = sorted(set.intersection(*(set(d) for d in digests)))
-    assert len(common) >= 3, common
-    for rnd in common[-2:]:
-        assert len({d[rnd] for d in digests}) == 1, f"round {rnd}: {[d[rnd] for d in digests]}"
+    assert_phi_heals(nodes)
     for node in nodes:
         rounds = node.events("round")
         assert any(len(r["group"]) >= 2 for r in rounds), "no round applied the whole group"

@@ -8,7 +8,9 @@ Each node sits in its own namespace of a ShapedSwarm (benchmarks/netns.py: tbf o
 its access link, a delaying relay in front of its listener) and exchanges a synthetic payload of
 `--params` parameters (square fp32 matrices of `--dim`), with no training, `--rounds` times:
 - `noloco`: our NoLoCo swap, the daemon's own NoLoCoExchange in blocking timing: (φ, Δ) in the
-  manifest's default wire dtype (bf16), paired by the random matching, one swap per pair;
+  manifest's default wire dtype (bf16), paired by the random matching, one swap per pair; a
+  node left unpaired ends its round at the daemon's pair deadline (60 s): such rounds are left
+  out of the median and counted apart (`paired`);
 - `dilocox`: our DiLoCoX exchange, the daemon's own DiLoCoXExchange: the low-rank codec (rank
   4, 8-bit, the manifest defaults) message pushed to every other member; the round ends when
   this node has sent its message and received all of theirs;
@@ -109,8 +111,10 @@ async def run_ours(args: argparse.Namespace) -> None:
         from node.noloco_exchange import NoLoCoExchange
         from node.noloco_round import encode_snapshot
         from protocol.noloco import NoLoCoSnapshot
+        from node.manifest import Manifest
+        deadline = Manifest().protocol.pair_deadline_s  # what a daemon waits for a partner
         exchange = NoLoCoExchange(loop, transport, cache, peer_id, "bench", "blocking", 1, bans, 60.0,
-                                  ROUND_TIMEOUT_S, random.Random(peer_id), report)
+                                  deadline, random.Random(peer_id), report)
         message = encode_snapshot(NoLoCoSnapshot(slow_weights=tensors, local_progress=tensors), "bf16")
     else:
         from node.dilocox_exchange import DiLoCoXExchange
@@ -131,7 +135,7 @@ async def run_ours(args: argparse.Namespace) -> None:
             sent_before, began = tx_bytes(), time.monotonic()
             if args.method == "noloco":
                 partner = await loop.run_in_executor(None, exchange.finish_round, index, message,
-                                                     ROUND_TIMEOUT_S)
+                                                     deadline)
                 done = {"paired": partner is not None}
             else:
                 await exchange._send_all(index, message)
@@ -203,13 +207,14 @@ def run_gloo(args: argparse.Namespace) -> None:
 # ---------------------------------------------------------------------------- orchestration
 
 class Worker:
-    def __init__(self, process: subprocess.Popen):
-        self.process = process
+    def __init__(self, process: subprocess.Popen, log):
+        self.process, self.log = process, log  # the log gets its stderr and every stdout line
 
     def expect(self, event: str, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             line = self.process.stdout.readline()
+            self.log.write(line)
             if not line:
                 raise RuntimeError(f"a worker exited (code {self.process.wait()}) before `{event}`")
             if line.startswith("{") and (record := json.loads(line))["event"] == event:
@@ -220,6 +225,8 @@ class Worker:
 def measure(swarm, method: str, args: argparse.Namespace) -> list[list[dict]]:
     """Rounds of every node of one method on `swarm`: rows[round][node]."""
     workers, first = [], None
+    logs = Path(tempfile.gettempdir()) / "lowcomm-sync-time-logs"  # each worker's events and stderr
+    logs.mkdir(exist_ok=True)
     for i in range(swarm.n):
         command = [sys.executable, __file__, "worker", "--method", method, "--index", str(i),
                    "--n", str(swarm.n), "--address", swarm.address(i), "--master", swarm.address(0),
@@ -228,9 +235,10 @@ def measure(swarm, method: str, args: argparse.Namespace) -> list[list[dict]]:
             swarm.relay(i, RELAY_PORT, ("127.0.0.1", P2P_PORT))
             command += ["--peer", first] if first else []
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        process = swarm.popen(i, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              bufsize=1, cwd=REPO, env=env)
-        workers.append(Worker(process))
+        log = open(logs / f"{swarm.rate}-n{swarm.n}-{method}-{i}.log", "w", buffering=1)
+        process = swarm.popen(i, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                              text=True, bufsize=1, cwd=REPO, env=env)
+        workers.append(Worker(process, log))
         if method != "gloo" and i == 0:
             first = workers[0].expect("address", 120)["address"]
     ready = [w.expect("ready", 300) for w in workers]
@@ -246,6 +254,7 @@ def measure(swarm, method: str, args: argparse.Namespace) -> list[list[dict]]:
         w.process.stdin.close()
     for w in workers:
         w.process.wait(timeout=60)
+        w.log.close()
     return rows[1:]  # round 0 warms up connections
 
 
@@ -272,7 +281,8 @@ def summarize(method: str, n: int, rate: str, delay_ms: float, rows: list[list[d
     times = [r["seconds"] for row in rows for r in row if r.get("paired", True)]
     sync = statistics.median(times) if times else float("nan")
     summary = {"method": method, "n": n, "rate": rate, "delay_ms": delay_ms,
-               "sync_seconds": sync, "sync_seconds_all": [[r["seconds"] for r in row] for row in rows],
+               "sync_seconds": sync, "sync_seconds_max": max(times, default=float("nan")),
+               "sync_seconds_all": [[r["seconds"] for r in row] for row in rows],
                "tx_bytes_per_node": statistics.median(r["tx_bytes"] for row in rows for r in row),
                "message_bytes": message, "bound_seconds": bound, "ratio_to_bound": sync / bound,
                "load_average": os.getloadavg()[0]}
@@ -302,23 +312,26 @@ def plot(results: list[dict], path: Path) -> None:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| link | N | method | sync s (median) | bound s | ratio | tx MB/node/round | message MB |",
+    lines = ["| link | N | method | sync s: median (slowest) | bound s | ratio | tx MB/node/round | message MB |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         extra = f" ({r['paired_fraction']:.0%} paired)" if "paired_fraction" in r else ""
         lines.append(f"| {r['rate']} {r['delay_ms']:.0f} ms | {r['n']} | {r['method']}{extra} | "
-                     f"{r['sync_seconds']:.2f} | {r['bound_seconds']:.2f} | {r['ratio_to_bound']:.2f} | "
+                     f"{r['sync_seconds']:.2f} ({r.get('sync_seconds_max', float('nan')):.2f}) | {r['bound_seconds']:.2f} | {r['ratio_to_bound']:.2f} | "
                      f"{r['tx_bytes_per_node'] / 1e6:.1f} | {r['message_bytes'] / 1e6:.2f} |")
     return "\n".join(lines)
 
 
 def orchestrate(args: argparse.Namespace) -> None:
     from benchmarks.netns import ShapedSwarm
-    results = []
+    results = json.loads(args.out.read_text())["results"] if args.resume and args.out.exists() else []
+    done = {(r["rate"], r["delay_ms"], r["n"], r["method"]) for r in results}
     for link in args.links.split(","):
         rate, delay = link.split(":")
         for n in (int(x) for x in args.sizes.split(",")):
             for method in args.methods.split(","):
+                if (rate, float(delay), n, method) in done:
+                    continue
                 with ShapedSwarm(n=n, rate=rate, delay_ms=float(delay)) as swarm:
                     rows = measure(swarm, method, args)
                 results.append(summarize(method, n, rate, float(delay), rows))
@@ -341,6 +354,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=1024, help="the payload's matrices are dim x dim")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "sync_time.json")
+    parser.add_argument("--resume", action="store_true", help="keep the results in --out, run the rest")
     worker = parser.add_argument_group("worker (internal)")
     worker.add_argument("--method", choices=METHODS)
     worker.add_argument("--index", type=int)

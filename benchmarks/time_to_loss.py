@@ -1,6 +1,7 @@
 """Time to a target validation loss on shaped links, and the trainers' idle time (issue 7, 2 and 3).
 
     sudo .venv/bin/python benchmarks/time_to_loss.py            # 4 nodes, 20 Mbit/s, 50 ms one way
+    sudo .venv/bin/python benchmarks/time_to_loss.py --resume   # after an interruption: the rest
 
 Four methods train the same `tiny` model on the same embedded corpus, each node in its own network
 namespace behind a shaped access link (benchmarks/netns.py), one method after another:
@@ -177,14 +178,18 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "time_to_loss.json")
     parser.add_argument("--work-dir", type=Path, help="keep the nodes' logs here (default: a temporary directory)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the methods already in --out (each is saved as it ends), run the rest")
     args = parser.parse_args()
     methods = args.methods.split(",")
     results: dict[str, dict] = {}
+    if args.resume and args.out.exists():
+        results = {m: r for m, r in json.loads(args.out.read_text())["results"].items() if m in methods}
     with tempfile.TemporaryDirectory(prefix="lowcomm-ttl-") as tmp:
         tmp = args.work_dir or tmp
-        for method in methods:
+        for method in [m for m in methods if m not in results]:
             base = Path(tmp) / method
-            base.mkdir(parents=True)
+            base.mkdir(parents=True, exist_ok=args.resume)
             manifest = tiny_manifest(method, args.steps, args.eval_every, args.threads)
             with ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms) as swarm:
                 load_before, started = os.getloadavg()[0], time.time()
@@ -204,6 +209,7 @@ def main() -> None:
                 "load_average": [load_before, os.getloadavg()[0]]}
             print(f"{method}: {wall / 60:.1f} min, final {results[method]['curve'][-1] if results[method]['curve'] else None}",
                   flush=True)
+            args.out.write_text(json.dumps({"target": None, "partial": True, "results": results}, indent=1))
     report(results, args)
 
 

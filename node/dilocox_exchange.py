@@ -10,7 +10,10 @@ them, checks its digest, and the training thread adopts it before its next outer
 
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
-- `collect` waits at most its deadline, and only for members that already finished the round;
+- `collect` waits at most its deadline for members that already finished the round, and at most
+  one of our own rounds for members still in it: a node more than a round ahead would otherwise
+  refuse a slower member's every message as stale and split φ each round; a member more than a
+  round behind is a straggler whose messages may miss the round;
 - a resync state is used only if its digest equals the majority's digest for that round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest), so a split of two survivors is healed, not kept.
@@ -61,6 +64,7 @@ class DiLoCoXExchange:
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
+        self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.sent_ok = self.sent_failed = 0
         self._tasks: set[asyncio.Task] = set()
 
@@ -139,17 +143,31 @@ class DiLoCoXExchange:
                 and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index
                 and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
 
+    def _in_round(self, round_index: int) -> set[str]:
+        """Members that took part in `round_index` and are still training it."""
+        return {r.peer_id for r in self.members.peers()
+                if r.manifest == self.manifest and r.round == round_index
+                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index
+                and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
+
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        now = self.loop.time()
+        pace = now - self.last_collect_at if self.last_collect_at is not None else 0.0
+        self.last_collect_at = now
         if round_index < self.first_round:
             # Sent before this node (re)joined: members whose group did not list us yet never
             # send them, so waiting would only stall the first round for the whole deadline. We
             # take what came; a φ that then differs is resynced from the majority.
             wait_s = 0.0
-        deadline = self.loop.time() + wait_s
+        deadline = now + wait_s
+        laggard_deadline = now + min(wait_s, pace)
         while True:
             box = self.inbox.get(round_index, {})
             missing = self._finished(round_index) - set(box)
             remaining = deadline - self.loop.time()
+            if (laggard_remaining := laggard_deadline - self.loop.time()) > 0:
+                missing |= self._in_round(round_index) - set(box)
+                remaining = min(remaining, laggard_remaining)
             if not missing or remaining <= 0:
                 break
             self.arrived.clear()

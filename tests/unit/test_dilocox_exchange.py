@@ -1,0 +1,69 @@
+"""DiLoCoXExchange's collect on the event loop, without a network: who it waits for, and how long.
+
+The member view is a plain list of records (what the DHT cache would hold); messages are put in
+the inbox as the transport's handler would after its checks.
+"""
+
+import asyncio
+import random
+
+from node.contributions import BanList
+from node.dilocox_exchange import DiLoCoXExchange
+from p2p.records import MemberRecord
+
+
+class MemberView:
+    def __init__(self, records: list[MemberRecord]):
+        self.records = records  # the caller's list: replacing a record changes the view
+
+    def peers(self) -> list[MemberRecord]:
+        return list(self.records)
+
+
+def member(peer_id: str, round_index: int) -> MemberRecord:
+    return MemberRecord(peer_id, (), "dilocox", "m", round_index, "training", 0.0, {"since": 0})
+
+
+def exchange(loop, records: list[MemberRecord]) -> DiLoCoXExchange:
+    return DiLoCoXExchange(loop, None, MemberView(records), "me", "m", 8, 30.0, BanList(2, 60.0),
+                           60.0, random.Random(0), lambda kind, fields: None)
+
+
+def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
+    ex.inbox.setdefault(round_index, {})[peer] = f"message of {peer}"
+    ex.arrived.set()
+
+
+def test_a_member_still_in_the_round_is_waited_for_at_most_one_of_our_rounds():
+    async def main():
+        loop = asyncio.get_running_loop()
+        view = [member("slow", 3)]  # still training round 3 when we collect it
+        ex = exchange(loop, view)
+        ex.last_collect_at = loop.time() - 2.0  # our rounds take 2 s
+        loop.call_later(0.3, deliver, ex, 3, "slow")
+        began = loop.time()
+        got = await ex._collect(3, 30.0)
+        assert [g.peer for g in got] == ["slow"] and loop.time() - began < 1.5
+        # it stays in round 4: we wait one of our rounds (1 s), not the 30 s deadline
+        view[0] = member("slow", 4)
+        await asyncio.sleep(0.7)
+        began = loop.time()
+        assert await ex._collect(4, 30.0) == []
+        assert 0.9 < loop.time() - began < 1.3
+    asyncio.run(main())
+
+
+def test_a_member_that_finished_the_round_is_waited_for_until_the_deadline():
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("done", 6)])  # announced round 6: it sent its round-5 message
+        ex.last_collect_at = loop.time() - 0.1
+        began = loop.time()
+        assert await ex._collect(5, 1.0) == []
+        assert loop.time() - began >= 0.9
+        # a member two rounds behind is a straggler: nobody waits on it
+        ex = exchange(loop, [member("behind", 3)])
+        ex.last_collect_at = loop.time() - 5.0
+        began = loop.time()
+        assert await ex._collect(5, 30.0) == [] and loop.time() - began < 0.1
+    asyncio.run(main())

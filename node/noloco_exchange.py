@@ -74,6 +74,8 @@ class NoLoCoExchange:
         self.previous_pair = None  # a pair formed late in the last round may still be swapping
         self.last_partner: str | None = None
         self.window_closes = 0.0
+        self._settling: list[tuple[str, asyncio.Future]] = []  # swaps waiting on our proposal
+        self.failed_round: int | None = None  # blocking: this round's swap failed, stop waiting
         self._round_started = loop.time()
         self.round_seconds = 0.0
 
@@ -137,7 +139,7 @@ class NoLoCoExchange:
         return partner
 
     async def _wait_partner(self, round_index: int) -> None:
-        while round_index not in self.partners:
+        while round_index not in self.partners and self.failed_round != round_index:
             self.changed.clear()
             await self.changed.wait()
 
@@ -152,6 +154,7 @@ class NoLoCoExchange:
         self.last_partner = outcome.pair.partner if outcome.pair else None
         for message in outcome.outgoing:
             self._send_control(message)
+        self._wake_settled()
         self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
         if next_round not in self.partners:
             self.landed.clear()  # nothing waits for the round that starts
@@ -241,6 +244,7 @@ class NoLoCoExchange:
             self.membership.update(status="exchanging")  # no more proposals this round
             if pair.initiator == self.peer_id:
                 self.loop.create_task(self._swap(pair.partner, pair.round_index))
+        self._wake_settled()
         self.changed.set()
 
     # ------------------------------------------------------------------ swapping snapshots
@@ -253,6 +257,8 @@ class NoLoCoExchange:
             self.swaps_failed += 1
             self.report("swap_failed", {"round": round_index, "partner": partner,
                                         "error": str(exc)})
+            self.failed_round = round_index  # one pair a round: blocking need not wait on
+            self.changed.set()
             return
         self._store(partner, round_index, received)
 
@@ -260,10 +266,34 @@ class NoLoCoExchange:
         """Our latest snapshot, for this round's partner, or last round's: a pair formed just
         before our round ended still serves the partner, whose round it belongs to."""
         sender = peer_name(header.sender)
-        partners = {p.partner for p in (self.matching.pair, self.previous_pair) if p is not None}
-        if sender not in partners or self.offered is None:
+        if not self._paired_with(sender) and self.matching.outstanding == sender:
+            # The peer accepted our proposal and, as initiator, opened the swap at once: its
+            # accept travels on another stream and may land after the swap does (measured:
+            # 8 ms later, which refused the swap and left both waiting the whole deadline).
+            await self._proposal_settled(sender)
+        if not self._paired_with(sender) or self.offered is None:
             raise Refusal(Reason.REFUSED, "not paired with you this round")
         return self.offered
+
+    def _paired_with(self, peer: str) -> bool:
+        return any(p is not None and p.partner == peer
+                   for p in (self.matching.pair, self.previous_pair))
+
+    async def _proposal_settled(self, peer: str) -> None:
+        """Waits, at most CONTROL_TIMEOUT_S, until our proposal to `peer` is answered."""
+        settled = self.loop.create_future()
+        self._settling.append((peer, settled))
+        try:
+            await asyncio.wait_for(asyncio.shield(settled), timeout=CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass
+        finally:
+            self._settling.remove((peer, settled))
+
+    def _wake_settled(self) -> None:
+        for peer, settled in self._settling:
+            if self.matching.outstanding != peer and not settled.done():
+                settled.set_result(None)
 
     async def _snapshot_delivered(self, received: ReceivedMessage) -> None:
         pair = self.matching.pair

@@ -94,8 +94,8 @@ class P2PHost:
                 check_if_identity_free=False, startup_timeout=startup_timeout_s)
         except Exception as error:
             # hivemind does not return the half-started daemon, so its socket cannot be named:
-            # remove the sockets that appeared meanwhile and that nothing listens on.
-            remove_dead_sockets(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
+            # remove the sockets that appeared meanwhile once nothing listens on them.
+            await _remove_sockets_of_a_failed_start(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
             if "failed to connect to bootstrap peers" in str(error):
                 raise HostError(f"none of the initial peers {initial_peers} could be reached; check their "
                                 f"addresses and that they are running.") from None
@@ -198,6 +198,20 @@ def remove_dead_sockets(paths: set[str] | list[str]) -> list[str]:
                 os.remove(path)
                 removed.append(path)
     return removed
+
+
+async def _remove_sockets_of_a_failed_start(paths: set[str], patience_s: float = 3.0) -> None:
+    """A p2pd that failed to bootstrap reports it and exits a moment later: its socket still
+    listens right after the report (measured: one left in /tmp per failed start). Retry until
+    nothing listens on them, for at most `patience_s` (a socket that stays live belongs to a
+    daemon running beside us, and stays)."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        remove_dead_sockets(paths)
+        paths = {path for path in paths if os.path.exists(path)}
+        if not paths or time.monotonic() > deadline:
+            return
+        await asyncio.sleep(0.1)
 
 
 def p2pd_socket_paths(p2p: P2P) -> list[str]:

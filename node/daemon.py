@@ -143,7 +143,7 @@ class Daemon:
         record = dict(record)
         kind = record.pop("event")
         if kind == "round":
-            record["peers_alive"] = len(self.cache.records) if self.cache else 0
+            record["peers_alive"] = len(self.cache.peers()) if self.cache else 0
         self.loop.call_soon_threadsafe(lambda: self.event(kind, **record))
 
     # ------------------------------------------------------------------ life

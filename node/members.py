@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,15 +48,28 @@ class MemberCache:
         self.refreshed.set()
 
     async def _loop(self) -> None:
+        failing_since = None
         while True:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
             except Exception as exc:  # the DHT can hiccup; the next refresh retries
-                log.debug("member refresh failed: %s", exc)
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    log.info("member lookups failing (%s); members expire from the view on time "
+                             "and the node redials once it sees none", exc)
+                continue
+            if failing_since is not None:
+                log.info("member lookups answer again after %.0f s", time.monotonic() - failing_since)
+                failing_since = None
 
     def peers(self) -> list[MemberRecord]:
-        return list(self.records.values())
+        """Members whose records have not expired. A refresh that fails (the DHT unreachable
+        behind a cut link) keeps the last answer: filtering here lets those members expire on
+        time, so the node sees itself alone and the Reconnector redials (measured: a node
+        behind a cut link saw 2 peers alive for 80 s and never paired again)."""
+        now = time.time()
+        return [record for record in self.records.values() if record.expires > now]
 
     def update(self, **fields: Any) -> None:
         """Publishes changes of our own record without waiting (order is kept by Membership).

@@ -139,3 +139,20 @@ def tmpfs(path: Path, size: str):
 
 def can_mount() -> bool:
     return os.geteuid() == 0
+
+
+def timeline(nodes: list[NodeHandle], since: float = 0.0) -> str:
+    """Each node's rounds after `since` in one line apiece (partner initial or '.', members
+    alive) plus its exchange failures: what a failing fault test prints, since a node's log
+    tail shows only one side of an exchange."""
+    lines = []
+    for node in nodes:
+        rounds = "".join((r.get("partner") or ".")[-1] + str(r.get("peers_alive", "?"))
+                         for r in node.events("round") if r["time"] > since)
+        failures = [(round(e["time"] - since, 1), e["event"], (e.get("partner") or "")[-6:])
+                    for e in node.events() if e["time"] > since
+                    and e["event"] in ("swap_failed", "swap_late", "no_partner")]
+        lines.append(f"node {node.index}: rounds {rounds}; failures {failures[-12:]}")
+    log_lines = [line for node in nodes for line in node.log_tail(100_000).splitlines()
+                 if "lowcomm.members" in line or "redialled" in line or "match propose" in line]
+    return "\n".join([*lines, *log_lines[-20:]])

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests import netns_link
-from tests.faults import FaultHarness, adversary_manifest, has, stop_all, wait_exit
+from tests.faults import FaultHarness, adversary_manifest, has, stop_all, timeline, wait_exit
 from tests.swarm_harness import assert_phi_heals
 
 pytestmark = pytest.mark.integration
@@ -115,9 +115,13 @@ def test_a_cut_link_fails_swaps_fast_and_the_node_pairs_again_once_restored(harn
                                          for e in ev) >= 2, 120, "two rounds well into the cut")
         link.restore()
         restored_at = time.time()
-        cut_off.wait_for(lambda ev: any(e["event"] == "round" and e.get("partner")
-                                        and e["time"] > restored_at for e in ev), 150,
-                         "the namespaced node to pair again after the restore")
+        try:
+            cut_off.wait_for(lambda ev: any(e["event"] == "round" and e.get("partner")
+                                            and e["time"] > restored_at for e in ev), 150,
+                             "the namespaced node to pair again after the restore")
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\ncut at {cut_at:.0f}, restored at {restored_at:.0f}; "
+                                 f"{timeline([*others, cut_off], cut_at - 5)}") from None
         assert stop_all([*others, cut_off]) == [0, 0, 0]
     cut_id = cut_off.peer_id
     during = lambda n: [r for r in n.events("round") if cut_at + 20 < r["time"] < restored_at]  # noqa: E731

@@ -1,0 +1,45 @@
+"""The member cache's view when the DHT stops answering (the real DHT path is covered by
+tests/integration/test_fault_points.py's cut link; this stand-in lets a unit test choose
+exactly when lookups fail)."""
+
+import asyncio
+import time
+
+from node.members import MemberCache
+from p2p.errors import HostError
+from p2p.records import MemberRecord
+
+
+class LookupThatFailsAfterOneAnswer:
+    """Stands in for p2p.membership.Membership: one answer, then every lookup times out."""
+
+    def __init__(self, records: dict[str, MemberRecord]):
+        self.records, self.calls = records, 0
+
+    async def peers(self) -> dict[str, MemberRecord]:
+        self.calls += 1
+        if self.calls > 1:
+            raise HostError("the DHT did not answer a member lookup within 10 s.")
+        return self.records
+
+
+def record(peer: str, expires: float) -> MemberRecord:
+    return MemberRecord(peer, (), "noloco", "m", 3, "ready", 0.0, expires=expires)
+
+
+def test_members_expire_on_time_while_refreshes_fail():
+    async def scenario():
+        soon, later = time.time() + 0.6, time.time() + 60
+        lookup = LookupThatFailsAfterOneAnswer({"a": record("a", soon), "b": record("b", later)})
+        cache = MemberCache(lookup, refresh_s=0.05)
+        await cache.start()
+        assert {r.peer_id for r in cache.peers()} == {"a", "b"}
+        deadline = time.monotonic() + 5
+        while len(cache.peers()) > 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await cache.stop()
+        assert lookup.calls > 2, "the cache stopped refreshing"
+        # "a" expired although no refresh succeeded; "b" is still alive; both stay known
+        assert [r.peer_id for r in cache.peers()] == ["b"]
+        assert set(cache.records) == {"a", "b"}
+    asyncio.run(scenario())

@@ -103,6 +103,22 @@ class FaultHarness(SwarmHarness):
         return pid
 
 
+def two_nodes_and_a_killed_adversary(harness: FaultHarness, kind: str, swarm_log: str
+                                     ) -> tuple[list[NodeHandle], NodeHandle, float]:
+    """Two honest nodes, then a `kind` adversary that SIGKILLs itself at its fault point and
+    logs `swarm_log` there: the survivors, the dead node and when it died."""
+    extra = ["--min-peers", "2"]
+    first = harness.start_node(0, extra=extra)
+    first.wait_for(joined, 90, "joining")
+    second = harness.start_node(1, [first.address], extra)
+    second.wait_for(joined, 90, "joining")
+    victim = harness.start_adversary(2, kind, [first.address], extra)
+    assert wait_exit(victim, 180) == -signal.SIGKILL, victim.log_tail()
+    killed_at = time.time()
+    assert swarm_log in victim.log_tail(100_000)
+    return [first, second], victim, killed_at
+
+
 def stop_all(nodes: list[NodeHandle], timeout: float = 40) -> list[int]:
     """SIGTERM to every node at once, then their exit codes (each must leave within `timeout`)."""
     for node in nodes:

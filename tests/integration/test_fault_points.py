@@ -13,7 +13,8 @@ import time
 import pytest
 
 from tests import netns_link
-from tests.faults import FaultHarness, adversary_manifest, has, stop_all, timeline, wait_exit
+from tests.faults import (FaultHarness, adversary_manifest, has, stop_all, timeline,
+                          two_nodes_and_a_killed_adversary, wait_exit)
 from tests.swarm_harness import assert_phi_heals
 
 pytestmark = pytest.mark.integration
@@ -21,16 +22,9 @@ pytestmark = pytest.mark.integration
 
 def test_sigkill_mid_dilocox_send_survivors_agree_and_the_node_rejoins(harness_factory):
     harness = harness_factory(adversary_manifest("t-push-kill", "dilocox"), harness_class=FaultHarness)
-    extra = ["--min-peers", "2"]
-    first = harness.start_node(0, extra=extra)
-    first.wait_for(has("joined"), 90, "joining")
-    second = harness.start_node(1, [first.address], extra)
-    victim = harness.start_adversary(2, "push-kill", [first.address], extra)
-    victim_id = victim.peer_id
-    assert wait_exit(victim, 180) == -signal.SIGKILL, victim.log_tail()
-    killed_at = time.time()
-    assert "SIGKILL mid-DiLoCoX send" in victim.log_tail(100_000)
-    survivors = [first, second]
+    survivors, victim, killed_at = two_nodes_and_a_killed_adversary(
+        harness, "push-kill", "SIGKILL mid-DiLoCoX send")
+    first, victim_id = survivors[0], victim.peer_id
     for node in survivors:  # no exchange waits on the dead node past its deadline
         node.wait_for(lambda ev: sum(e["event"] == "round" and e["time"] > killed_at
                                      for e in ev) >= 3, 120, "three rounds after the kill")

@@ -21,6 +21,7 @@ from tests.faults import (
     finished,
     has,
     tmpfs,
+    two_nodes_and_a_killed_adversary,
     wait_exit,
 )
 
@@ -109,17 +110,9 @@ def test_sigkill_mid_swap_partner_does_a_local_update_and_nobody_hangs(harness_f
     (tests/adversary.py --kind swap-kill). Its partner's swap fails at once, that round ends
     with a local update, and the two survivors go on pairing with each other."""
     harness = harness_factory(adversary_manifest("t-swap-kill"), harness_class=FaultHarness)
-    extra = ["--min-peers", "2"]
-    first = harness.start_node(0, extra=extra)
-    first.wait_for(has("joined"), 90, "joining")
-    second = harness.start_node(1, [first.address], extra)
-    second.wait_for(has("joined"), 90, "joining")
-    victim = harness.start_adversary(2, "swap-kill", [first.address], extra)
-    victim_id = victim.peer_id
-    assert wait_exit(victim, 180) == -signal.SIGKILL, victim.log_tail()
-    killed_at = time.time()
-    assert "SIGKILL mid-swap" in victim.log_tail(100_000)
-    survivors = [first, second]
+    survivors, victim, killed_at = two_nodes_and_a_killed_adversary(
+        harness, "swap-kill", "SIGKILL mid-swap")
+    (first, second), victim_id = survivors, victim.peer_id
     first.wait_for(lambda ev: any(e["event"] == "swapped" and e["partner"] == second.peer_id
                                   and e["time"] > killed_at for e in ev), 120,
                    "the survivors pairing with each other")

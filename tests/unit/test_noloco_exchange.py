@@ -41,13 +41,18 @@ def swap_from(peer: str):
     return SimpleNamespace(sender=peer)  # the header fields _snapshot_reply reads
 
 
+def proposed_and_answered_soon(loop, answer: MessageKind) -> NoLoCoExchange:
+    """An exchange that proposed to PEER, whose `answer` lands 50 ms from now."""
+    ex = blocking_exchange(loop)
+    propose_to_peer(ex)
+    loop.call_later(0.05, ex._handle, MatchMessage(answer, PEER, ME, 0, 0, "m"))
+    return ex
+
+
 def test_a_swap_that_overtakes_the_accept_is_served_once_the_accept_lands():
     async def main():
         loop = asyncio.get_running_loop()
-        ex = blocking_exchange(loop)
-        propose_to_peer(ex)
-        accept = MatchMessage(MessageKind.ACCEPT, PEER, ME, 0, 0, "m")
-        loop.call_later(0.05, ex._handle, accept)
+        ex = proposed_and_answered_soon(loop, MessageKind.ACCEPT)
         began = loop.time()
         reply = await ex._snapshot_reply(swap_from(PEER))
         assert reply is ex.offered and loop.time() - began < 1.0
@@ -58,10 +63,7 @@ def test_a_swap_that_overtakes_the_accept_is_served_once_the_accept_lands():
 def test_a_swap_from_a_peer_that_declines_is_refused_without_waiting_the_timeout():
     async def main():
         loop = asyncio.get_running_loop()
-        ex = blocking_exchange(loop)
-        propose_to_peer(ex)
-        decline = MatchMessage(MessageKind.DECLINE, PEER, ME, 0, 0, "m")
-        loop.call_later(0.05, ex._handle, decline)
+        ex = proposed_and_answered_soon(loop, MessageKind.DECLINE)
         began = loop.time()
         with pytest.raises(Refusal, match="not paired"):
             await ex._snapshot_reply(swap_from(PEER))

@@ -11,7 +11,8 @@ strike against the sender, and `ban_after` strikes ban the sender for `ban_secon
 
 Streams the transport refuses for misbehaviour (a replayed, forged, malformed or oversized
 message, more streams than allowed, a stream left idle past its deadline) strike their sender
-the same way (`transport_refusal`). Refusals an honest peer meets in normal life (a stale round,
+the same way (`transport_refusal`), and so does a peer that stores a forged member record in
+our DHT (p2p/records.py names the sender of each store). Refusals an honest peer meets in normal life (a stale round,
 clock skew, a truncated stream from a peer that crashed, an application refusal that is already
 struck as a contribution) do not. Strikes count within a window of `ban_seconds`, so an honest
 peer whose link drops now and then is not banned for offences hours apart.

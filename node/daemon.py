@@ -208,6 +208,13 @@ class Daemon:
             bans = BanList(m.contributions.ban_after, m.contributions.ban_seconds)
             transport.counters.on_refusal_issued = \
                 lambda peer, reason: bans.transport_refusal(peer, reason.name, transport.ban)
+
+            def forged_record(peer: str) -> None:  # a flooder sends many: strike until banned
+                if not bans.is_banned(peer):
+                    bans.refuse(peer, "FORGED_RECORD", f"refused a member record that {peer} stored "
+                                "in our DHT: it is not signed by the member it names (a forgery)",
+                                transport.ban)
+            host.validator.on_forgery = forged_record
             policy, exchange = self._protocol(trainer, transport, cache, peer_id, bans)
             start_round = await self._resume_or_join(trainer, policy, transport, cache)
             transport.on_request(STATE_KIND, lambda header: self._serve_state(policy, header),

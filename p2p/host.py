@@ -26,12 +26,13 @@ from contextlib import suppress
 from typing import Any, TypeVar
 
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, PeerID
+from hivemind.p2p import P2P, P2PContext, PeerID
+from hivemind.proto import dht_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p.errors import HostError
 from p2p.identity import NodeIdentity
-from p2p.records import OwnerOnlyValidator
+from p2p.records import STORE_SENDER, OwnerOnlyValidator
 
 logger = logging.getLogger("lowcomm.p2p.host")
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
@@ -106,6 +107,7 @@ class P2PHost:
                                 f"is {identity.path} the key it was given?")
             dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, record_validator=validator,
                                        wait_timeout=dht_wait_timeout_s, **dht_options)
+            await _name_the_sender_of_dht_stores(p2p, dht)
         except BaseException as error:
             await _shutdown_p2p(p2p)
             if isinstance(error, HostError) or not isinstance(error, Exception):
@@ -222,6 +224,25 @@ def p2pd_socket_paths(p2p: P2P) -> list[str]:
         with suppress(Exception):
             paths.append(maddr["unix"])
     return paths
+
+
+async def _name_the_sender_of_dht_stores(p2p: P2P, dht: DHTNode) -> None:
+    """Re-registers hivemind's DHT store handler (hivemind's code, unchanged) inside a wrapper
+    that sets records.STORE_SENDER while it runs: the validator then knows which peer sent a
+    forged member record, and the daemon can ban it. hivemind's validator API sees only the
+    record, and a forgery signed by nobody it names cannot be traced any other way."""
+    protocol = dht.protocol
+    name = protocol._get_handle_name(None, "rpc_store")
+
+    async def rpc_store(request: dht_pb2.StoreRequest, context: P2PContext) -> dht_pb2.StoreResponse:
+        token = STORE_SENDER.set(context.remote_id.to_base58())
+        try:
+            return await protocol.rpc_store(request, context)
+        finally:
+            STORE_SENDER.reset(token)
+
+    await p2p.remove_protobuf_handler(name)
+    await p2p.add_protobuf_handler(name, rpc_store, dht_pb2.StoreRequest)
 
 
 async def _shutdown_p2p(p2p: P2P) -> None:

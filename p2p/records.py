@@ -13,7 +13,9 @@ the record that expires last, an old record can never displace a newer one or a 
 
 from __future__ import annotations
 
+import contextvars
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +29,10 @@ RECORD_DOMAIN = b"lowcomm/dht-record/v1\x00"
 SIGNED_MARKER = b"LCs1"
 MAX_SUBKEY_BYTES = 128
 MAX_VALUE_BYTES = 8192
+# The peer whose DHT store request is being validated (set by P2PHost around hivemind's store
+# handler): honest nodes store and relay only records that validate, so a forged one comes
+# from the peer that sent it.
+STORE_SENDER: contextvars.ContextVar[str | None] = contextvars.ContextVar("store_sender", default=None)
 
 
 def _owner_of(subkey_bytes: bytes) -> str | None:
@@ -53,6 +59,9 @@ class OwnerOnlyValidator(RecordValidatorBase):
         self._own_subkey = identity.peer_id.to_base58()
         self._max_value_bytes = max_value_bytes
         self._protected: set[bytes] = set()
+        # called with the sender's peer id when a store request carries a record that fails
+        # validation under a protected key (the daemon strikes and bans that peer)
+        self.on_forgery: Callable[[str], None] | None = None
 
     def protect(self, key: str) -> None:
         """Enforce ownership under `key` (as passed to DHTNode.store/get)."""
@@ -64,6 +73,13 @@ class OwnerOnlyValidator(RecordValidatorBase):
     def validate(self, record: DHTRecord) -> bool:
         if record.key not in self._protected:
             return True
+        valid = self._signed_by_owner(record)
+        sender = STORE_SENDER.get()
+        if not valid and sender is not None and self.on_forgery is not None:
+            self.on_forgery(sender)
+        return valid
+
+    def _signed_by_owner(self, record: DHTRecord) -> bool:
         owner = _owner_of(record.subkey)
         value = record.value
         if owner is None or not (len(SIGNED_MARKER) + SIGNATURE_BYTES < len(value) <= self._max_value_bytes):

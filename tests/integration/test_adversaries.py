@@ -121,8 +121,9 @@ def test_streams_never_finished_do_not_stop_honest_exchanges(harness_factory):
 
 def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(harness_factory):
     """30 ghost members (validly signed by fresh keys, 'ready', unreachable) and forged
-    tombstones of the real members: the forgeries are refused by the owner-only validator, the
-    ghosts cost failed proposals, and the honest nodes still pair with each other."""
+    tombstones of the real members: the forgeries are refused by the owner-only validator and
+    get their sender banned, the ghosts cost failed proposals, and the honest nodes still pair
+    with each other."""
     harness = harness_factory(adversary_manifest("t-adv-flood"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "flood")
     wait_any_log([bad], "adversary: flood stored", 60)
@@ -132,6 +133,9 @@ def test_a_dht_flood_of_fake_members_does_not_stop_honest_pairing(harness_factor
     log = bad.log_tail(100_000)
     last = [line for line in log.splitlines() if "adversary: flood stored" in line][-1]
     assert "0 forged tombstones accepted" in last, last
+    for node in honest:
+        node.wait_log(f"banned {bad.peer_id}", 60)
+    assert "not signed by the member it names" in a.log_tail(100_000)
     stop_all([*honest, bad])
     for node in honest:
         rounds = [r for r in node.events("round") if r["time"] > flooded_at]

@@ -121,11 +121,20 @@ def test_another_peer_cannot_write_our_subkey(tmp_path, p2p_cleanup):
                 "fake member signed by the attacker": ("12D3KooWNotARealPeer", signed_by_attacker(
                     "12D3KooWNotARealPeer", expiration), expiration),
             }
+            senders = {a: [], b: []}  # who each honest node's validator blames for a refused store
+            for honest in (a, b):
+                honest.validator.on_forgery = senders[honest].append
             for attack, (subkey, value, exp) in attacks.items():
                 for honest in (a, b):  # a real store RPC on the DHT protocol, straight to each honest node
                     verdict = await attacker.dht.protocol.call_store(honest.peer_id, [key_id], [value], [exp],
                                                                      subkeys=[subkey])
                     assert verdict == [False], f"{attack}: {honest.peer_id} answered {verdict}"
+            # every refused store is held against the peer that sent it (a replayed record with
+            # a later expiry fails the signature too: the expiry is signed)
+            for honest in (a, b):
+                assert senders[honest] == [attacker.peer_id.to_base58()] * 4, senders[honest]
+            await member_b.update(round=4)  # honest stores are not blamed on anyone
+            assert all(len(found) == 4 for found in senders.values())
 
             for honest in (a, b):
                 local = honest.dht.protocol.storage.get(_key_id(key))

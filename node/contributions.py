@@ -12,10 +12,11 @@ strike against the sender, and `ban_after` strikes ban the sender for `ban_secon
 Streams the transport refuses for misbehaviour (a replayed, forged, malformed or oversized
 message, more streams than allowed, a stream left idle past its deadline) strike their sender
 the same way (`transport_refusal`), and so does a peer that stores a forged member record in
-our DHT (p2p/records.py names the sender of each store). Refusals an honest peer meets in normal life (a stale round,
-clock skew, a truncated stream from a peer that crashed, an application refusal that is already
-struck as a contribution) do not. Strikes count within a window of `ban_seconds`, so an honest
-peer whose link drops now and then is not banned for offences hours apart.
+our DHT (p2p/records.py names the sender of each store). Refusals an honest peer meets in
+normal life (a stale round, clock skew, a truncated stream from a peer that crashed, an
+application refusal that is already struck as a contribution) do not. Strikes count within a
+window of `ban_seconds`, so an honest peer whose link drops now and then is not banned for
+offences hours apart.
 
 Invariant: a refused contribution never reaches the outer step; a banned peer's messages are
 refused before their payload is read (the network layer asks `is_banned` first).

@@ -50,7 +50,7 @@ def wait_any_log(nodes, text: str, timeout: float):
     raise AssertionError(f"no node logged {text!r} within {timeout} s:\n{tails}")
 
 
-@pytest.mark.parametrize("kind", ["nan", "scale", "noise"])
+@pytest.mark.parametrize("kind", ["nan", "inf", "scale", "noise"])
 def test_poisoned_updates_are_refused_and_the_sender_banned(harness_factory, kind):
     harness = harness_factory(adversary_manifest(f"t-adv-{kind}"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, kind)

@@ -103,10 +103,10 @@ class FaultHarness(SwarmHarness):
         return pid
 
 
-def two_nodes_and_a_killed_adversary(harness: FaultHarness, kind: str, swarm_log: str
+def two_nodes_and_a_killed_adversary(harness: FaultHarness, kind: str, victim_log: str
                                      ) -> tuple[list[NodeHandle], NodeHandle, float]:
     """Two honest nodes, then a `kind` adversary that SIGKILLs itself at its fault point and
-    logs `swarm_log` there: the survivors, the dead node and when it died."""
+    logs `victim_log` there: the survivors, the dead node and when it died."""
     extra = ["--min-peers", "2"]
     first = harness.start_node(0, extra=extra)
     first.wait_for(joined, 90, "joining")
@@ -115,7 +115,7 @@ def two_nodes_and_a_killed_adversary(harness: FaultHarness, kind: str, swarm_log
     victim = harness.start_adversary(2, kind, [first.address], extra)
     assert wait_exit(victim, 180) == -signal.SIGKILL, victim.log_tail()
     killed_at = time.time()
-    assert swarm_log in victim.log_tail(100_000)
+    assert victim_log in victim.log_tail(100_000)
     return [first, second], victim, killed_at
 
 

@@ -13,8 +13,9 @@ take the faults (tests/faults.py, tests/netns_link.py), chosen at random (seeded
 - `sigterm`: a graceful leave, restarted 5 s later;
 - `cut`: node 3 lives in its own network namespace; its link goes down for 20 s, then up
   (only as root; otherwise the other three faults only).
-A fault's window runs from the fault until 30 s after the node is back (restarted and started
-training, or its link restored). Exchange success counts every pair formed by any node (a
+A fault's window runs from 5 s before the fault (a pair formed just before it may still be
+swapping) until 30 s after the node is back (restarted and started training, or its link
+restored). Exchange success counts every pair formed by any node (a
 `paired` event) whose swap either landed (`swapped`) or failed (`swap_failed` / `swap_late`),
 leaving out pairs with a faulted node inside its window. Growth is measured from the end of the
 warm-up (`--warmup` minutes) to the end of the run: the median of the samples in the minute after
@@ -40,7 +41,7 @@ from tests.faults import FaultHarness, has, stop_all  # noqa: E402
 from tests.swarm_harness import small_manifest  # noqa: E402
 
 STEADY, FAULTED = (0, 1), (2, 3)
-BACK_MARGIN_S = 30.0
+BEFORE_MARGIN_S, BACK_MARGIN_S = 5.0, 30.0
 
 
 def process_health(pid: int) -> dict:
@@ -172,7 +173,7 @@ class Soak:
                 "health": growth, "exchanges": exchanges, "samples": self.samples}
 
     def in_window(self, peer: str, at: float) -> bool:
-        return any(w["peer"] == peer and w["start"] - 5 <= at <= w["end"] for w in self.windows)
+        return any(w["peer"] == peer and w["start"] - BEFORE_MARGIN_S <= at <= w["end"] for w in self.windows)
 
     def exchanges(self) -> dict:
         ok = failed = excluded = 0

@@ -14,6 +14,9 @@ Invariants:
   one of our own rounds for members still in it: a node more than a round ahead would otherwise
   refuse a slower member's every message as stale and split φ each round; a member more than a
   round behind is a straggler whose messages may miss the round;
+- a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
+  joined, and for the round it joined in at most one of its own rounds: members may have sent
+  those messages before they knew of it;
 - a resync state is used only if its digest equals the majority's digest for that round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest), so a split of two survivors is healed, not kept.
@@ -161,6 +164,11 @@ class DiLoCoXExchange:
             wait_s = 0.0
         deadline = now + wait_s
         laggard_deadline = now + min(wait_s, pace)
+        if 0 < self.first_round == round_index:
+            # The round we joined late in: a member may have ended it before its member cache
+            # listed us, and then it never sends us that message. Waiting the whole deadline for
+            # it would stall us; we wait as long as for a member still in the round.
+            deadline = laggard_deadline
         while True:
             box = self.inbox.get(round_index, {})
             missing = self._finished(round_index) - set(box)

@@ -67,3 +67,25 @@ def test_a_member_that_finished_the_round_is_waited_for_until_the_deadline():
         began = loop.time()
         assert await ex._collect(5, 30.0) == [] and loop.time() - began < 0.1
     asyncio.run(main())
+
+
+def test_a_late_joiner_waits_for_its_first_round_only_one_of_its_own_rounds():
+    """Members may have ended the round we joined in before they saw us, and never send us its
+    message: the joiner must not wait the whole deadline for them (it stalled 120 s in CI)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("ahead", 8)])  # finished round 7 and moved on
+        ex.first_round = 7  # we joined late, in round 7
+        assert await ex._collect(6, 30.0) == []  # the round before: not waited for at all
+        ex.last_collect_at = loop.time() - 0.5  # our rounds take 0.5 s
+        began = loop.time()
+        assert await ex._collect(7, 30.0) == []
+        assert 0.4 < loop.time() - began < 0.9
+        # from the next round on, a member that finished the round is waited for as usual
+        ex.inbox.clear()
+        ex.last_collect_at = loop.time() - 0.5
+        ex.members.records[0] = member("ahead", 9)
+        began = loop.time()
+        assert await ex._collect(8, 1.5) == []
+        assert loop.time() - began >= 1.4
+    asyncio.run(main())

@@ -17,7 +17,9 @@ A fault's window runs from 5 s before the fault (a pair formed just before it ma
 swapping) until 30 s after the node is back (restarted and started training, or its link
 restored). Exchange success counts every pair formed by any node (a
 `paired` event) whose swap either landed (`swapped`) or failed (`swap_failed` / `swap_late`),
-leaving out pairs with a faulted node inside its window. Growth is measured from the end of the
+leaving out pairs with a faulted node inside its window, and counting apart the half-formed pairs
+the partner cancelled (`pair_cancelled`: it gave its proposal up before our accept arrived, and
+the node looked for another partner in the same round; protocol/matching.py I6). Growth is measured from the end of the
 warm-up (`--warmup` minutes) to the end of the run: the median of the samples in the minute after
 the warm-up against the median of the last three.
 """
@@ -176,13 +178,13 @@ class Soak:
         return any(w["peer"] == peer and w["start"] - BEFORE_MARGIN_S <= at <= w["end"] for w in self.windows)
 
     def exchanges(self) -> dict:
-        ok = failed = excluded = 0
+        ok = failed = excluded = cancelled = 0
         failures = []
         for node in self.nodes.values():
             me = node.peer_id
             events = node.events()
             outcomes = {(e["round"], e["partner"]): e for e in events
-                        if e["event"] in ("swapped", "swap_failed", "swap_late")}
+                        if e["event"] in ("swapped", "swap_failed", "swap_late", "pair_cancelled")}
             for e in (e for e in events if e["event"] == "paired"):
                 key = (e["round"], e["partner"])
                 if e["time"] > self.ended - BACK_MARGIN_S:
@@ -191,11 +193,14 @@ class Soak:
                     excluded += 1
                 elif key in outcomes and outcomes[key]["event"] == "swapped":
                     ok += 1
+                elif key in outcomes and outcomes[key]["event"] == "pair_cancelled":
+                    cancelled += 1
                 else:
                     failed += 1
                     failures.append({"node": node.index, **outcomes.get(key, e)})
         total = ok + failed
         return {"ok": ok, "failed": failed, "excluded_in_fault_windows": excluded,
+                "cancelled_half_formed": cancelled,
                 "success_rate": ok / total if total else None, "failures": failures[:20]}
 
 
@@ -229,7 +234,8 @@ def main() -> None:
               f"{', '.join(map(str, h['fds']))} | {', '.join(map(str, h['sockets']))} |")
     e = result["exchanges"]
     print(f"exchanges outside fault windows: {e['ok']} ok, {e['failed']} failed "
-          f"(success {e['success_rate']:.1%}); {e['excluded_in_fault_windows']} inside windows")
+          f"(success {e['success_rate']:.1%}); {e['cancelled_half_formed']} half-formed pairs "
+          f"cancelled; {e['excluded_in_fault_windows']} inside windows")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,9 @@ Invariants:
   peer the matching paired us with for the current round, anything else is refused;
 - the loop never waits on the training thread, and `finish_round` never waits on the network in
   overlap timing;
-- a failed or late swap leaves the round unpaired: the worker does a local update, counted.
+- a failed or late swap leaves the round unpaired: the worker does a local update, counted;
+- a pair the partner does not hold (it cancelled our accept, or refused our swap as not paired:
+  protocol/matching.py I6) is dropped at once, and the node looks for another partner.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from hivemind.p2p import PeerID
 
 from node.contributions import BanList
 from node.noloco_round import PartnerSnapshot
-from p2p.errors import P2PError, Reason, Refusal
+from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.wire import MessageHeader
-from protocol.matching import (DeclineReason, MatchingState, MatchMessage, MessageKind,
+from protocol.matching import (DeclineReason, MatchingState, MatchMessage, MessageKind, Pair,
                                ReadyAnnouncement)
 
 log = logging.getLogger("lowcomm.noloco")
@@ -72,6 +74,7 @@ class NoLoCoExchange:
         self._task: asyncio.Task | None = None
         self.propose_after = 0.0
         self.previous_pair = None  # a pair formed late in the last round may still be swapping
+        self.dropped_pair = None  # the last half-formed pair dropped (I6)
         self.last_partner: str | None = None
         self.window_closes = 0.0
         self._settling: list[tuple[str, asyncio.Future]] = []  # swaps waiting on our proposal
@@ -239,21 +242,36 @@ class NoLoCoExchange:
         for reply in self.matching.handle(message):
             self._send_control(reply)
         pair = self.matching.pair
-        if pair is not None and had_pair is None:
+        if had_pair is not None and pair is None:
+            self._pair_dropped(had_pair, "the partner cancelled its proposal")
+        elif pair is not None and had_pair is None:
             self.report("paired", {"round": pair.round_index, "partner": pair.partner})
             self.membership.update(status="exchanging")  # no more proposals this round
             if pair.initiator == self.peer_id:
-                self.loop.create_task(self._swap(pair.partner, pair.round_index))
+                self.loop.create_task(self._swap(pair))
         self._wake_settled()
         self.changed.set()
 
+    def _pair_dropped(self, pair: Pair, why: str) -> None:
+        """A half-formed pair is gone (I6): free to pair again in this round."""
+        self.dropped_pair = pair
+        self.report("pair_cancelled", {"round": pair.round_index, "partner": pair.partner,
+                                       "why": why})
+        self.membership.update(status="ready" if self.accepting and self.offered else "training")
+        self.changed.set()
+
     # ------------------------------------------------------------------ swapping snapshots
-    async def _swap(self, partner: str, round_index: int) -> None:
-        offered = self.offered
+    async def _swap(self, pair: Pair) -> None:
+        offered, partner, round_index = self.offered, pair.partner, pair.round_index
         try:
             received = await self.transport.swap(partner, offered, timeout=self.swap_timeout_s,
                                                  expected_reply_bytes=offered.total_bytes)
         except P2PError as exc:
+            if isinstance(exc, RemoteRefused) and exc.reason is Reason.NOT_PAIRED:
+                if self.matching.pair is pair and self.matching.drop_pair(partner):
+                    self._pair_dropped(pair, "the partner refused our swap as not paired")
+                if pair is self.dropped_pair:  # half-formed (here or by its cancel): no swap owed
+                    return
             self.swaps_failed += 1
             self.report("swap_failed", {"round": round_index, "partner": partner,
                                         "error": str(exc)})
@@ -272,7 +290,7 @@ class NoLoCoExchange:
             # 8 ms later, which refused the swap and left both waiting the whole deadline).
             await self._proposal_settled(sender)
         if not self._paired_with(sender) or self.offered is None:
-            raise Refusal(Reason.REFUSED, "not paired with you this round")
+            raise Refusal(Reason.NOT_PAIRED, "not paired with you this round")
         return self.offered
 
     def _paired_with(self, peer: str) -> bool:

@@ -35,6 +35,7 @@ class Reason(enum.IntEnum):
     REFUSED = 18          # the application handler declined the message
     INTERNAL = 19         # the receiver failed while handling the message (its bug, not ours)
     NOT_ADMITTED = 20     # the swarm admits only listed keys, and the sender's is not listed
+    NOT_PAIRED = 21       # a NoLoCo swap from a peer the receiver holds no pair with
 
     @classmethod
     def from_wire(cls, code: int) -> "Reason":

@@ -19,13 +19,21 @@ proposal. Accepting it could pair the node twice (its own target may accept too)
 - declines it otherwise ("busy").
 Tie-break: whoever proposed, the pair's `initiator` (the side that opens the snapshot stream)
 is the lower id, so both sides agree on it without knowing whose proposal won.
+
 Deferrals only ever make a node wait on a node with a smaller id, so chains of waiting are
 strictly decreasing in id and cannot close into a cycle: no deadlock, every proposal gets an
 answer (without message loss) while both nodes stay in their round. Without the deferral, three
 nodes proposing round a cycle (A→B, B→C, C→A) would all decline each other and nobody would pair.
 
+The other subtle case is an accept that arrives after its proposer gave the proposal up (its
+round ended, or the proposal's delivery timed out although it arrived). The acceptor holds a
+pair the proposer does not; nothing would ever be swapped, and the acceptor would wait out its
+round unpaired (measured in a 20-minute soak: 5 of 695 pairs). So the proposer answers such an
+accept with a CANCEL naming the proposal, and the acceptor drops the pair and may pair again.
+
 Invariants (checked by tests/unit/test_matching.py):
-  I1 a node holds at most one partner per round; once set it never changes until `end_round`;
+  I1 a node holds at most one partner per round; once set it changes only at `end_round`, or is
+     dropped by a cancel (I6);
   I2 the partner is never the node itself and was eligible when the pair formed (an accept
      from an ineligible peer counts as its decline);
   I3 at most one own proposal is in flight, and each peer is proposed to at most once a round,
@@ -34,7 +42,11 @@ Invariants (checked by tests/unit/test_matching.py):
      by one side is the same pair on the other side (A has partner B  =>  B has partner A);
   I5 replies are matched to the proposal they answer by the proposer's round: a reply from an
      earlier round, or from a peer that was not proposed to, is ignored and counted, and so is
-     a repeated proposal from a peer already waiting for an answer.
+     a repeated proposal from a peer already waiting for an answer;
+  I6 an accept its proposer cannot use, from a peer it is not paired with, is answered with a
+     CANCEL of that proposal; a cancel drops the acceptor's pair only if that pair came from
+     that very proposal (the latest one it accepted from the partner), so a stale cancel never
+     undoes a pair both sides hold.
 """
 
 from __future__ import annotations
@@ -53,6 +65,7 @@ class MessageKind(enum.Enum):
     PROPOSE = "propose"
     ACCEPT = "accept"
     DECLINE = "decline"
+    CANCEL = "cancel"  # the proposer gave the proposal up before the accept arrived (I6)
 
 
 class DeclineReason(enum.Enum):
@@ -102,6 +115,8 @@ class MatchingCounters:
     declines_sent: int = 0
     deferred: int = 0
     ignored: int = 0
+    cancels_sent: int = 0
+    pairs_cancelled: int = 0
     rounds_paired: int = 0
     rounds_unpaired: int = 0
 
@@ -158,6 +173,7 @@ class MatchingState:
     def _reset(self) -> None:
         self.pair: Pair | None = None
         self.outstanding: str | None = None        # the peer our one proposal in flight went to
+        self._accepted_proposal: int | None = None  # the partner's proposal our pair came from (I6)
         self._proposed: set[str] = set()           # peers proposed to this round (I3)
         self._deferred: list[_Deferred] = []
 
@@ -200,11 +216,17 @@ class MatchingState:
             raise ProtocolError(f"message for {message.recipient!r} was handed to {self.node_id!r}.")
         if message.kind is MessageKind.PROPOSE:
             return self._on_proposal(message)
+        if message.kind is MessageKind.CANCEL:
+            return self._on_cancel(message)
         if message.proposal_round != self.round_index or message.sender != self.outstanding:
-            if not (message.kind is MessageKind.ACCEPT and self.pair is not None
-                    and self.pair.partner == message.sender
-                    and message.proposal_round == self.round_index):
-                self.counters.ignored += 1  # I5: an old or unsolicited reply
+            paired_with_sender = self.pair is not None and self.pair.partner == message.sender
+            if message.kind is MessageKind.ACCEPT and paired_with_sender \
+                    and message.proposal_round == self.round_index:
+                return []  # its accept of a proposal that crossed ours: the pair stands
+            self.counters.ignored += 1  # I5: an old or unsolicited reply
+            if message.kind is MessageKind.ACCEPT and not paired_with_sender:
+                self.counters.cancels_sent += 1  # I6: the sender holds a pair we do not
+                return [self._message(MessageKind.CANCEL, message.sender, message.proposal_round)]
             return []
         if message.kind is MessageKind.ACCEPT:
             return self._on_accept(message)
@@ -216,13 +238,14 @@ class MatchingState:
             return [self._decline(proposer, their_round, DeclineReason.INELIGIBLE)]
         if self.pair is not None:
             if self.pair.partner == proposer:  # its proposal crossed ours, already paired: agree
+                self._accepted_proposal = their_round  # a cancel of an older one is stale (I6)
                 return [self._message(MessageKind.ACCEPT, proposer, their_round)]
             return [self._decline(proposer, their_round, DeclineReason.PAIRED)]
         if self.outstanding is None:
-            self._form_pair(proposer, their_round)
+            self._form_pair(proposer, their_round, accepted_proposal=their_round)
             return [self._message(MessageKind.ACCEPT, proposer, their_round)]
         if self.outstanding == proposer:  # simultaneous proposals: one pair, not two
-            self._form_pair(proposer, their_round)
+            self._form_pair(proposer, their_round, accepted_proposal=their_round)
             self.outstanding = None
             return [self._message(MessageKind.ACCEPT, proposer, their_round),
                     *self._decline_deferred(DeclineReason.PAIRED)]
@@ -250,9 +273,30 @@ class MatchingState:
             return []  # wants_partner is true again: the driver calls choose_candidate
         first = min(self._deferred, key=lambda d: d.proposer)
         self._deferred.remove(first)
-        self._form_pair(first.proposer, first.proposer_round)
+        self._form_pair(first.proposer, first.proposer_round, accepted_proposal=first.proposer_round)
         return [self._message(MessageKind.ACCEPT, first.proposer, first.proposer_round),
                 *self._decline_deferred(DeclineReason.PAIRED)]
+
+    def _on_cancel(self, cancel: MatchMessage) -> list[MatchMessage]:
+        if (self.pair is None or self.pair.partner != cancel.sender
+                or self._accepted_proposal != cancel.proposal_round):
+            self.counters.ignored += 1  # a stale cancel: the pair stands (I6)
+            return []
+        self._drop_pair()
+        return []
+
+    def drop_pair(self, partner: str) -> bool:
+        """The partner said it holds no pair with us (it refused our snapshot swap as not
+        paired): the pair is half-formed, so drop it and be free to pair again this round.
+        Returns whether a pair with `partner` was dropped."""
+        if self.pair is None or self.pair.partner != partner:
+            return False
+        self._drop_pair()
+        return True
+
+    def _drop_pair(self) -> None:
+        self.pair, self._accepted_proposal = None, None
+        self.counters.pairs_cancelled += 1
 
     # ------------------------------------------------------------------ ending the round
     def end_round(self, next_round: int | None = None) -> RoundOutcome:
@@ -273,11 +317,13 @@ class MatchingState:
         return outcome
 
     # ------------------------------------------------------------------ helpers
-    def _form_pair(self, partner: str, partner_round: int) -> None:
+    def _form_pair(self, partner: str, partner_round: int,
+                   accepted_proposal: int | None = None) -> None:
         if self.pair is not None:  # I1, guarded: a bug here must not pass silently
             raise ProtocolError(f"{self.node_id!r} is already paired with {self.pair.partner!r} "
                                 f"in round {self.round_index}.")
         self.pair = Pair(self.round_index, partner, partner_round, min(self.node_id, partner))
+        self._accepted_proposal = accepted_proposal
 
     def _decline_deferred(self, reason: DeclineReason) -> list[MatchMessage]:
         declines = [self._decline(d.proposer, d.proposer_round, reason) for d in self._deferred]

@@ -10,7 +10,7 @@ from tests.swarm_harness import SwarmHarness, assert_phi_heals, left, small_mani
 
 pytestmark = pytest.mark.integration
 # Refusals that are part of normal operation, not security failures.
-BENIGN = {"REFUSED", "BUSY", "STALE_ROUND", "TIMEOUT"}
+BENIGN = {"REFUSED", "NOT_PAIRED", "BUSY", "STALE_ROUND", "TIMEOUT"}
 
 
 def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory):
@@ -36,7 +36,7 @@ def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory)
         pairs |= {frozenset((node.peer_id, p)) for p in partners}
         counters = node.events("transport")[-1]
         # every snapshot used was a verified signed message, and no message failed a security
-        # check either way (a swap the peer could no longer serve is refused as REFUSED: the
+        # check either way (a swap the peer could no longer serve is refused as NOT_PAIRED: the
         # round then ends with a counted local update)
         swapped = sum(e["event"] == "swapped" for e in node.events())
         assert counters["messages_verified"] >= swapped >= len(partners)

@@ -70,7 +70,8 @@ def test_transport_refusals_for_misbehaviour_ban(reason):
     assert bans.refused_by_reason == {reason.lower(): 2}
 
 
-@pytest.mark.parametrize("reason", ["STALE_ROUND", "EXPIRED", "TRUNCATED", "REFUSED", "BANNED"])
+@pytest.mark.parametrize("reason", ["STALE_ROUND", "EXPIRED", "TRUNCATED", "REFUSED", "NOT_PAIRED",
+                                    "BANNED"])
 def test_transport_refusals_an_honest_peer_meets_never_strike(reason):
     bans, banned = BanList(ban_after=1, ban_seconds=30), []
     for _ in range(5):

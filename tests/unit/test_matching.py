@@ -1,4 +1,4 @@
-"""NoLoCo's asynchronous random matching (protocol/matching.py): invariants I1-I5 and the rules."""
+"""NoLoCo's asynchronous random matching (protocol/matching.py): invariants I1-I6 and the rules."""
 
 import random
 
@@ -158,15 +158,63 @@ def test_a_decline_frees_the_proposer_to_try_another_and_never_the_same_peer_twi
     assert a.choose_candidate(peers, random.Random(1)) is None and a.counters.proposals_sent == 2
 
 
-def test_late_and_unsolicited_replies_are_ignored_and_counted():
+def test_late_and_unsolicited_replies_are_ignored_counted_and_accepts_cancelled():
     a = MatchingState("a", MANIFEST)
     proposal = a.choose_candidate([ReadyAnnouncement("b", MANIFEST, 0)], random.Random(0))
     outcome = a.end_round()  # proposal abandoned at the deadline
     assert outcome.pair is None and a.round_index == 1
     (late_accept,) = MatchingState("b", MANIFEST).handle(proposal)
-    assert a.handle(late_accept) == [] and a.pair is None and a.counters.ignored == 1
+    (cancel,) = a.handle(late_accept)  # I6: b holds a pair a does not
+    assert (cancel.kind, cancel.recipient, cancel.proposal_round) == (MessageKind.CANCEL, "b", 0)
+    assert a.pair is None and a.counters.ignored == 1 and a.counters.cancels_sent == 1
     stray = MatchingState("c", MANIFEST, 1)._message(MessageKind.ACCEPT, "a", 1)
-    assert a.handle(stray) == [] and a.pair is None and a.counters.ignored == 2
+    (cancel,) = a.handle(stray)
+    assert cancel.kind is MessageKind.CANCEL and a.pair is None and a.counters.ignored == 2
+    late_decline = MatchingState("d", MANIFEST)._message(MessageKind.DECLINE, "a", 0)
+    assert a.handle(late_decline) == [] and a.counters.ignored == 3
+
+
+def test_an_accept_that_lands_after_the_proposers_round_ended_is_undone_and_both_pair_again():
+    """The half-formed pair of the soak: b accepted, a's round ended first. a's cancel frees b,
+    which then pairs with c in the same round; the pairs seen on both sides agree (I4)."""
+    a, b, c = (MatchingState(n, MANIFEST) for n in "abc")
+    proposal = a.choose_candidate([ReadyAnnouncement("b", MANIFEST, 0)], random.Random(0))
+    a.end_round()
+    (accept,) = b.handle(proposal)
+    assert b.pair.partner == "a" and not b.wants_partner
+    (cancel,) = a.handle(accept)
+    assert b.handle(cancel) == [] and b.pair is None and b.wants_partner
+    assert b.counters.pairs_cancelled == 1
+    states = {"b": b, "c": c}
+    pairs = match_round(states, [ReadyAnnouncement(n, MANIFEST, 0) for n in "bc"], random.Random(0))
+    assert pairs["b"].partner == "c" and pairs["c"].partner == "b"
+    assert_consistent(states, pairs)
+
+
+def test_a_stale_cancel_never_undoes_a_pair_both_sides_hold():
+    a, b = MatchingState("a", MANIFEST), MatchingState("b", MANIFEST)
+    old = a.choose_candidate([ReadyAnnouncement("b", MANIFEST, 0)], random.Random(0))
+    a.end_round()
+    (old_accept,) = b.handle(old)
+    # a, now in round 1, proposes to b again before b's old accept reaches it; b agrees
+    new = a.choose_candidate([ReadyAnnouncement("b", MANIFEST, 0)], random.Random(0))
+    (new_accept,) = b.handle(new)
+    assert a.handle(new_accept) == [] and a.pair.partner == "b" and b.pair.partner == "a"
+    # the old accept lands at a paired with b: no cancel, the pair stands on both sides
+    assert a.handle(old_accept) == [] and a.pair.partner == "b"
+    # a cancel of the old proposal (had one been sent) no longer matches b's pair
+    stale = a._message(MessageKind.CANCEL, "b", old.proposal_round)
+    assert b.handle(stale) == [] and b.pair.partner == "a" and b.counters.pairs_cancelled == 0
+    # a cancel from anyone but the partner is ignored too
+    assert b.handle(MatchingState("c", MANIFEST)._message(MessageKind.CANCEL, "b", 0)) == []
+    assert b.pair.partner == "a"
+
+
+def test_a_partner_that_refused_our_swap_as_not_paired_frees_us():
+    a, b = MatchingState("a", MANIFEST), MatchingState("b", MANIFEST)
+    b.handle(a.choose_candidate([ReadyAnnouncement("b", MANIFEST, 0)], random.Random(0)))
+    assert not b.drop_pair("c") and b.pair.partner == "a"
+    assert b.drop_pair("a") and b.pair is None and b.wants_partner
 
 
 def test_end_round_declines_deferred_proposals():

@@ -13,11 +13,12 @@ import pytest
 
 from node.contributions import BanList
 from node.noloco_exchange import CONTROL_TIMEOUT_S, NoLoCoExchange
-from p2p.errors import Refusal
+from p2p.errors import Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage
 from protocol.matching import MatchMessage, MessageKind, ReadyAnnouncement
 
 ME, PEER, STRANGER = "zz-me", "aa-peer", "bb-stranger"  # PEER's id is lower: it initiates
+HIGHER = "zzz-peer"  # a higher id than ours: we initiate
 
 
 class Membership:
@@ -81,4 +82,56 @@ def test_a_swap_from_a_peer_we_never_proposed_to_is_refused_at_once():
         with pytest.raises(Refusal, match="not paired"):
             await ex._snapshot_reply(swap_from(STRANGER))
         assert loop.time() - began < 0.1
+    asyncio.run(main())
+
+
+class RefusingTransport:
+    """Answers every swap as a peer that holds no pair with us would (the real refusal's type)."""
+
+    def __init__(self):
+        self.pushed: list = []
+
+    async def swap(self, peer, message, timeout, expected_reply_bytes):
+        raise RemoteRefused(peer, "noloco.snapshot", Reason.NOT_PAIRED, "not paired with you")
+
+    async def push(self, peer, message, timeout):
+        self.pushed.append((peer, message.meta["k"]))
+
+
+async def wait_until(condition) -> None:
+    while not condition():
+        await asyncio.sleep(0.01)
+
+
+def exchange_with_events(loop, transport=None):
+    events = []
+    ex = NoLoCoExchange(loop, transport, Membership(), ME, "m", "blocking", 2, BanList(2, 60.0),
+                        60.0, 30.0, random.Random(0), lambda kind, fields: events.append(kind))
+    ex.offered, ex.accepting = OutgoingMessage("noloco.snapshot", 0), True
+    return ex, events
+
+
+def test_a_cancel_from_the_proposer_drops_our_pair_and_we_look_again():
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex, events = exchange_with_events(loop, RefusingTransport())
+        ex._handle(MatchMessage(MessageKind.PROPOSE, STRANGER, ME, 0, 0, "m"))  # we accept
+        assert ex.matching.pair.partner == STRANGER and events == ["paired"]
+        ex._handle(MatchMessage(MessageKind.CANCEL, STRANGER, ME, 0, 1, "m"))
+        assert ex.matching.pair is None and ex.matching.wants_partner
+        assert events == ["paired", "pair_cancelled"] and ex.failed_round is None
+    asyncio.run(main())
+
+
+def test_a_swap_refused_as_not_paired_drops_the_pair_without_a_failure():
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex, events = exchange_with_events(loop, RefusingTransport())
+        # we accept a higher id's proposal, so we open the swap at once; the peer refuses it
+        ex._handle(MatchMessage(MessageKind.PROPOSE, HIGHER, ME, 0, 0, "m"))
+        assert ex.matching.pair.initiator == ME
+        await asyncio.wait_for(wait_until(lambda: ex.matching.pair is None), 2.0)
+        assert ex.matching.wants_partner
+        assert events == ["paired", "pair_cancelled"]
+        assert ex.swaps_failed == 0 and ex.failed_round is None  # blocking keeps waiting
     asyncio.run(main())

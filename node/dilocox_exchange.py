@@ -16,7 +16,10 @@ Invariants:
   round behind is a straggler whose messages may miss the round;
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
   joined, and for the round it joined in at most one of its own rounds: members may have sent
-  those messages before they knew of it;
+  those messages before they knew of it; in a swarm larger than the fan-out (each message goes
+  to a random subset) nobody is waited for past one of our rounds either (members then apply
+  different messages, so φ splits every round and only the consensus check rejoins it: a swarm
+  that large should raise `fan_out`);
 - a resync state is used only if its digest equals the majority's digest for that round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest), so a split of two survivors is healed, not kept.
@@ -88,10 +91,13 @@ class DiLoCoXExchange:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def _members(self) -> list[str]:
+        return sorted(r.peer_id for r in self.members.peers()
+                      if r.manifest == self.manifest and r.protocol == "dilocox"
+                      and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id))
+
     def group(self) -> list[str]:
-        peers = sorted(r.peer_id for r in self.members.peers()
-                       if r.manifest == self.manifest and r.protocol == "dilocox"
-                       and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id))
+        peers = self._members()
         return peers if len(peers) <= self.fan_out else self.rng.sample(peers, self.fan_out)
 
     # ------------------------------------------------------------------ training thread side
@@ -168,6 +174,10 @@ class DiLoCoXExchange:
             # The round we joined late in: a member may have ended it before its member cache
             # listed us, and then it never sends us that message. Waiting the whole deadline for
             # it would stall us; we wait as long as for a member still in the round.
+            deadline = laggard_deadline
+        elif len(self._members()) > self.fan_out:
+            # Beyond the fan-out each member sends to a random subset: one that finished the
+            # round may not have sent to us at all, so no one is waited for past one of our rounds.
             deadline = laggard_deadline
         while True:
             box = self.inbox.get(round_index, {})

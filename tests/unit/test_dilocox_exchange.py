@@ -89,3 +89,16 @@ def test_a_late_joiner_waits_for_its_first_round_only_one_of_its_own_rounds():
         assert await ex._collect(8, 1.5) == []
         assert loop.time() - began >= 1.4
     asyncio.run(main())
+
+
+def test_beyond_the_fan_out_a_finished_member_is_waited_for_one_of_our_rounds():
+    """Each member sends to a random subset of fan_out peers: one that finished may never send
+    to us, and waiting the deadline for it would stall every round."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member(f"m{i}", 6) for i in range(9)])  # 9 members, fan-out 8
+        ex.last_collect_at = loop.time() - 0.5
+        began = loop.time()
+        assert await ex._collect(5, 30.0) == []
+        assert 0.4 < loop.time() - began < 0.9
+    asyncio.run(main())

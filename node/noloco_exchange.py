@@ -314,13 +314,16 @@ class NoLoCoExchange:
                 settled.set_result(None)
 
     async def _snapshot_delivered(self, received: ReceivedMessage) -> None:
-        pair = self.matching.pair
+        """The initiator's snapshot, for this round's pair or for last round's (a pair formed
+        just before our round ended: then it is late, and counted so, not dropped unseen)."""
         sender = peer_name(received.sender)
-        if pair is not None and pair.partner == sender:
-            self._store(sender, pair.round_index, received)
+        for pair in (self.matching.pair, self.previous_pair):
+            if pair is not None and pair.partner == sender:
+                self._store(sender, pair.round_index, received)
+                return
 
     def _store(self, partner: str, round_index: int, received: ReceivedMessage) -> None:
-        if round_index < self.matching.round_index and self.timing == "overlap":
+        if round_index < self.matching.round_index:
             self.swaps_failed += 1  # the round ended before the swap finished: too late to use
             self.report("swap_late", {"round": round_index, "partner": partner})
             return

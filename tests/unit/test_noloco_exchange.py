@@ -135,3 +135,16 @@ def test_a_swap_refused_as_not_paired_drops_the_pair_without_a_failure():
         assert events == ["paired", "pair_cancelled"]
         assert ex.swaps_failed == 0 and ex.failed_round is None  # blocking keeps waiting
     asyncio.run(main())
+
+
+def test_a_snapshot_delivered_after_our_round_ended_is_counted_late_not_dropped_unseen():
+    """Soak: a pair formed 15 ms before the acceptor's round ended; the initiator's snapshot
+    landed in the next round and vanished without an event."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex, events = exchange_with_events(loop)
+        ex._handle(MatchMessage(MessageKind.PROPOSE, PEER, ME, 0, 0, "m"))  # PEER initiates
+        ex._next_round(1)
+        await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0))
+        assert events == ["paired", "swap_late"] and ex.swaps_failed == 1 and ex.partners == {}
+    asyncio.run(main())

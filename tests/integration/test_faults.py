@@ -133,5 +133,7 @@ def test_sigkill_mid_swap_partner_does_a_local_update_and_nobody_hangs(harness_f
     assert longest < 30
     if victim_id < partner.peer_id:  # the victim initiated: its half-sent request is dropped
         assert not failed or "refused our" in failed[-1]["error"], failed
-    else:  # the victim was replying: the partner's swap fails at once, TRUNCATED
-        assert "TRUNCATED" in failed[-1]["error"], failed
+    else:  # the victim was replying: the partner's swap fails at once, as a stream that ended
+        # short (TRUNCATED) or broke (a reset), depending on how the kill reached the socket
+        error = failed[-1]["error"]
+        assert "TRUNCATED" in error or "broke during the swap" in error, failed

@@ -284,18 +284,20 @@ class NoLoCoExchange:
         """Our latest snapshot, for this round's partner, or last round's: a pair formed just
         before our round ended still serves the partner, whose round it belongs to."""
         sender = peer_name(header.sender)
-        if not self._paired_with(sender) and self.matching.outstanding == sender:
+        if self._pair_with(sender) is None and self.matching.outstanding == sender:
             # The peer accepted our proposal and, as initiator, opened the swap at once: its
             # accept travels on another stream and may land after the swap does (measured:
             # 8 ms later, which refused the swap and left both waiting the whole deadline).
             await self._proposal_settled(sender)
-        if not self._paired_with(sender) or self.offered is None:
+        if self._pair_with(sender) is None or self.offered is None:
             raise Refusal(Reason.NOT_PAIRED, "not paired with you this round")
         return self.offered
 
-    def _paired_with(self, peer: str) -> bool:
-        return any(p is not None and p.partner == peer
-                   for p in (self.matching.pair, self.previous_pair))
+    def _pair_with(self, peer: str) -> Pair | None:
+        """This round's pair with `peer`, else last round's (formed just before our round ended,
+        it may still be swapping), else None."""
+        return next((p for p in (self.matching.pair, self.previous_pair)
+                     if p is not None and p.partner == peer), None)
 
     async def _proposal_settled(self, peer: str) -> None:
         """Waits, at most CONTROL_TIMEOUT_S, until our proposal to `peer` is answered."""
@@ -317,10 +319,9 @@ class NoLoCoExchange:
         """The initiator's snapshot, for this round's pair or for last round's (a pair formed
         just before our round ended: then it is late, and counted so, not dropped unseen)."""
         sender = peer_name(received.sender)
-        for pair in (self.matching.pair, self.previous_pair):
-            if pair is not None and pair.partner == sender:
-                self._store(sender, pair.round_index, received)
-                return
+        pair = self._pair_with(sender)
+        if pair is not None:
+            self._store(sender, pair.round_index, received)
 
     def _store(self, partner: str, round_index: int, received: ReceivedMessage) -> None:
         if round_index < self.matching.round_index:

@@ -4,6 +4,12 @@ A model's state travels through protocol/ as `NamedTensors`, a dict name -> torc
 outer state (φ, momentum, residual) is always fp32 (PROTOCOLS.md §0), so every entry point
 copies its inputs with `fp32_clone` and checks layouts with `check_same_layout` before any
 arithmetic. Functions here never modify their arguments; they return new dicts.
+
+Invariant: nothing protocol/ returns or keeps carries autograd history. Live parameters require
+grad, and a result computed from them with grad on links to the previous round's state: a node's
+φ and δ then hold an autograd graph that grows by a few nodes per tensor every round, without
+bound (memray found it the largest growing allocation of the soak's daemons). Every
+function here that reads a caller's tensors detaches them first.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ def difference(minuend: Mapping[str, torch.Tensor],
                subtrahend: Mapping[str, torch.Tensor]) -> NamedTensors:
     """minuend − subtrahend per name, in fp32 (both pseudo-gradient signs are built from this)."""
     check_same_layout(minuend, subtrahend, what="subtrahend")
-    return {name: minuend[name].float() - subtrahend[name].float() for name in minuend}
+    return {name: minuend[name].detach().float() - subtrahend[name].detach().float() for name in minuend}
 
 
 @torch.no_grad()
@@ -88,7 +94,7 @@ def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]]) -> NamedTensors:
         else:
             check_same_layout(total, tensors, what=f"summand {count}")
             for name, tensor in tensors.items():
-                total[name].add_(tensor.to(torch.float32))
+                total[name].add_(tensor.detach().to(torch.float32))
         count += 1
     if total is None:
         raise LayoutError("mean of no tensor dicts is undefined; pass at least one.")

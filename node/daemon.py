@@ -242,7 +242,7 @@ class Daemon:
                                       p.max_staleness, bans, m.contributions.ban_seconds,
                                       p.pair_deadline_s, rng, report)
             hyper = NoLoCoHyperParameters(p.momentum, p.progress_weight, p.consensus_weight)
-            policy = NoLoCoRound(trainer, hyper, exchange, p.wire_dtype, p.timing,
+            policy = NoLoCoRound(trainer, hyper, exchange, p.inner_steps, p.wire_dtype, p.timing,
                                  p.pair_deadline_s, m.contributions.max_norm_ratio,
                                  m.contributions.min_alignment_sigmas)
             return policy, exchange

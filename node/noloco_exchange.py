@@ -33,7 +33,7 @@ from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.wire import MessageHeader
 from protocol.matching import (DeclineReason, MatchingState, MatchMessage, MessageKind, Pair,
-                               ReadyAnnouncement)
+                               ReadyAnnouncement, catch_up_round)
 
 log = logging.getLogger("lowcomm.noloco")
 MATCH, SNAPSHOT = "noloco.match", "noloco.snapshot"
@@ -108,23 +108,34 @@ class NoLoCoExchange:
             return self.partners.pop(round_index, None)
         return asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=30.0)
 
-    def finish_round(self, round_index: int, snapshot: list, wait_s: float) -> PartnerSnapshot | None:
+    def finish_round(self, round_index: int, snapshot: list, wait_s: float,
+                     next_round: int | None = None) -> PartnerSnapshot | None:
         future = asyncio.run_coroutine_threadsafe(
-            self._finish_round(round_index, snapshot, wait_s), self.loop)
+            self._finish_round(round_index, snapshot, wait_s, next_round or round_index + 1), self.loop)
         return future.result(timeout=wait_s + 30.0)
+
+    def catch_up_round(self, round_index: int) -> int | None:
+        """The swarm's round, if this node (ending `round_index`) fell too far behind it to
+        pair (protocol/matching.py catch_up_round); None otherwise."""
+        async def decide() -> int | None:
+            rounds = [rec.round for rec in self.membership.peers()
+                      if rec.peer_id != self.peer_id and rec.protocol == "noloco"
+                      and rec.manifest == self.manifest and not self.bans.is_banned(rec.peer_id)]
+            return catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
+        return asyncio.run_coroutine_threadsafe(decide(), self.loop).result(timeout=30.0)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.loop.call_soon_threadsafe(self.bans.refuse, peer, reason, sentence,
                                        self.transport.ban)
 
-    async def _finish_round(self, round_index: int, snapshot: list, wait_s: float):
+    async def _finish_round(self, round_index: int, snapshot: list, wait_s: float, next_round: int):
         message = OutgoingMessage(SNAPSHOT, round_index, snapshot)
         if self.timing == "overlap":
             late = self.partners.pop(round_index, None)  # landed after take_partner: unused
             if late is not None:
                 self.report("late_partner", {"round": round_index, "peer": late.peer})
             self.offered = message  # what partners of the next round get
-            self._next_round(round_index + 1)
+            self._next_round(next_round)
             return None
         # blocking: pair and swap this very snapshot, up to the deadline; peers propose only to
         # members announced ready, so announce it now (the first round would otherwise wait
@@ -138,7 +149,7 @@ class NoLoCoExchange:
             self.report("no_partner", {"round": round_index, "waited_s": wait_s})
         self.accepting = False
         partner = self.partners.pop(round_index, None)
-        self._next_round(round_index + 1)
+        self._next_round(next_round)
         return partner
 
     async def _wait_partner(self, round_index: int) -> None:

@@ -9,6 +9,11 @@ At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), ha
 - `blocking`: the exchange pairs and swaps S_r now, waiting at most `pair_deadline_s`.
 Whatever arrives is checked (names, shapes, finite, norm) before use; no partner, or a refused
 one, gives the local update of G = {self}, counted.
+
+A node more than max_staleness rounds behind its swarm (it started late, or stalled) could pair
+with nobody; at a round's end it jumps to the swarm's round (protocol/matching.py
+catch_up_round): its step counter and schedule move forward, and its φ, δ, θ, inner optimizer
+and data position stay its own, for the pairs to come to average.
 """
 
 from __future__ import annotations
@@ -43,9 +48,14 @@ class NoLoCoLink(Protocol):
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
         """Overlap: the partner snapshot swapped with us during `round_index`, if any."""
 
-    def finish_round(self, round_index: int, snapshot: list, wait_s: float) -> PartnerSnapshot | None:
+    def finish_round(self, round_index: int, snapshot: list, wait_s: float,
+                     next_round: int | None = None) -> PartnerSnapshot | None:
         """Offers this round's snapshot to partners; blocking: returns the partner snapshot of
-        this round (overlap: None, see take_partner)."""
+        this round (overlap: None, see take_partner). The next round is `next_round`
+        (default round_index + 1)."""
+
+    def catch_up_round(self, round_index: int) -> int | None:
+        """The swarm's round if this node, ending `round_index`, is too far behind to pair."""
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
@@ -63,9 +73,9 @@ def decode_snapshot(message: Any) -> NoLoCoSnapshot:
 
 class NoLoCoRound:
     def __init__(self, trainer: InnerTrainer, hyper: NoLoCoHyperParameters, link: NoLoCoLink,
-                 wire_dtype: str, timing: str, pair_deadline_s: float, max_norm_ratio: float,
-                 min_alignment_sigmas: float = 0.0):
-        self.trainer, self.link = trainer, link
+                 inner_steps: int, wire_dtype: str, timing: str, pair_deadline_s: float,
+                 max_norm_ratio: float, min_alignment_sigmas: float = 0.0):
+        self.trainer, self.link, self.inner_steps = trainer, link, inner_steps
         self.outer = NoLoCo({k: v.detach() for k, v in trainer.named_parameters().items()}, hyper)
         self.wire_dtype, self.timing = wire_dtype, timing
         self.pair_deadline_s, self.max_norm_ratio = pair_deadline_s, max_norm_ratio
@@ -100,7 +110,8 @@ class NoLoCoRound:
                 partner, partners, refused = self._overlap_correction(round_index)
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
-            self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0)
+            next_round = self.link.catch_up_round(round_index)
+            self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0, next_round)
             waited = time.monotonic() - waited
             with self.lock:
                 phi = self.outer.outer_step(own)  # the local update; the pair's comes next round
@@ -109,14 +120,17 @@ class NoLoCoRound:
         else:
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
+            next_round = self.link.catch_up_round(round_index)
             partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype),
-                                             self.pair_deadline_s)
+                                             self.pair_deadline_s, next_round)
             waited = time.monotonic() - waited
             partners, refused = self._checked(partner, own)
             with self.lock:
                 phi = self.outer.outer_step(own, partners)
                 self.state_round, self.phi_digest = round_index, weights_digest(phi)
         self.trainer.load_parameters(phi)
+        if next_round is not None:
+            self.trainer.start_at(next_round * self.inner_steps)
         if partners:
             self.partner_updates += 1
         else:
@@ -125,7 +139,8 @@ class NoLoCoRound:
                 "partner_round": partner.round_index if partners else None,
                 "local_update": not partners, "refused": refused,
                 "phi_digest": self.phi_digest, "network_wait_seconds": waited,
-                "local_updates": self.local_updates, "partner_updates": self.partner_updates}
+                "local_updates": self.local_updates, "partner_updates": self.partner_updates,
+                "caught_up_to": next_round}
 
     def _overlap_correction(self, round_index: int, mid_round: bool = False
                             ) -> tuple[PartnerSnapshot | None, list, str | None]:

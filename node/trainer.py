@@ -140,9 +140,9 @@ class InnerTrainer:
             p.copy_(values[name])
 
     def start_at(self, step: int) -> None:
-        """A late joiner starts at the swarm's position: step counter and schedule, fresh AdamW.
-
-        Batches keep coming from this node's own stream (its position is its own business).
+        """Moves to the swarm's position: step counter and learning-rate schedule. The optimizer
+        state is kept (a late joiner's is fresh anyway; a node catching up keeps its own), and
+        batches keep coming from this node's own stream (its position is its own business).
         """
         self.step = step
         self.scheduler.last_epoch = step

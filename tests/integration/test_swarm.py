@@ -153,7 +153,9 @@ def test_peer_on_another_manifest_is_named_and_ignored(harness_factory, tmp_path
 def test_a_node_at_a_third_of_the_speed_holds_nobody_back(harness_factory):
     """No global barrier: steps padded to 0.2 s (train.min_step_seconds, node-local), one node's
     to 0.6 s. A barrier would stretch everyone's rounds to the slow node's 3 s; the normal
-    nodes keep their own pace, and the slow node goes on learning at its own."""
+    nodes keep their own pace. The slow node falls more than max_staleness rounds behind, jumps
+    to the swarm's round (protocol/matching.py catch_up_round) and pairs, so it goes on learning
+    with the swarm rather than alone."""
     m = small_manifest("t-slow", "noloco", inner_steps=5)
     harness = harness_factory(m)
 
@@ -162,17 +164,48 @@ def test_a_node_at_a_third_of_the_speed_holds_nobody_back(harness_factory):
     first = harness.start_node(0, extra=[*paced(0.2, 100), "--min-peers", "2"])
     first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
     normal = [first, harness.start_node(1, [first.address], paced(0.2, 100))]
-    slow = harness.start_node(2, [first.address], [*paced(0.6, 40), "--set", "train.eval_every=10"])
+    slow = harness.start_node(2, [first.address], [*paced(0.6, 100), "--set", "train.eval_every=5"])
     for node in normal:
         node.wait_for(left, 180, "20 rounds and a clean exit")
         starts = [r["time"] for r in node.events("round")]
         durations = sorted(b - a for a, b in zip(starts[2:], starts[3:]))
         median = durations[len(durations) // 2]
         assert median < 2.0, f"normal node {node.index}: median round {median:.2f} s (1 s paced)"
-    assert len(slow.events("round")) <= 12  # meanwhile the slow node went at its own pace
     slow.wait_for(left, 180, "the slow node's end")
-    vals = [r["val_loss"] for r in slow.events("round") if "val_loss" in r]
+    rounds = slow.events("round")
+    assert len(rounds) <= 12  # it went at its own pace: a third of the normal nodes' rounds
+    assert any(r.get("caught_up_to") for r in rounds), [(r["round"], r["step"]) for r in rounds]
+    assert any(r["partner"] for r in rounds), "the slow node never paired"
+    vals = [r["val_loss"] for r in rounds if "val_loss" in r]
     assert len(vals) >= 3 and vals[-1] < vals[0], vals
+
+
+def test_a_node_that_starts_behind_its_swarm_catches_up_and_pairs(harness_factory):
+    """The first node of a swarm waits for its peers (--min-peers) while a peer that joins it
+    starts at once. In the soak the first node began 15 rounds behind and, more than
+    max_staleness (2) behind at equal speeds, paired in 0 of its 792 rounds. It now jumps to
+    the swarm's round at the end of its first round and pairs from then on."""
+    m = small_manifest("t-catch-up", "noloco", inner_steps=10)
+    harness = harness_factory(m)
+    budget = ["--max-steps", "400"]
+    first = harness.start_node(0, extra=[*budget, "--min-peers", "2"])
+    first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
+    second = harness.start_node(1, [first.address], budget)
+    second.wait_for(lambda ev: sum(e["event"] == "round" for e in ev) >= 6, 120,
+                    "the second node to train 6 rounds without the first")
+    third = harness.start_node(2, [first.address], budget)
+    first.wait_for(lambda ev: sum(e["event"] == "round" for e in ev) >= 12, 180,
+                   "the first node's 12th round")
+    for node in (first, second, third):
+        harness.stop(node)
+    rounds = first.events("round")
+    assert rounds[0]["round"] == 0
+    jumps = [r for r in rounds if r.get("caught_up_to")]
+    assert jumps and jumps[0] is rounds[0], [(r["round"], r.get("caught_up_to")) for r in rounds]
+    assert jumps[0]["caught_up_to"] >= 6 and jumps[0]["step"] == 10 * jumps[0]["caught_up_to"]
+    assert rounds[1]["round"] == jumps[0]["caught_up_to"]  # the round counter moved with it
+    paired = [r for r in rounds[1:] if r["partner"]]
+    assert len(paired) >= 3, f"paired in {len(paired)} of {len(rounds) - 1} rounds after catching up"
 
 
 def test_blocking_timing_pairs_from_the_first_round_without_waiting_the_deadline(harness_factory):

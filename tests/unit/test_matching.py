@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from protocol.errors import ConfigurationError, ProtocolError
 from protocol.matching import (DeclineReason, MatchingState, MessageKind, ReadyAnnouncement,
-                               is_eligible, match_round)
+                               catch_up_round, is_eligible, match_round)
 
 MANIFEST = "manifest-a"
 
@@ -271,3 +271,19 @@ def test_an_ineligible_accept_counts_as_a_decline_and_repeated_proposals_wait_on
     (accept,) = busy.handle(MatchingState("c", MANIFEST)._message(
         MessageKind.DECLINE, "m", 0, DeclineReason.PAIRED))
     assert accept.kind is MessageKind.ACCEPT and accept.recipient == "z" and busy.pair.partner == "z"
+
+
+@pytest.mark.parametrize("next_round, peers, expected", [
+    (1, [16, 15, 17], 16),      # the soak's first node: 15 rounds behind everyone
+    (1, [3, 3], None),          # within max_staleness (2) of the swarm: no jump
+    (1, [4, 4], 4),             # one round beyond it
+    (10, [4, 5, 6], None),      # ahead of the swarm: never backwards
+    (1, [4, 5, 10**9], 5),      # one liar (or one fast node) does not pull the node forward
+    (1, [10**9, 10**9, 3], 10**9),  # a majority does
+    (1, [20, 5], 5),            # even count: the lower median
+    (1, [], None),              # alone
+])
+def test_a_node_behind_its_swarm_catches_up_to_the_median_round(next_round, peers, expected):
+    assert catch_up_round(next_round, peers, max_staleness=2) == expected
+    if expected is not None:  # after the jump the node is eligible with the median peer
+        assert is_eligible("me", MANIFEST, expected, "peer", MANIFEST, sorted(peers)[(len(peers) - 1) // 2], 2)

@@ -6,7 +6,8 @@ to a fixed wall time with `train.min_step_seconds` (node-local), the slow node's
 long: on a shared 2-core machine this keeps the CPU unsaturated, so the arms differ in the slow
 peer and not in how many processes share the cores. Reported: each normal node's rounds per
 minute in both arms (after a warm-up of rounds), their ratio B / A (target: within 10%), the
-pairs the slow node formed, and its validation loss at its first and last evaluation.
+pairs the slow node formed, its jumps to the swarm's round, and its validation loss at its
+first and last evaluation.
 
     .venv/bin/python benchmarks/no_barrier.py --normal 3 --step-seconds 0.3 --rounds 24 --repeats 2
 """
@@ -38,8 +39,6 @@ def run_arm(base: Path, args: argparse.Namespace, with_slow: bool) -> dict:
     manifest.train.eval_every = args.inner_steps * 4  # every 4th round (node-local)
     harness = SwarmHarness(base, manifest)
     normal_steps = args.rounds * args.inner_steps
-    # the slow node runs for about as long as the others: a third of their steps
-    slow_steps = normal_steps // 3 // args.inner_steps * args.inner_steps
 
     def extra(step_seconds: float, steps: int) -> list[str]:
         return ["--set", f"train.min_step_seconds={step_seconds}", "--max-steps", str(steps)]
@@ -51,8 +50,12 @@ def run_arm(base: Path, args: argparse.Namespace, with_slow: bool) -> dict:
         first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 120, "joining")
         normal = [first] + [harness.start_node(i, [first.address], extra(args.step_seconds, normal_steps))
                             for i in range(1, args.normal)]
+        # The slow node has the swarm's step budget: it trains a third of the steps, and at the
+        # ends of rounds jumps to the swarm's round (protocol/matching.py catch_up_round), so it
+        # runs about as long as the others. It evaluates every round (its rounds are few).
         slow = harness.start_node(args.normal, [first.address],
-                                  extra(3 * args.step_seconds, slow_steps)) if with_slow else None
+                                  [*extra(3 * args.step_seconds, normal_steps),
+                                   "--set", f"train.eval_every={args.inner_steps}"]) if with_slow else None
         deadline = 60 + 3 * normal_steps * args.step_seconds
         for node in normal + ([slow] if slow else []):
             node.wait_for(left, deadline, "the end of training")
@@ -64,6 +67,8 @@ def run_arm(base: Path, args: argparse.Namespace, with_slow: bool) -> dict:
             result.update(
                 slow_rpm=rounds_per_minute(rounds), slow_rounds=len(rounds),
                 slow_paired=sum(1 for r in rounds if r.get("partner")),
+                slow_caught_up=sum(1 for r in rounds if r.get("caught_up_to") is not None),
+                slow_steps=len(rounds) * args.inner_steps,  # H steps trained per round, jumps aside
                 paired_with_slow=sum(1 for n in normal for r in n.events("round")
                                      if r.get("partner") == slow_id),
                 slow_val_first=vals[0], slow_val_last=vals[-1])
@@ -109,7 +114,8 @@ def main() -> None:
     print(f"median ratio {statistics.median(ratios):.3f}, worst {worst:.3f}: target within 10% "
           f"{'met' if abs(1 - worst) <= 0.10 and abs(1 - max(ratios)) <= 0.10 else 'not met'}")
     print(f"slow node (last repeat): {mixed['slow_rpm']:.2f} rounds/min ({mixed['slow_rounds']} rounds), "
-          f"paired in {mixed['slow_paired']} of them; the normal nodes paired with it "
+          f"paired in {mixed['slow_paired']} of them, jumped to the swarm's round "
+          f"{mixed['slow_caught_up']} times (trained {mixed['slow_steps']} steps); the normal nodes paired with it "
           f"{mixed['paired_with_slow']} times; validation loss {mixed['slow_val_first']:.4f} -> "
           f"{mixed['slow_val_last']:.4f}")
 

@@ -10,8 +10,10 @@ refused too). That holds while training makes progress. At a plateau honest upda
 anywhere: a 20-minute soak measured honest NoLoCo progress cosines of -0.026 to +0.012 after
 round 120 (floor 0.015), and honest nodes struck and banned each other. So an `AlignmentGate`
 keeps the cosines a node received lately, from all its partners, and refuses for alignment
-only while their median clears the floor: a lone noise sender among aligned peers is refused;
-when honest updates themselves look like noise, the check cannot tell them apart and is off.
+only while their median is well above the floor (GATE_MARGIN times it): a lone noise sender
+among aligned peers is refused; where honest updates come near the floor (a median that only
+just cleared it still refused honest peers: the second soak, 9-13 refusals per node and bans),
+the check cannot tell them from noise and is off.
 A refusal drops the contribution, counts one
 strike against the sender, and `ban_after` strikes ban the sender for `ban_seconds`.
 
@@ -50,6 +52,10 @@ log = logging.getLogger("lowcomm.contributions")
 MISBEHAVIOUR = frozenset({"BAD_SIGNATURE", "WRONG_SENDER", "BAD_DIGEST", "REPLAYED", "MALFORMED",
                           "TOO_LARGE", "BUSY", "TIMEOUT"})
 MAX_TRACKED_PEERS = 1024
+# The alignment check is on while the median of recent progress cosines is this many times the
+# floor: honest cosines then sit far above it (early training: 0.5-0.9 against a floor of about
+# 0.015), and an honest one falling below it would take a spread of several times the floor.
+GATE_MARGIN = 4.0
 
 
 class ContributionRefused(ValueError):
@@ -67,7 +73,8 @@ def global_norm(tensors: Mapping[str, torch.Tensor]) -> float:
 @dataclass
 class AlignmentGate:
     """The cosines of the last `window` contributions of one kind, from every partner: the
-    alignment check applies while their median clears the floor (see the module docstring).
+    alignment check applies while their median is GATE_MARGIN times the floor or more (see the
+    module docstring).
     Refused contributions count too, so one noise sender cannot switch the check off alone
     while most of the node's partners are honest."""
 
@@ -84,7 +91,7 @@ class AlignmentGate:
         if len(self.cosines) < 3:
             return True
         ordered = sorted(self.cosines)
-        return ordered[len(ordered) // 2] >= floor
+        return ordered[len(ordered) // 2] >= GATE_MARGIN * floor
 
 
 def check_contribution(sender: str, received: Mapping[str, torch.Tensor],

@@ -150,7 +150,11 @@ def test_the_gate_turns_the_check_off_when_honest_updates_look_like_noise():
         except ContributionRefused:
             refused += 1
     assert refused == 2  # the first samples: not enough evidence yet that the check is blind
-    assert not gate.informative(5.0 / 2e5 ** 0.5)
+    floor = 5.0 / 2e5 ** 0.5
+    assert not gate.informative(floor)
+    for cosine in (0.02, 0.01, 0.03, 0.025, 0.015, 0.02, 0.03, 0.01):  # just above the floor:
+        gate.record(cosine)                                            # still off (honest ones
+    assert not gate.informative(floor)                                 # dip below it)
     for _ in range(8):  # progress again: the check comes back on its own
         gate.record(0.16)
-    assert gate.informative(5.0 / 2e5 ** 0.5)
+    assert gate.informative(floor)

@@ -80,9 +80,11 @@ class AdmissionSection:
 class ContributionSection:
     max_norm_ratio: float = spec(10.0, "refuse a contribution whose norm exceeds this multiple "
                                  "of the node's own", min=1.0, max=1e6)
-    min_alignment_sigmas: float = spec(5.0, "NoLoCo: refuse a snapshot whose cosine with the "
+    # Off by default: it refuses honest peers once training plateaus (node/contributions.py).
+    min_alignment_sigmas: float = spec(0.0, "NoLoCo: refuse a snapshot whose cosine with the "
                                        "node's own is below this many standard deviations of "
-                                       "random noise (0: off)", min=0.0, max=1e4)
+                                       "random noise (0: off; refuses honest peers at a "
+                                       "plateau)", min=0.0, max=1e4)
     ban_after: int = spec(3, "refused contributions before a peer is banned", min=1, max=1000)
     ban_seconds: float = spec(600.0, "how long a ban lasts", min=0.0, max=1e7)
 

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from node.contributions import AlignmentGate, ContributionRefused, check_contribution, global_norm
+from node.contributions import ContributionRefused, check_contribution, global_norm
 from node.trainer import InnerTrainer
 from node.wire_tensors import from_wire, to_wire
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
@@ -80,7 +80,6 @@ class NoLoCoRound:
         self.wire_dtype, self.timing = wire_dtype, timing
         self.pair_deadline_s, self.max_norm_ratio = pair_deadline_s, max_norm_ratio
         self.min_alignment_sigmas = min_alignment_sigmas
-        self.progress_alignment = AlignmentGate()  # partners' Δ cosines: is the check informative?
         self.local_updates = 0
         self.partner_updates = 0
         self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
@@ -168,12 +167,10 @@ class NoLoCoRound:
             return [], None
         try:
             snapshot = decode_snapshot(partner.message)
-            # φ of honest replicas stays close (cosine near 1) all run: its check needs no gate
-            for what, theirs, mine, gate in (
-                    ("slow weights", snapshot.slow_weights, reference.slow_weights, None),
-                    ("progress", snapshot.local_progress, reference.local_progress, self.progress_alignment)):
-                check_contribution(partner.peer, theirs, mine, global_norm(mine), self.max_norm_ratio,
-                                   f"NoLoCo {what}", self.min_alignment_sigmas, gate)
+            for what, theirs, mine in (("slow weights", snapshot.slow_weights, reference.slow_weights),
+                                       ("progress", snapshot.local_progress, reference.local_progress)):
+                check_contribution(partner.peer, theirs, mine, global_norm(mine),
+                                   self.max_norm_ratio, f"NoLoCo {what}", self.min_alignment_sigmas)
             return [snapshot], None
         except (ContributionRefused, ValueError) as exc:
             reason = getattr(exc, "reason", "malformed")

@@ -7,9 +7,9 @@ direction is no closer to the node's own than random noise is (`min_alignment_si
 any norm has a cosine of about N(0, 1/d) with a fixed d-element tensor set, while honest
 replicas' updates of the same round measured cosines of 0.5-0.9; a sign-flipped update is
 refused too). The alignment check is off by default: it holds only while training makes
-progress. At a plateau honest NoLoCo updates point anywhere relative to a node's own (a
-20-minute soak measured honest cosines of -0.033 to +0.014 among those refused, floor 0.015,
-from round ~110 on), and honest nodes struck and banned each other; a gate that used the check
+progress. At a plateau honest NoLoCo updates point anywhere relative to a node's own (three
+20-minute soaks refused honest cosines of -0.05 to +0.014 from round ~110 on, floor 0.015),
+and honest nodes struck and banned each other; a gate that used the check
 only while the median of recent cosines was 1x or 4x the floor still banned honest peers. A
 swarm that expects noise senders early in a run may turn it on. A refusal drops the
 contribution, counts one strike against the sender, and `ban_after` strikes ban the sender for

@@ -111,16 +111,15 @@ class NoLoCoExchange:
     def finish_round(self, round_index: int, snapshot: list, wait_s: float,
                      next_round: int | None = None) -> PartnerSnapshot | None:
         future = asyncio.run_coroutine_threadsafe(
-            self._finish_round(round_index, snapshot, wait_s, next_round or round_index + 1), self.loop)
+            self._finish_round(round_index, snapshot, wait_s,
+                               round_index + 1 if next_round is None else next_round), self.loop)
         return future.result(timeout=wait_s + 30.0)
 
     def catch_up_round(self, round_index: int) -> int | None:
         """The swarm's round, if this node (ending `round_index`) fell too far behind it to
         pair (protocol/matching.py catch_up_round); None otherwise."""
         async def decide() -> int | None:
-            rounds = [rec.round for rec in self.membership.peers()
-                      if rec.peer_id != self.peer_id and rec.protocol == "noloco"
-                      and rec.manifest == self.manifest and not self.bans.is_banned(rec.peer_id)]
+            rounds = [rec.round for rec in self._other_members() if rec.manifest == self.manifest]
             return catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
         return asyncio.run_coroutine_threadsafe(decide(), self.loop).result(timeout=30.0)
 
@@ -179,6 +178,12 @@ class NoLoCoExchange:
         self.changed.set()
 
     # ------------------------------------------------------------------ matching
+    def _other_members(self) -> list:
+        """The member cache's other NoLoCo members that we do not ban."""
+        return [rec for rec in self.membership.peers()
+                if rec.peer_id != self.peer_id and rec.protocol == "noloco"
+                and not self.bans.is_banned(rec.peer_id)]
+
     def _announcements(self) -> list[ReadyAnnouncement]:
         """Unpaired peers: a member announces "ready" while it may pair and "exchanging" once
         paired, so a proposal rarely meets a decline. Every eligible round counts the same
@@ -186,9 +191,7 @@ class NoLoCoExchange:
         with each other, and a swarm of two fast and two slow nodes split into two pairs that
         never mixed (measured: tests/integration/test_swarm.py, 2 distinct pairs in 10 rounds)."""
         ready = [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)
-                 for rec in self.membership.peers()
-                 if rec.peer_id != self.peer_id and rec.protocol == "noloco"
-                 and rec.status == "ready" and not self.bans.is_banned(rec.peer_id)]
+                 for rec in self._other_members() if rec.status == "ready"]
         if self.loop.time() < self.window_closes:
             # A node pairs early in its round, so the peers free then are those whose rounds
             # start with ours: nodes of equal speed lock in phase, and uniform draws among them

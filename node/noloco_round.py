@@ -103,6 +103,7 @@ class NoLoCoRound:
                 "phi_digest": self.phi_digest, "partner": partner.peer}
 
     def end_round(self, round_index: int) -> dict[str, Any]:
+        next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
         if self.timing == "overlap":
             if self._corrected is not None and self._corrected[0] == round_index:
                 partner, partners, refused = self._corrected[1]
@@ -110,7 +111,6 @@ class NoLoCoRound:
                 partner, partners, refused = self._overlap_correction(round_index)
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
-            next_round = self.link.catch_up_round(round_index)
             self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0, next_round)
             waited = time.monotonic() - waited
             with self.lock:
@@ -120,7 +120,6 @@ class NoLoCoRound:
         else:
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
-            next_round = self.link.catch_up_round(round_index)
             partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype),
                                              self.pair_deadline_s, next_round)
             waited = time.monotonic() - waited

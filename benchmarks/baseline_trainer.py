@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from node.data import load_corpus, stream_seed  # noqa: E402
-from node.manifest import Manifest, load_manifest  # noqa: E402
-from node.trainer import InnerTrainer  # noqa: E402
+from node.data.corpus import load_corpus, stream_seed  # noqa: E402
+from node.config.manifest import Manifest, load_manifest  # noqa: E402
+from node.train.trainer import InnerTrainer  # noqa: E402
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters  # noqa: E402
 
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from node.config import load_config
-from node.data import load_corpus
+from node.config.schema import load_config
+from node.data.corpus import load_corpus
 from node.simulator import SimulationSettings, run_simulation
 from node.simulator.report import human_bytes, markdown_table, plot_validation_loss, write_json
 

@@ -20,8 +20,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from node.config import to_toml  # noqa: E402
-from node.manifest import find_manifest, load_manifest  # noqa: E402
+from node.config.schema import to_toml  # noqa: E402
+from node.config.manifest import find_manifest, load_manifest  # noqa: E402
 from tests.swarm_harness import SwarmHarness  # noqa: E402
 
 

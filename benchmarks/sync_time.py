@@ -79,8 +79,8 @@ async def until(start: float) -> None:
 async def run_ours(args: argparse.Namespace) -> None:
     import random
 
-    from node.contributions import BanList
-    from node.members import MemberCache
+    from node.rounds.contributions import BanList
+    from node.daemon.members import MemberCache
     from p2p.host import P2PHost
     from p2p.identity import NodeIdentity
     from p2p.membership import Membership
@@ -108,20 +108,20 @@ async def run_ours(args: argparse.Namespace) -> None:
     report = lambda kind, fields: say(event=kind, **{k: str(v) for k, v in fields.items()})  # noqa: E731
     tensors = payload(args.params, args.dim)
     if args.method == "noloco":
-        from node.noloco_exchange import NoLoCoExchange
-        from node.noloco_round import encode_snapshot
+        from node.rounds.noloco.exchange import NoLoCoExchange
+        from node.rounds.noloco.round import encode_snapshot
         from protocol.noloco import NoLoCoSnapshot
-        from node.manifest import Manifest
+        from node.config.manifest import Manifest
         deadline = Manifest().protocol.pair_deadline_s  # what a daemon waits for a partner
         exchange = NoLoCoExchange(loop, transport, cache, peer_id, "bench", "blocking", 1, bans, 60.0,
                                   deadline, random.Random(peer_id), report)
         message = encode_snapshot(NoLoCoSnapshot(slow_weights=tensors, local_progress=tensors), "bf16")
     else:
-        from node.dilocox_exchange import DiLoCoXExchange
+        from node.rounds.dilocox.exchange import DiLoCoXExchange
         from protocol.codecs import get_codec
         exchange = DiLoCoXExchange(loop, transport, cache, peer_id, "bench", 32, ROUND_TIMEOUT_S,
                                    bans, 60.0, random.Random(peer_id), report)
-        from node.dilocox_round import encode_message
+        from node.rounds.dilocox.round import encode_message
         from protocol.dilocox import DiLoCoX
         outer = DiLoCoX({k: torch.zeros_like(v) for k, v in tensors.items()},
                         get_codec("lowrank", rank=4, bits=8), peer_id)

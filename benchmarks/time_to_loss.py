@@ -35,7 +35,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from benchmarks.netns import ShapedSwarm  # noqa: E402
-from node.manifest import Manifest, write_manifest  # noqa: E402
+from node.config.manifest import Manifest, write_manifest  # noqa: E402
 
 PYTHON = sys.executable
 P2P_PORT, RELAY_PORT, DP_PORT = 4100, 4101, 29500

@@ -16,10 +16,10 @@ import time
 import numpy as np
 import torch
 
-from node.config import load_config
-from node.data import load_corpus, stream_seed
-from node.model import build_model
-from node.trainer import InnerTrainer
+from node.config.schema import load_config
+from node.data.corpus import load_corpus, stream_seed
+from node.train.model import build_model
+from node.train.trainer import InnerTrainer
 
 
 def plain_loop(cfg, corpus, steps_per_block: int, blocks: list[float]):

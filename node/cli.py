@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from p2p.errors import P2PError
-from node.config import CONFIG_DIR, ConfigError, describe, load_config, to_toml
+from node.config.schema import CONFIG_DIR, ConfigError, describe, load_config, to_toml
 
 EXIT_USAGE = 2
 
@@ -34,8 +34,8 @@ def _load(args: argparse.Namespace):
 
 def cmd_train(args: argparse.Namespace) -> int:
     cfg = _load(args)
-    from node.standalone import StopFlag, run_training
-    from node.train_display import TrainDisplay
+    from node.train.standalone import StopFlag, run_training
+    from node.ops.train_display import TrainDisplay
     from p2p.identity import NodeIdentity, identity_path
 
     # The batch stream is seeded by the node's public key: two volunteers never share one.
@@ -48,14 +48,14 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _load_manifest(args: argparse.Namespace):
-    from node.manifest import find_manifest, load_manifest
+    from node.config.manifest import find_manifest, load_manifest
     if not args.swarm and not args.manifest and getattr(args, "swarm_default", None):
         args.swarm = args.swarm_default
     if bool(args.swarm) == bool(args.manifest):
         raise ConfigError("give exactly one of --swarm ID (a manifest in configs/swarms/) or "
                           "--manifest PATH")
     path = args.manifest if args.manifest else find_manifest(args.swarm)
-    from node.config import nest_overrides, parse_override
+    from node.config.schema import nest_overrides, parse_override
     return load_manifest(path, nest_overrides([parse_override(o) for o in args.overrides]))
 
 
@@ -72,7 +72,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     manifest = _load_manifest(args)
     import logging
 
-    from node.daemon import Daemon, NodeSettings
+    from node.daemon.daemon import Daemon, NodeSettings
     from p2p.host import check_peer_maddrs, run_event_loop
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -92,7 +92,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_local_swarm(args: argparse.Namespace) -> int:
     if args.nodes < 1:
         raise ConfigError(f"--nodes = {args.nodes} is out of range: it must be >= 1")
-    from node.local_swarm import run_local_swarm
+    from node.ops.local_swarm import run_local_swarm
     manifest = _load_manifest(args)  # validated here, once, before any process starts
     join_args = ["--swarm", args.swarm] if args.swarm else ["--manifest", str(args.manifest)]
     for override in args.overrides:
@@ -107,8 +107,8 @@ def cmd_local_swarm(args: argparse.Namespace) -> int:
 
 
 def cmd_init_swarm(args: argparse.Namespace) -> int:
-    from node.config import nest_overrides, parse_override
-    from node.manifest import SWARM_DIR, Manifest, manifest_from_dict, write_manifest
+    from node.config.schema import nest_overrides, parse_override
+    from node.config.manifest import SWARM_DIR, Manifest, manifest_from_dict, write_manifest
     values = {"swarm": {"id": args.id, "description": args.description},
               "model": args.model, "protocol": {"name": args.protocol},
               "network": {"bootstrap_peers": args.bootstrap},
@@ -116,7 +116,7 @@ def cmd_init_swarm(args: argparse.Namespace) -> int:
                             "public_keys": args.allow}}
     manifest = manifest_from_dict(values)
     if args.overrides:
-        from node.config import build_config
+        from node.config.schema import build_config
         manifest = build_config([manifest.to_dict(), nest_overrides([parse_override(o) for o in args.overrides])],
                                 Manifest)
     path = Path(args.out) if args.out else SWARM_DIR / f"{args.id}.toml"
@@ -152,7 +152,7 @@ def _swarm_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from node.ops_cli import add_ops_commands
+    from node.ops.cli import add_ops_commands
     from node.simulator.cli import add_simulate_command
 
     parser = argparse.ArgumentParser(
@@ -193,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
                       "members before training, so that the first rounds have partners")
     join.add_argument("--port-mapping", action="store_true",
                       help="ask the router for a port mapping (UPnP/NAT-PMP); off by default")
-    from node.ops_cli import add_join_ops_arguments
+    from node.ops.cli import add_join_ops_arguments
     add_join_ops_arguments(join)
     join.set_defaults(func=cmd_join)
 

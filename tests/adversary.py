@@ -222,7 +222,7 @@ def _checkpoint_kill() -> None:
                 return HalfWriter(file)
         return file
 
-    checkpoint.open = open_  # module global: shadows the builtin only in node/checkpoint.py
+    checkpoint.open = open_  # module global: shadows the builtin only in node/train/checkpoint.py
 
 
 def _flood() -> None:

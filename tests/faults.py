@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from node.manifest import Manifest
+from node.config.manifest import Manifest
 from tests.swarm_harness import NodeHandle, SwarmHarness, small_manifest
 
 REPO = Path(__file__).resolve().parents[1]

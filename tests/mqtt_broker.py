@@ -25,7 +25,7 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from node.telemetry import parse_mqtt_url
+from node.ops.telemetry import parse_mqtt_url
 
 MOSQUITTO = shutil.which("mosquitto") or next(
     (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.path.exists(p)), None)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from node.manifest import Manifest, write_manifest
+from node.config.manifest import Manifest, write_manifest
 from p2p.host import remove_dead_sockets
 
 SOCKETS = "/tmp/hivemind-*.sock"

@@ -113,7 +113,7 @@ def settings_from_args(args: argparse.Namespace, default_steps: int):
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from node.config import load_config
+    from node.config.schema import load_config
     from node.simulator.report import human_bytes, plot_validation_loss, round_table, write_json
     from node.simulator.runner import run_simulation
 

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import ModelConfig, TrainConfig
-from node.data import Corpus, stream_seed
-from node.trainer import InnerTrainer
+from node.config.schema import ModelConfig, TrainConfig
+from node.data.corpus import Corpus, stream_seed
+from node.train.trainer import InnerTrainer
 from protocol.tensors import NamedTensors, fp32_clone
 
 

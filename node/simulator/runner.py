@@ -10,13 +10,13 @@ from typing import Any
 
 import torch
 
-from node.config import Config
-from node.data import Corpus, load_corpus
+from node.config.schema import Config
+from node.data.corpus import Corpus, load_corpus
 from node.simulator.exchange import InMemoryExchange
 from node.simulator.methods import METHODS, Method
 from node.simulator.replica import build_replicas, weight_spread
 from node.simulator.settings import SimulationSettings
-from node.trainer import pick_device
+from node.train.trainer import pick_device
 from protocol.tensors import numel, weights_digest
 
 

@@ -1,6 +1,6 @@
 """What one simulation runs: the protocol, its settings, and the exchange's latency and loss.
 
-The model, data and inner optimizer come from the ordinary node config (node/config.py); this is
+The model, data and inner optimizer come from the ordinary node config (node/config/schema.py); this is
 everything on top. `validated()` refuses what does not fit with one sentence per problem, and
 fills the settings a protocol leaves open with its documented defaults.
 """

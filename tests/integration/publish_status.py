@@ -2,7 +2,7 @@
 
     python tests/integration/publish_status.py URL SWARM PEER [INTERVAL]
 
-Publishes a fixed NodeStatus through node.telemetry, prints `published` after the first
+Publishes a fixed NodeStatus through node.ops.telemetry, prints `published` after the first
 publish, runs until SIGTERM (clean stop: publishes offline) or SIGKILL (the last will does).
 """
 
@@ -10,8 +10,8 @@ import asyncio
 import signal
 import sys
 
-from node.status import NodeStatus
-from node.telemetry import TelemetryPublisher
+from node.ops.status import NodeStatus
+from node.ops.telemetry import TelemetryPublisher
 
 
 async def main(url: str, swarm: str, peer: str, interval: float) -> None:

@@ -1,7 +1,7 @@
 """Issue 8, admission: in an allowlist swarm every member refuses an unlisted key.
 
 The outsider is a real daemon run through tests/adversary.py with its own allowlist check
-skipped (a node that plays by the rules stops before joining, see node/join.py); everything
+skipped (a node that plays by the rules stops before joining, see node/daemon/join.py); everything
 else is the product: the members' transports refuse its streams NOT_ADMITTED, their member
 views leave it out, and the outsider stops with one sentence naming its key.
 """

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from node.control import ControlServer, ControlSocketError, control_socket_path, query_status
-from node.status import NodeStatus
+from node.ops.control import ControlServer, ControlSocketError, control_socket_path, query_status
+from node.ops.status import NodeStatus
 
 pytestmark = pytest.mark.integration
 CLI = [sys.executable, "-m", "node.cli"]

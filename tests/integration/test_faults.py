@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from node.checkpoint import CheckpointStore
+from node.train.checkpoint import CheckpointStore
 from tests.faults import (
     FaultHarness,
     adversary_manifest,

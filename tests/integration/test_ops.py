@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from node.control import control_socket_path, query_status
-from node.monitor import collect_swarm
-from node.ops import NodeOps
-from node.ops_cli import add_join_ops_arguments
-from node.status import NodeStatus
+from node.ops.control import control_socket_path, query_status
+from node.ops.monitor import collect_swarm
+from node.ops.services import NodeOps
+from node.ops.cli import add_join_ops_arguments
+from node.ops.status import NodeStatus
 from tests.fake_metadata import FakeMetadataServer
 
 pytestmark = pytest.mark.integration

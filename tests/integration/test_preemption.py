@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from node.preemption import PreemptionWatcher
+from node.ops.preemption import PreemptionWatcher
 from tests.fake_metadata import FakeMetadataServer
 
 pytestmark = pytest.mark.integration

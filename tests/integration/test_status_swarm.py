@@ -30,9 +30,9 @@ from pathlib import Path
 import aiomqtt
 import pytest
 
-from node.status import DERIVED
-from node.status_view import short_peer
-from node.telemetry import parse_mqtt_url, status_topic
+from node.ops.status import DERIVED
+from node.ops.status_view import short_peer
+from node.ops.telemetry import parse_mqtt_url, status_topic
 from tests.mqtt_broker import MosquittoBroker, require_mosquitto
 from tests.swarm_harness import NodeHandle, SwarmHarness, left, small_manifest
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from node.status import DERIVED, SCHEMA_VERSION, NodeStatus
-from node.telemetry import TelemetryPublisher, status_topic
+from node.ops.status import DERIVED, SCHEMA_VERSION, NodeStatus
+from node.ops.telemetry import TelemetryPublisher, status_topic
 from tests.mqtt_broker import retained
 
 pytestmark = pytest.mark.integration
@@ -300,7 +300,7 @@ def test_mqtts_with_username_and_password(tmp_path, caplog):
         try:
             await asyncio.wait_for(ok.first_publish.wait(), 10)
             await asyncio.wait_for(refused.down.wait(), 10)
-            from node.monitor import collect_swarm
+            from node.ops.monitor import collect_swarm
 
             return (await collect_swarm(good, "tls")).docs(), refused.published
         finally:

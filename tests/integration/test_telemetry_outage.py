@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from node.telemetry import status_topic
+from node.ops.telemetry import status_topic
 from p2p.identity import NodeIdentity, identity_path
 from tests.mqtt_broker import retained
 from tests.mqtt_broker import MosquittoBroker, require_mosquitto

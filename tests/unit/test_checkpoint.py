@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from node.checkpoint import CheckpointError, CheckpointStore
+from node.train.checkpoint import CheckpointError, CheckpointStore
 
 
 def state(step):

@@ -1,7 +1,7 @@
 import pytest
 
-from node.config import ConfigError, describe, load_config, parse_override, to_toml
-from node.model import build_model, count_parameters
+from node.config.schema import ConfigError, describe, load_config, parse_override, to_toml
+from node.train.model import build_model, count_parameters
 
 
 def test_defaults_are_valid():

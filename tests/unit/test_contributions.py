@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from node.contributions import BanList, ContributionRefused, check_contribution, global_norm
+from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
 
 OWN = {"a": torch.ones(3, 4), "b": torch.ones(5)}
 

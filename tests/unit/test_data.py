@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 
-from node.config import DataConfig
-from node.data import (BatchStream, DataError, load_corpus, stdlib_dir, stream_seed,
+from node.config.schema import DataConfig
+from node.data.corpus import (BatchStream, DataError, load_corpus, stdlib_dir, stream_seed,
                        validation_batches)
 
 

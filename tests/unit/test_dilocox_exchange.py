@@ -7,8 +7,8 @@ the inbox as the transport's handler would after its checks.
 import asyncio
 import random
 
-from node.contributions import BanList
-from node.dilocox_exchange import DiLoCoXExchange
+from node.rounds.contributions import BanList
+from node.rounds.dilocox.exchange import DiLoCoXExchange
 from p2p.records import MemberRecord
 
 

@@ -1,7 +1,7 @@
 import pytest
 
-from node.config import ConfigError
-from node.manifest import (Manifest, differences, find_manifest, load_manifest,
+from node.config.schema import ConfigError
+from node.config.manifest import (Manifest, differences, find_manifest, load_manifest,
                            manifest_from_dict, write_manifest)
 
 

@@ -5,7 +5,7 @@ exactly when lookups fail)."""
 import asyncio
 import time
 
-from node.members import MemberCache
+from node.daemon.members import MemberCache
 from p2p.errors import HostError
 from p2p.records import MemberRecord
 

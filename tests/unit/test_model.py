@@ -1,7 +1,7 @@
 import torch
 
-from node.config import load_config
-from node.model import apply_rotary, build_model, rotary_table
+from node.config.schema import load_config
+from node.train.model import apply_rotary, build_model, rotary_table
 
 
 def test_forward_shape_and_initial_loss_near_uniform():

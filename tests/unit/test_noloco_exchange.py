@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from node.contributions import BanList
-from node.noloco_exchange import CONTROL_TIMEOUT_S, NoLoCoExchange
+from node.rounds.contributions import BanList
+from node.rounds.noloco.exchange import CONTROL_TIMEOUT_S, NoLoCoExchange
 from p2p.errors import Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage
 from protocol.matching import MatchMessage, MessageKind, ReadyAnnouncement

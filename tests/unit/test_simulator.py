@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from node.config import load_config
-from node.data import load_corpus, stream_seed
+from node.config.schema import load_config
+from node.data.corpus import load_corpus, stream_seed
 from node.simulator import Simulation, SimulationError, SimulationSettings
 from node.simulator.exchange import InMemoryExchange, ring_allreduce_bytes
 from node.simulator.replica import weight_spread
-from node.trainer import InnerTrainer
+from node.train.trainer import InnerTrainer
 from protocol.codecs import description_size
 from protocol.tensors import weights_digest
 

@@ -9,10 +9,10 @@ import time
 import pytest
 from rich.console import Console
 
-from node.status import DERIVED, SCHEMA_VERSION, NodeStatus
-from node.status_view import (StatusDisplay, StatusView, plain_line, sparkline, stragglers,
+from node.ops.status import DERIVED, SCHEMA_VERSION, NodeStatus
+from node.ops.status_view import (StatusDisplay, StatusView, plain_line, sparkline, stragglers,
                               swarm_table)
-from node.telemetry import MqttUrlError, parse_mqtt_url, status_topic
+from node.ops.telemetry import MqttUrlError, parse_mqtt_url, status_topic
 
 PEER = "12D3KooWQYhTNQdmr3ArTeUHRYzFg94BKyTkoWBDWez9kSCVe2Xo"
 PARTNER = "12D3KooWPartnerPeerIdForTheViewTestxxxxxxxxxxxxxZZ9"

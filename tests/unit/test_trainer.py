@@ -4,9 +4,9 @@ import math
 import pytest
 import torch
 
-from node.config import load_config
-from node.data import load_corpus
-from node.trainer import InnerTrainer, lr_factor, pick_device
+from node.config.schema import load_config
+from node.data.corpus import load_corpus
+from node.train.trainer import InnerTrainer, lr_factor, pick_device
 
 SMALL = ["model.dim=64", "model.n_heads=4", "model.n_layers=2", "model.ffn_hidden=128",
          "data.seq_len=32", "train.micro_batch_size=4", "train.tokens_per_step=256",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from node.simulator.methods.base import Method
-from node.trainer import InnerTrainer
+from node.train.trainer import InnerTrainer
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters
 from protocol.tensors import numel
 

@@ -3,7 +3,7 @@
 Pairs form by signed one-way control messages (propose / accept / decline) driven by the pure
 state machine in protocol/matching.py; a formed pair swaps snapshots over one full-duplex signed
 stream, opened by the pair's initiator (the lower peer id). The training thread calls
-`finish_round` once per round (the `NoLoCoLink` of node/noloco_round.py):
+`finish_round` once per round (the `NoLoCoLink` of node/rounds/noloco/round.py):
 - overlap: returns the partner snapshot swapped during the round at once, offers the new one;
 - blocking: offers the new snapshot, pairs and swaps it now, waiting at most the deadline.
 
@@ -27,8 +27,8 @@ from collections.abc import Callable
 
 from hivemind.p2p import PeerID
 
-from node.contributions import BanList
-from node.noloco_round import PartnerSnapshot
+from node.rounds.contributions import BanList
+from node.rounds.noloco.round import PartnerSnapshot
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.wire import MessageHeader

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from node.config import ModelConfig, TrainConfig
-from node.data import BatchStream, Corpus, validation_batches
-from node.model import Decoder, build_model
+from node.config.schema import ModelConfig, TrainConfig
+from node.data.corpus import BatchStream, Corpus, validation_batches
+from node.train.model import Decoder, build_model
 
 
 def pick_device(requested: str = "auto") -> torch.device:

@@ -4,7 +4,7 @@ A manifest fixes the model, the data recipe, the inner optimizer, the protocol a
 hyper-parameters, the bootstrap peers and admission. Its digest (BLAKE2b of the canonical JSON of
 everything but the bootstrap peers and how one machine runs, which may differ between members) travels in every message
 header: a peer on another manifest is refused, and `differences` names the fields that differ.
-Manifests are validated by the same typed machinery as run configs (node/config.py).
+Manifests are validated by the same typed machinery as run configs (node/config/schema.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from node.config import (CONFIG_DIR, ConfigError, DataConfig, ModelConfig, TrainConfig,
+from node.config.schema import (CONFIG_DIR, ConfigError, DataConfig, ModelConfig, TrainConfig,
                          build_config, read_toml, spec, to_toml)
 
 SWARM_DIR = CONFIG_DIR / "swarms"
@@ -80,7 +80,7 @@ class AdmissionSection:
 class ContributionSection:
     max_norm_ratio: float = spec(10.0, "refuse a contribution whose norm exceeds this multiple "
                                  "of the node's own", min=1.0, max=1e6)
-    # Off by default: it refuses honest peers once training plateaus (node/contributions.py).
+    # Off by default: it refuses honest peers once training plateaus (node/rounds/contributions.py).
     min_alignment_sigmas: float = spec(0.0, "NoLoCo: refuse a snapshot whose cosine with the "
                                        "node's own is below this many standard deviations of "
                                        "random noise (0: off; refuses honest peers at a "

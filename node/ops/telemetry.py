@@ -5,7 +5,7 @@
     ...
     await publisher.stop()     # publishes the offline document, disconnects cleanly
 
-Every `interval` seconds the JSON of `get_status()` (the NodeStatus schema, see node/status.py)
+Every `interval` seconds the JSON of `get_status()` (the NodeStatus schema, see node/ops/status.py)
 is published with QoS 1 and the retain flag, so a monitor that connects later sees every node
 at once. The connection carries a last will (the offline document, retained): when the node
 dies without saying goodbye the broker marks it offline.
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import aiomqtt
 
-from node.status import json_safe, offline_document
+from node.ops.status import json_safe, offline_document
 
 log = logging.getLogger("lowcomm.telemetry")
 TOPIC_ROOT = "lowcomm"

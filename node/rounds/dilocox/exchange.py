@@ -33,11 +33,11 @@ import random
 from collections import Counter
 from collections.abc import Callable
 
-from node.contributions import BanList
-from node.dilocox_round import GroupMessage
-from node.join import STATE_KIND
-from node.noloco_exchange import peer_name
-from node.wire_tensors import from_wire
+from node.rounds.contributions import BanList
+from node.rounds.dilocox.round import GroupMessage
+from node.daemon.join import STATE_KIND
+from node.rounds.noloco.exchange import peer_name
+from node.rounds.wire_tensors import from_wire
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from protocol.dilocox import winning_digest

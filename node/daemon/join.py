@@ -1,7 +1,7 @@
 """Joining a swarm: admission, telling apart peers on another manifest, and the late join.
 
 - Admission: in an allowlist swarm a node whose key is not listed stops at once with a sentence
-  that names its peer id; members refuse its messages (node/daemon.py wires the check).
+  that names its peer id; members refuse its messages (node/daemon/daemon.py wires the check).
 - Manifests: each node stores its agreed manifest in the DHT under its digest. When a member
   announces another digest, we fetch that manifest, check it hashes to the digest, and log which
   fields differ; such peers are never paired with, and the transport refuses their messages.
@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from node.manifest import Manifest, canonical_json, differences, digest_of
-from node.wire_tensors import from_wire
+from node.config.manifest import Manifest, canonical_json, differences, digest_of
+from node.rounds.wire_tensors import from_wire
 from p2p.errors import P2PError, Reason, RemoteRefused
 from protocol.dilocox import winning_digest
 from protocol.tensors import weights_digest

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from node.contributions import ContributionRefused, check_contribution, global_norm
-from node.trainer import InnerTrainer
+from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
+from node.train.trainer import InnerTrainer
 from p2p.messages import OutgoingTensor
 from protocol.codecs.base import Codec, Encoded
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome

@@ -23,8 +23,8 @@ import aiomqtt
 from rich.console import Console
 from rich.live import Live
 
-from node.status_view import stragglers, swarm_table, swarm_totals
-from node.telemetry import (TOPIC_ROOT, MqttTarget, close_quietly, parse_mqtt_url,
+from node.ops.status_view import stragglers, swarm_table, swarm_totals
+from node.ops.telemetry import (TOPIC_ROOT, MqttTarget, close_quietly, parse_mqtt_url,
                             swarm_filter)
 
 log = logging.getLogger("lowcomm.monitor")

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from node.config import DataConfig
+from node.config.schema import DataConfig
 
 EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 FILE_SEPARATOR = b"\n\n"

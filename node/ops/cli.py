@@ -19,7 +19,7 @@ def _data_dir(args: argparse.Namespace) -> Path:
         return Path(args.data_dir)
     if args.swarm:
         return Path("runs") / args.swarm
-    from node.control import SOCKET_NAME, NoDaemonError
+    from node.ops.control import SOCKET_NAME, NoDaemonError
 
     found = sorted(p.parent for p in Path("runs").glob(f"*/{SOCKET_NAME}"))
     if len(found) == 1:
@@ -34,8 +34,8 @@ def _data_dir(args: argparse.Namespace) -> Path:
 def cmd_status(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from node.control import NoDaemonError, query_status
-    from node.status_view import StatusView
+    from node.ops.control import NoDaemonError, query_status
+    from node.ops.status_view import StatusView
 
     data_dir = _data_dir(args)
     doc = query_status(data_dir)  # NoDaemonError (a RuntimeError) -> main prints it, exit 1
@@ -64,20 +64,20 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
-    from node.monitor import collect_swarm, run_monitor
-    from node.telemetry import parse_mqtt_url
+    from node.ops.monitor import collect_swarm, run_monitor
+    from node.ops.telemetry import parse_mqtt_url
 
     parse_mqtt_url(args.mqtt)  # a bad URL fails here, before anything connects
     if args.once:
         state = asyncio.run(collect_swarm(args.mqtt, args.swarm, timeout=args.timeout))
         if args.json:
-            from node.status import json_safe
+            from node.ops.status import json_safe
 
             print(json.dumps(json_safe(state.summary()), indent=2, sort_keys=True))
         else:
             from rich.console import Console
 
-            from node.status_view import swarm_table
+            from node.ops.status_view import swarm_table
 
             Console().print(swarm_table(state.docs(), title=f"swarm {args.swarm}"))
         return 0
@@ -101,7 +101,7 @@ def add_ops_commands(sub) -> None:
                         help="or the swarm id, for join's default data directory runs/<ID>; "
                         "with neither, the one daemon running under runs/")
     status.add_argument("--json", action="store_true",
-                        help="print the status once as JSON (the schema of node/status.py)")
+                        help="print the status once as JSON (the schema of node/ops/status.py)")
     status.add_argument("--once", action="store_true", help="print the view once and exit")
     status.add_argument("--interval", type=float, default=1.0, metavar="S",
                         help="refresh period of the live view (default 1 s)")
@@ -127,7 +127,7 @@ def add_ops_commands(sub) -> None:
 
 def add_join_ops_arguments(parser: argparse.ArgumentParser) -> None:
     """The options `join` needs for telemetry and preemption; read back by node.ops."""
-    from node.preemption import PROVIDERS
+    from node.ops.preemption import PROVIDERS
 
     group = parser.add_argument_group("telemetry and preemption")
     group.add_argument("--mqtt", metavar="URL", default=os.environ.get("LOWCOMM_MQTT"),

@@ -1,7 +1,7 @@
 """`lowcomm-node join`: the daemon (ARCHITECTURE.md "Processes and threads in one daemon").
 
 Main thread: an event loop (uvloop) owning p2pd, the DHT node, the signed streams, membership
-and the protocol's exchange. Training thread: node/worker.py. The life of a node, in order:
+and the protocol's exchange. Training thread: node/daemon/worker.py. The life of a node, in order:
 join (identity, admission, p2p, membership, resume or late join), train and exchange (until
 the schedule ends or a signal), leave (finish the step, checkpoint, tombstone, stop p2pd).
 
@@ -23,18 +23,18 @@ from pathlib import Path
 
 import torch
 
-from node.checkpoint import CheckpointStore
-from node.contributions import BanList
-from node.data import load_corpus, stream_seed
-from node.join import (STATE_KIND, ManifestWatch, check_admission, download_state,
+from node.train.checkpoint import CheckpointStore
+from node.rounds.contributions import BanList
+from node.data.corpus import load_corpus, stream_seed
+from node.daemon.join import (STATE_KIND, ManifestWatch, check_admission, download_state,
                        publish_manifest, refused_admission, swarm_round, wait_for_members)
-from node.local_swarm import ADDRESS_FILE
-from node.manifest import Manifest
-from node.members import MemberCache, Reconnector
-from node.standalone import MetricsLog
-from node.trainer import InnerTrainer, pick_device
-from node.wire_tensors import to_wire
-from node.worker import TrainingWorker
+from node.ops.local_swarm import ADDRESS_FILE
+from node.config.manifest import Manifest
+from node.daemon.members import MemberCache, Reconnector
+from node.train.standalone import MetricsLog
+from node.train.trainer import InnerTrainer, pick_device
+from node.rounds.wire_tensors import to_wire
+from node.daemon.worker import TrainingWorker
 from p2p.errors import Reason, Refusal
 from p2p.host import P2PHost
 from p2p.identity import NodeIdentity, identity_path
@@ -164,8 +164,8 @@ class Daemon:
                                stream_seed(identity.public_key_bytes, train.seed),
                                pick_device(train.device))
         self.param_bytes = 4 * sum(p.numel() for p in trainer.model.parameters())
-        from node.ops import NodeOps
-        from node.status import NodeStatus
+        from node.ops.services import NodeOps
+        from node.ops.status import NodeStatus
         self.node_status = NodeStatus(peer_id=peer_id, swarm=m.swarm.id, protocol=m.protocol.name,
                                       device=str(trainer.device))
         ops = NodeOps(self.node_status, self.data_dir, on_preemption=self._on_preemption,
@@ -235,8 +235,8 @@ class Daemon:
         rng = random.Random(f"{self.settings.seed}:{peer_id}")
         report = lambda kind, fields: self.event(kind, **fields)
         if p.name == "noloco":
-            from node.noloco_exchange import NoLoCoExchange
-            from node.noloco_round import NoLoCoRound
+            from node.rounds.noloco.exchange import NoLoCoExchange
+            from node.rounds.noloco.round import NoLoCoRound
             from protocol.noloco import NoLoCoHyperParameters
             exchange = NoLoCoExchange(self.loop, transport, cache, peer_id, m.digest, p.timing,
                                       p.max_staleness, bans, m.contributions.ban_seconds,
@@ -246,8 +246,8 @@ class Daemon:
                                  p.pair_deadline_s, m.contributions.max_norm_ratio,
                                  m.contributions.min_alignment_sigmas)
             return policy, exchange
-        from node.dilocox_exchange import DiLoCoXExchange
-        from node.dilocox_round import DiLoCoXRound
+        from node.rounds.dilocox.exchange import DiLoCoXExchange
+        from node.rounds.dilocox.round import DiLoCoXRound
         from protocol.codecs import get_codec
         from protocol.diloco import DiLoCoHyperParameters
         from protocol.dilocox import DiLoCoXHyperParameters

@@ -23,9 +23,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from node.contributions import ContributionRefused, check_contribution, global_norm
-from node.trainer import InnerTrainer
-from node.wire_tensors import from_wire, to_wire
+from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
+from node.train.trainer import InnerTrainer
+from node.rounds.wire_tensors import from_wire, to_wire
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
 from protocol.tensors import shift_in_place, weights_digest
 

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from node.trainer import InnerTrainer, pad_step
+from node.train.trainer import InnerTrainer, pad_step
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ spot preemption watcher. The daemon plugs it in with a few lines:
     async with NodeOps.from_args(status, data_dir, args, on_preemption=stop.request):
         ...   # the daemon's work; it keeps `status` current (update / record_* methods)
 
-Each part is also usable alone (node.control, node.telemetry, node.preemption, ...).
+Each part is also usable alone (node.ops.control, node.ops.telemetry, node.ops.preemption, ...).
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from typing import Any, Callable
 
 from rich.console import Console
 
-from node.control import ControlServer
-from node.preemption import PreemptionWatcher
-from node.status import NodeStatus
-from node.status_view import StatusDisplay
-from node.telemetry import TelemetryPublisher, parse_mqtt_url
-from node.usage import UsageSampler
+from node.ops.control import ControlServer
+from node.ops.preemption import PreemptionWatcher
+from node.ops.status import NodeStatus
+from node.ops.status_view import StatusDisplay
+from node.ops.telemetry import TelemetryPublisher, parse_mqtt_url
+from node.ops.usage import UsageSampler
 
 log = logging.getLogger("lowcomm.ops")
 

@@ -28,7 +28,7 @@ import stat
 from pathlib import Path
 from typing import Any, Callable
 
-from node.status import json_safe
+from node.ops.status import json_safe
 
 SOCKET_NAME = "control.sock"
 MAX_REQUEST = 1024

@@ -1,6 +1,6 @@
 """A Llama-style decoder: RMSNorm, rotary embeddings, SwiGLU, torch's scaled_dot_product_attention.
 
-Sizes come from configs/models/*.toml. The model holds no training logic; node/trainer.py does.
+Sizes come from configs/models/*.toml. The model holds no training logic; node/train/trainer.py does.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from node.config import ModelConfig
+from node.config.schema import ModelConfig
 
 
 def rotary_table(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

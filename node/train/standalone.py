@@ -18,11 +18,11 @@ from typing import Callable
 
 import torch
 
-from node.checkpoint import CheckpointStore
-from node.config import Config
-from node.data import load_corpus, stream_seed
-from node.model import count_parameters
-from node.trainer import InnerTrainer, pad_step, pick_device
+from node.train.checkpoint import CheckpointStore
+from node.config.schema import Config
+from node.data.corpus import load_corpus, stream_seed
+from node.train.model import count_parameters
+from node.train.trainer import InnerTrainer, pad_step, pick_device
 
 CHECKPOINT_FORMAT = 1
 Event = dict

@@ -21,7 +21,7 @@ daemon. Kinds:
 - serve-kill: the same, in the first outer state it serves a late joiner: a kill mid-transfer;
 - ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
               (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point;
-- unlisted:   skips its own allowlist check (node.join.check_admission), so that in an
+- unlisted:   skips its own allowlist check (node.daemon.join.check_admission), so that in an
               allowlist swarm it joins with a key the manifest does not list: the members'
               refusal is what stops it.
 
@@ -50,7 +50,7 @@ STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 def _poison(kind: str):
     import torch
 
-    from node import noloco_round
+    from node.rounds.noloco import round as noloco_round
 
     honest = noloco_round.encode_snapshot
 
@@ -76,7 +76,7 @@ def _poison(kind: str):
     noloco_round.encode_snapshot = encode_snapshot
 
     if kind in ("nan", "inf", "scale"):  # DiLoCoX with the bf16 codec: poison its payloads
-        from node import dilocox_round
+        from node.rounds.dilocox import round as dilocox_round
 
         honest_message = dilocox_round.encode_message
 
@@ -141,7 +141,7 @@ def _replay() -> None:
 def _stall() -> None:
     from hivemind.p2p import PeerID
 
-    from node import members
+    from node.daemon import members
     from p2p import streams
 
     caches = []
@@ -189,7 +189,7 @@ def _stall() -> None:
 def _checkpoint_kill() -> None:
     import builtins
 
-    from node import checkpoint
+    from node.train import checkpoint
 
     target = int(os.environ.get("LOWCOMM_TEST_KILL_AT_CHECKPOINT", "2"))
     saves = 0
@@ -228,7 +228,7 @@ def _checkpoint_kill() -> None:
 def _flood() -> None:
     import time
 
-    from node import members
+    from node.daemon import members
     from p2p import records
     from p2p.identity import NodeIdentity
     from p2p.records import MemberRecord
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.kind == "ckpt-kill":
         _checkpoint_kill()
     elif args.kind == "unlisted":
-        from node import daemon
+        from node.daemon import daemon
         daemon.check_admission = lambda manifest, peer_id: log.warning(
             "adversary: skipping the allowlist check for %s", peer_id)
     from node.cli import main as node_main

@@ -72,7 +72,8 @@ def cmd_join(args: argparse.Namespace) -> int:
     manifest = _load_manifest(args)
     import logging
 
-    from node.daemon.daemon import Daemon, NodeSettings
+    from node.config.settings import NodeSettings
+    from node.daemon.daemon import Daemon
     from p2p.host import check_peer_maddrs, run_event_loop
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,

@@ -3,7 +3,8 @@
 A model's state travels through protocol/ as `NamedTensors`, a dict name -> torch.Tensor. The
 outer state (φ, momentum, residual) is always fp32 (PROTOCOLS.md §0), so every entry point
 copies its inputs with `fp32_clone` and checks layouts with `check_same_layout` before any
-arithmetic. Functions here never modify their arguments; they return new dicts.
+arithmetic. Functions here return new dicts and leave their arguments alone, except
+`shift_in_place`, which adds a shift into the caller's tensors (its name says so).
 
 Invariant: nothing protocol/ returns or keeps carries autograd history. Live parameters require
 grad, and a result computed from them with grad on links to the previous round's state: a node's

@@ -50,9 +50,9 @@ STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 def _poison(kind: str):
     import torch
 
-    from node.rounds.noloco import round as noloco_round
+    from node.rounds.noloco import payload as noloco_payload
 
-    honest = noloco_round.encode_snapshot
+    honest = noloco_payload.encode_snapshot
 
     def corrupt(delta: dict) -> dict:
         out = {}
@@ -73,12 +73,12 @@ def _poison(kind: str):
         log.warning("adversary: offering a %s snapshot", kind)
         return honest(bad, wire_dtype)
 
-    noloco_round.encode_snapshot = encode_snapshot
+    noloco_payload.encode_snapshot = encode_snapshot
 
     if kind in ("nan", "inf", "scale"):  # DiLoCoX with the bf16 codec: poison its payloads
-        from node.rounds.dilocox import round as dilocox_round
+        from node.rounds.dilocox import payload as dilocox_payload
 
-        honest_message = dilocox_round.encode_message
+        honest_message = dilocox_payload.encode_message
 
         def encode_message(message):
             tensors = {}
@@ -92,7 +92,7 @@ def _poison(kind: str):
             log.warning("adversary: sending a %s pseudo-gradient", kind)
             return honest_message(dataclasses.replace(message, tensors=tensors))
 
-        dilocox_round.encode_message = encode_message
+        dilocox_payload.encode_message = encode_message
 
 
 # ---------------------------------------------------------------------- replayed messages

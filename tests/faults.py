@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from node.config.manifest import Manifest
+from node.data_dir import DataDir
 from tests.swarm_harness import NodeHandle, SwarmHarness, small_manifest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ class FaultHarness(SwarmHarness):
         """`netns`: run the node inside that network namespace (tests/netns_link.py)."""
         data_dir = data_dir or self.base / f"node-{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
-        (data_dir / "address").unlink(missing_ok=True)
+        DataDir(data_dir).address.unlink(missing_ok=True)
         entry = ["-m", "tests.adversary", "--kind", adversary, "--"] if adversary else ["-m", "node.cli"]
         command = [*(["ip", "netns", "exec", netns] if netns else []), sys.executable, *entry,
                    "join", "--manifest", str(self.manifest_path), "--data-dir", str(data_dir),
@@ -75,7 +76,7 @@ class FaultHarness(SwarmHarness):
         environment = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         environment["PYTHONPATH"] = os.pathsep.join(
             [str(REPO), *filter(None, [environment.get("PYTHONPATH")])])
-        with open(data_dir / "node.log", "ab") as log:
+        with open(DataDir(data_dir).log, "ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                        env=environment)
         node = NodeHandle(index, data_dir, process)

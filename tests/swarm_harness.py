@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from node.config.manifest import Manifest, write_manifest
+from node.data_dir import DataDir
 from p2p.host import remove_dead_sockets
 
 SOCKETS = "/tmp/hivemind-*.sock"
@@ -70,7 +71,7 @@ class NodeHandle:
         self.index, self.data_dir, self.process = index, data_dir, process
 
     def events(self, kind: str | None = None) -> list[dict]:
-        path = self.data_dir / "metrics.jsonl"
+        path = DataDir(self.data_dir).metrics
         if not path.exists():
             return []
         found = []
@@ -113,12 +114,12 @@ class NodeHandle:
         return self.events("round")
 
     def log_tail(self, lines: int = 30) -> str:
-        path = self.data_dir / "node.log"
+        path = DataDir(self.data_dir).log
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
     @property
     def address(self) -> str:
-        return (self.data_dir / "address").read_text().split()[0]
+        return DataDir(self.data_dir).address.read_text().split()[0]
 
     @property
     def peer_id(self) -> str:
@@ -136,12 +137,12 @@ class SwarmHarness:
                    data_dir: Path | None = None) -> NodeHandle:
         data_dir = data_dir or self.base / f"node-{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
-        (data_dir / "address").unlink(missing_ok=True)
+        DataDir(data_dir).address.unlink(missing_ok=True)
         command = [sys.executable, "-m", "node.cli", "join", "--manifest", str(self.manifest_path),
                    "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
         for peer in peers:
             command += ["--peer", peer]
-        with open(data_dir / "node.log", "ab") as log:
+        with open(DataDir(data_dir).log, "ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
                                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
         node = NodeHandle(index, data_dir, process)

@@ -1,96 +1,146 @@
-"""Joining a swarm: admission, telling apart peers on another manifest, and the late join.
+"""Joining a swarm: connecting to it, then resuming our own state or taking the swarm's.
 
-- Admission: in an allowlist swarm a node whose key is not listed stops at once with a sentence
-  that names its peer id; members refuse its messages (node/daemon/daemon.py wires the check).
-- Manifests: each node stores its agreed manifest in the DHT under its digest. When a member
-  announces another digest, we fetch that manifest, check it hashes to the digest, and log which
-  fields differ; such peers are never paired with, and the transport refuses their messages.
-- Late join: a node with no checkpoint, in a swarm already past round 0, downloads the outer
-  state from a member over a signed stream, checks it against the digest that member announced
-  (DiLoCoX: the digest a majority announced), and only then starts, at the swarm's round.
-  Nothing is written until the state is complete and verified.
+- Connect: p2pd and the DHT, the signed transport (admission and bans wired into it), our member
+  record and the member cache, our manifest published under its digest.
+- Resume or join late: a node with a checkpoint resumes from it; a node with none, in a swarm
+  already past round 0, downloads the outer state from a member over a signed stream, checks it
+  against the digest that member announced (DiLoCoX: the digest a majority announced), and only
+  then starts, at the swarm's round. Nothing is written until the state is complete and
+  verified. A node resuming too far behind its swarm to pair (NoLoCo) or share φ (DiLoCoX)
+  joins late the same way, keeping its inner optimizer and data position.
+- A fresh swarm: the first node waits (bounded) for --min-peers others before round 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from node.config.manifest import Manifest, canonical_json, differences, digest_of
-from node.rounds.wire_tensors import from_wire
+from node.config.manifest import Manifest
+from node.config.settings import NodeTimeouts
+from node.daemon.admission import AdmissionError, publish_manifest, refused_admission
+from node.daemon.members import MemberCache
+from node.events import CheckpointSkipped, LateJoined, MinPeersTimeout, Resumed
+from node.rounds.contributions import BanList
+from node.rounds.policy import RoundPolicy
+from node.rounds.state import STATE_KIND, decode_state
+from node.rounds.swarm import Swarm
+from node.train.trainer import InnerTrainer
 from p2p.errors import P2PError, Reason, RemoteRefused
+from p2p.host import P2PHost
+from p2p.identity import NodeIdentity
+from p2p.membership import Membership
+from p2p.streams import Transport
 from protocol.dilocox import winning_digest
-from protocol.tensors import weights_digest
+
+if TYPE_CHECKING:
+    from node.daemon.daemon import Daemon
 
 log = logging.getLogger("lowcomm.join")
-STATE_KIND = "state"
-MANIFEST_TTL_S = 24 * 3600.0
+CHECKPOINT_FORMAT = 2
 
 
-class AdmissionError(RuntimeError):
-    """This node may not join the swarm; the message says why and what to do."""
+@dataclass
+class Network:
+    """The node's network parts, in the order they start; node/daemon/leave.py stops them."""
+
+    host: P2PHost | None = None
+    transport: Transport | None = None
+    membership: Membership | None = None
+    cache: MemberCache | None = None
+    exchange: Any = None  # the protocol's exchange, once built
 
 
-def check_admission(manifest: Manifest, peer_id: str) -> None:
-    admission = manifest.admission
-    if admission.mode == "allowlist" and peer_id not in admission.public_keys:
-        raise AdmissionError(f"this node's key {peer_id} is not on swarm '{manifest.swarm.id}''s "
-                             f"allowlist: send it to the swarm's operator to be added")
+async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
+    """Starts p2pd, the transport and membership in `node.network`; the Swarm the exchanges use."""
+    m, settings, network = node.manifest, node.settings, node.network
+    network.host = host = await P2PHost.start(
+        identity, host_maddrs=settings.listen, announce_maddrs=settings.announce or None,
+        initial_peers=[*settings.peers, *m.network.bootstrap_peers],
+        nat_port_map=settings.port_mapping)
+    network.transport = transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest)
+    admit = None
+    if m.admission.mode == "allowlist":  # members refuse, and never call, unlisted keys
+        admit = transport.admit = set(m.admission.public_keys).__contains__
+    await transport.start()
+    network.membership = Membership(host, m.swarm.id, protocol=m.protocol.name, manifest=m.digest,
+                                    ttl_s=settings.member_ttl_s)
+    await network.membership.start()
+    bans = BanList(m.contributions.ban_after, m.contributions.ban_seconds)
+    network.cache = cache = MemberCache(network.membership, node.tasks, manifest=m.digest, bans=bans,
+                                        refresh_s=settings.timeouts.member_refresh_s, admit=admit)
+    await cache.start()
+    await publish_manifest(host.dht, m)
+    transport.counters.on_refusal_issued = \
+        lambda peer, reason: bans.transport_refusal(peer, reason.name, transport.ban)
+
+    def forged_record(peer: str) -> None:  # a flooder sends many: strike until banned
+        if not bans.is_banned(peer):
+            bans.refuse(peer, "FORGED_RECORD", f"refused a member record that {peer} stored in our "
+                        "DHT: it is not signed by the member it names (a forgery)", transport.ban)
+    host.validator.on_forgery = forged_record
+    return Swarm(node.loop, transport, cache, bans, identity.peer_id.to_base58(), m.digest,
+                 node.bridge, node.tasks, node.events.publish, settings.timeouts)
 
 
-def refused_admission(swarm: str, peer_id: str, members: str) -> str:
-    """The sentence of a node that members refused NOT_ADMITTED (it skipped check_admission,
-    or its manifest is older than the members' allowlist)."""
-    return (f"{members} of swarm '{swarm}' refused this node: its key {peer_id} is not on the "
-            f"swarm's allowlist; send it to the swarm's operator to be added")
+async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy) -> int:
+    """The round to start at: from our checkpoint, from the swarm's state, or 0."""
+    H, cache, timeouts = node.manifest.protocol.inner_steps, node.network.cache, node.settings.timeouts
+    node.store.remove_stale_temporaries()
+    loaded = node.store.load_latest()
+    if loaded is not None:
+        for reason in loaded.skipped:
+            node.events.publish(CheckpointSkipped(reason=reason))
+        state = loaded.state
+        if state.get("format") != CHECKPOINT_FORMAT or state.get("manifest") != node.manifest.digest:
+            raise RuntimeError(f"checkpoint {loaded.path.name} belongs to another swarm "
+                               f"manifest: use a fresh --data-dir or the same manifest")
+        trainer.load_state_dict(state["trainer"])
+        policy.load_state_dict(state["policy"])
+        node.events.publish(Resumed(checkpoint=loaded.path.name, step=trainer.step))
+        await wait_for_members(cache, timeouts.first_members_s)
+        lag = swarm_round(cache.eligible()) - trainer.step // H
+        # Too far behind to pair (NoLoCo) or to share φ (DiLoCoX): catch up like a late
+        # joiner, keeping our own inner optimizer and data position.
+        if lag <= max(1, node.manifest.protocol.max_staleness):
+            return trainer.step // H
+    else:
+        await wait_for_members(cache, timeouts.first_members_s)
+        if swarm_round(cache.eligible()) == 0:
+            await wait_min_peers(node, cache)
+            return 0
+    joined = await download_state(node.network.transport, cache, node.manifest, timeouts)
+    if joined is None:
+        return trainer.step // H
+    await node.loop.run_in_executor(None, policy.adopt, joined.tensors)
+    start = joined.round_index
+    trainer.start_at(start * H)
+    node.events.publish(LateJoined(source=joined.source, round=start,
+                                   state_round=joined.meta.get("phi_round"),
+                                   digest=joined.meta.get("phi")))
+    return start
 
 
-def manifest_key(swarm: str, digest: str) -> str:
-    return f"lowcomm/swarm/{swarm}/manifest/{digest}"
-
-
-async def publish_manifest(dht, manifest: Manifest) -> None:
-    text = canonical_json(manifest.agreed())
-    await dht.store(manifest_key(manifest.swarm.id, manifest.digest), text,
-                    time.time() + MANIFEST_TTL_S)
-
-
-class ManifestWatch:
-    """Logs once per foreign digest which fields differ from ours."""
-
-    def __init__(self, dht, manifest: Manifest):
-        self.dht, self.manifest = dht, manifest
-        self.explained: dict[str, str] = {}
-
-    async def check(self, records) -> None:
-        for record in records:
-            digest = record.manifest
-            if digest == self.manifest.digest or digest in self.explained:
-                continue
-            self.explained[digest] = await self._explain(record.peer_id, digest)
-            log.warning("%s", self.explained[digest])
-
-    async def _explain(self, peer: str, digest: str) -> str:
-        found = await self.dht.get(manifest_key(self.manifest.swarm.id, digest), latest=True)
-        head = (f"peer {peer} uses another manifest of swarm '{self.manifest.swarm.id}' "
-                f"(digest {digest[:12]} vs ours {self.manifest.digest[:12]})")
-        if found is None or not isinstance(found.value, str):
-            return head + "; its manifest is not in the DHT, so the differing fields are unknown"
+async def wait_min_peers(node: Daemon, cache: MemberCache) -> None:
+    """A swarm that starts together trains together: wait (bounded) for the others."""
+    wanted = node.settings.min_peers
+    deadline = node.loop.time() + node.settings.min_peers_timeout_s
+    while len(cache.eligible()) < wanted and node.loop.time() < deadline \
+            and not node.stop_event.is_set():
+        cache.refreshed.clear()
         try:
-            theirs = json.loads(found.value)
-            if not isinstance(theirs, dict) or digest_of(theirs) != digest:
-                return head + "; the manifest stored under its digest does not match it"
-        except (ValueError, TypeError):
-            return head + "; its stored manifest is not valid JSON"
-        fields = differences(self.manifest.agreed(), theirs)
-        return head + f": it differs in {', '.join(fields[:6]) or 'nothing visible'}; it is ignored"
+            await asyncio.wait_for(cache.refreshed.wait(), timeout=deadline - node.loop.time())
+        except asyncio.TimeoutError:
+            break
+    if len(cache.eligible()) < wanted:
+        node.events.publish(MinPeersTimeout(wanted=wanted, found=len(cache.eligible())))
 
 
 @dataclass
@@ -101,20 +151,20 @@ class JoinState:
     source: str
 
 
-def swarm_round(records, manifest_digest: str) -> int:
-    """The highest round a member on our manifest has reached (0 for a new swarm)."""
-    return max((r.round for r in records if r.manifest == manifest_digest), default=0)
+def swarm_round(members) -> int:
+    """The highest round an eligible member has reached (0 for a new swarm)."""
+    return max((r.round for r in members), default=0)
 
 
-def expected_digest(records, source, protocol: str) -> tuple[str | None, int | None]:
+def expected_digest(members, source, protocol: str) -> tuple[str | None, int | None]:
     """The digest a joiner must find in the downloaded φ, and the round it belongs to.
 
     NoLoCo members each hold their own φ: trust the serving member's signed announcement.
-    DiLoCoX members share φ: trust what the majority announced for the newest round.
+    DiLoCoX members share φ: trust what the eligible majority announced for the newest round.
     """
     if protocol == "noloco":
         return source.extra.get("phi"), source.extra.get("phi_round")
-    announced = [(r.extra.get("phi_round"), r.extra["phi"]) for r in records
+    announced = [(r.extra.get("phi_round"), r.extra["phi"]) for r in members
                  if r.extra.get("phi") and isinstance(r.extra.get("phi_round"), int)]
     if not announced:
         return None, None
@@ -122,19 +172,20 @@ def expected_digest(records, source, protocol: str) -> tuple[str | None, int | N
     return winning_digest(Counter(digest for rnd, digest in announced if rnd == newest)), newest
 
 
-async def download_state(transport, cache, manifest: Manifest, attempts: int = 3,
-                         timeout_s: float = 120.0, announce_wait_s: float = 10.0) -> JoinState | None:
+async def download_state(transport, cache: MemberCache, manifest: Manifest,
+                         timeouts: NodeTimeouts) -> JoinState | None:
     """The outer state of the most advanced member, verified; None when no member has one.
 
     The state is accepted only when its digest equals the digest announced (signed, in the DHT)
     for the same round; an announcement that lags the state is waited for, briefly.
     """
-    candidates = sorted((r for r in cache.peers() if r.manifest == manifest.digest
-                         and r.round > 0 and r.extra.get("phi")), key=lambda r: -r.round)
+    candidates = sorted((r for r in cache.eligible() if r.round > 0 and r.extra.get("phi")),
+                        key=lambda r: -r.round)
     errors, not_admitted = [], 0
-    for source in candidates[:attempts]:
+    for source in candidates[:timeouts.state_download_attempts]:
         try:
-            received = await transport.request(source.peer_id, STATE_KIND, 0, timeout=timeout_s,
+            received = await transport.request(source.peer_id, STATE_KIND, 0,
+                                               timeout=timeouts.state_download_s,
                                                streams=transport.limits.parallel_streams)
         except P2PError as exc:  # a member that failed mid-transfer: nothing of it is kept
             log.warning("the state from %s did not arrive (%s); asking the next member",
@@ -142,11 +193,12 @@ async def download_state(transport, cache, manifest: Manifest, attempts: int = 3
             errors.append(f"{source.peer_id}: {exc}")
             not_admitted += isinstance(exc, RemoteRefused) and exc.reason == Reason.NOT_ADMITTED
             continue
-        groups = {g: from_wire(received, f"{g}/") for g in ("phi", "momentum")}
-        got, state_round = weights_digest(groups["phi"]), received.meta.get("phi_round")
-        deadline = time.monotonic() + announce_wait_s
+        # decoding and hashing a whole model is torch work: off the event loop
+        groups, got = await asyncio.get_running_loop().run_in_executor(None, decode_state, received)
+        state_round = received.meta.get("phi_round")
+        deadline = time.monotonic() + timeouts.state_announce_wait_s
         while True:
-            fresh = {r.peer_id: r for r in cache.peers()}
+            fresh = {r.peer_id: r for r in cache.eligible()}
             if source.peer_id not in fresh:
                 digest, digest_round = None, None
                 break
@@ -174,7 +226,7 @@ async def download_state(transport, cache, manifest: Manifest, attempts: int = 3
     return None
 
 
-async def wait_for_members(cache, timeout_s: float) -> None:
+async def wait_for_members(cache: MemberCache, timeout_s: float) -> None:
     """Gives the DHT a moment to show existing members before deciding we are the first."""
     deadline = time.monotonic() + timeout_s
     while not cache.peers() and time.monotonic() < deadline:

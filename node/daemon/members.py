@@ -1,8 +1,10 @@
-"""A cached view of the swarm's members, refreshed from the DHT in the background.
+"""A cached view of the swarm's members, refreshed from the DHT in the background, and our own record.
 
 The matching and the DiLoCoX group read members on every decision; a DHT query each time would
 put network latency in their path, so they read this cache (at most `refresh_s` old) instead.
-Our own record's changes are published in the background, in the order they were made.
+`eligible()` is the one answer to "whom may this node pair with, send to, count the vote of or
+download state from". Our own record's changes are published in the background, in the order
+they were made; `PhiAnnouncer` keeps the digest of our φ in it.
 """
 
 from __future__ import annotations
@@ -13,17 +15,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from node.config.settings import NodeTimeouts
+from node.events import PairCorrected, RoundEnded
+from node.loop import BackgroundTasks
+from node.rounds.contributions import BanList
+from node.rounds.state import announcement
 from p2p.records import MemberRecord
 
 log = logging.getLogger("lowcomm.members")
 
 
 class MemberCache:
-    def __init__(self, membership, refresh_s: float = 0.5,
-                 admit: Callable[[str], bool] | None = None):
-        """`admit`: in an allowlist swarm, records of unlisted keys are left out of the view, so
-        nothing here ever pairs with or sends to them."""
-        self.membership, self.refresh_s, self.admit = membership, refresh_s, admit
+    def __init__(self, membership, tasks: BackgroundTasks, *, manifest: str, bans: BanList,
+                 refresh_s: float, admit: Callable[[str], bool] | None = None):
+        """`manifest`: our manifest's digest; `admit`: in an allowlist swarm, records of unlisted
+        keys are left out of the view, so nothing here ever pairs with or sends to them."""
+        self.membership, self.tasks, self.manifest, self.bans = membership, tasks, manifest, bans
+        self.refresh_s, self.admit = refresh_s, admit
         self.records: dict[str, MemberRecord] = {}
         self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order
         self.refreshed = asyncio.Event()
@@ -32,14 +40,15 @@ class MemberCache:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop(), name="member-cache")
+        self._task = self.tasks.spawn(self._loop(), "member cache")
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float) -> None:
+        """Stops refreshing; waits (bounded) for our record's last changes to be published."""
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
         if self._updates:
-            await asyncio.wait(self._updates, timeout=5)
+            await asyncio.wait(self._updates, timeout=timeout_s)
 
     async def refresh(self) -> None:
         records = await self.membership.peers()
@@ -71,6 +80,12 @@ class MemberCache:
         now = time.time()
         return [record for record in self.records.values() if record.expires > now]
 
+    def eligible(self) -> list[MemberRecord]:
+        """The members this node may pair with, send to, count the vote of or download state
+        from: live (`peers`), on our manifest (which fixes the protocol too), not banned."""
+        return [record for record in self.peers()
+                if record.manifest == self.manifest and not self.bans.is_banned(record.peer_id)]
+
     def update(self, **fields: Any) -> None:
         """Publishes changes of our own record without waiting (order is kept by Membership).
 
@@ -79,7 +94,7 @@ class MemberCache:
         if "extra" in fields:
             self.extra = {**self.extra, **fields["extra"]}
             fields["extra"] = dict(self.extra)
-        task = asyncio.get_running_loop().create_task(self.membership.update(**fields))
+        task = self.tasks.spawn(self.membership.update(**fields), "member record update")
         self._updates.add(task)
         task.add_done_callback(self._updates.discard)
 
@@ -93,13 +108,13 @@ class Reconnector:
     (P2PHost.reconnect). A node that starts a swarm alone just dials nobody.
     """
 
-    def __init__(self, host, cache: MemberCache, alone_s: float = 10.0, interval_s: float = 10.0):
-        self.host, self.cache, self.alone_s, self.interval_s = host, cache, alone_s, interval_s
+    def __init__(self, host, cache: MemberCache, timeouts: NodeTimeouts):
+        self.host, self.cache = host, cache
+        self.alone_s, self.interval_s = timeouts.alone_before_redial_s, timeouts.redial_every_s
         self.known: dict[str, tuple[str, ...]] = {}   # peer id -> its last published addresses
         self._alone_since: float | None = None
         self._next_try = 0.0
         self._task: asyncio.Task | None = None
-        self.attempts = 0
 
     def check(self) -> None:
         """Call now and then from the event loop (cheap)."""
@@ -119,8 +134,8 @@ class Reconnector:
                         for peer, addrs in self.known.items() for a in addrs)]
         if not candidates:
             return
-        self._next_try, self.attempts = now + self.interval_s, self.attempts + 1
-        self._task = asyncio.get_running_loop().create_task(self._redial(candidates))
+        self._next_try = now + self.interval_s
+        self._task = self.cache.tasks.spawn(self._redial(candidates), "redial")
 
     async def _redial(self, candidates: list[str]) -> None:
         answered = await self.host.reconnect(candidates)
@@ -134,3 +149,16 @@ class Reconnector:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
+
+
+class PhiAnnouncer:
+    """Keeps the digest of our φ in our member record (node/rounds/state.py announcement): what
+    late joiners verify a downloaded state against, and DiLoCoX's consensus check counts.
+    Subscribes to RoundEnded and PairCorrected."""
+
+    def __init__(self, cache: MemberCache):
+        self.cache = cache
+
+    def __call__(self, event: RoundEnded | PairCorrected) -> None:
+        digest = event.outcome.phi_digest if isinstance(event, RoundEnded) else event.phi_digest
+        self.cache.update(extra=announcement(digest, event.round, self.cache.extra))

@@ -1,16 +1,16 @@
 """The training thread of the daemon: inner steps, and every H steps the round's outer step.
 
 The thread owns the InnerTrainer and the protocol's outer state; the event loop owns the
-network. They meet only through a `RoundPolicy`, whose `end_round` runs here and talks to the
-loop through thread-safe calls that never wait on the network in `overlap` timing (and wait at
-most a deadline in `blocking` timing). The round counter is derived, never stored apart:
-round = completed inner steps // H.
+network. They meet only through the round (a RoundPolicy, node/rounds/policy.py), whose
+`between_steps` and `end_round` run here and talk to the loop through its link, which never
+waits on the network in `overlap` timing (and waits at most a deadline in `blocking` timing).
+The round counter is derived, never stored apart: round = completed inner steps // H.
 
 Invariants:
 - a stop request is honoured between inner steps: a step is never cut;
-- a checkpoint is written at the end of every `checkpoint_rounds`-th round and on stop, so a
-  restart resumes with the same trainer, outer state and round;
-- every event handed to `emit` is a plain dict (it crosses to the event loop).
+- a checkpoint is written at the end of every `checkpoint_every`-th step's round and on stop,
+  so a restart resumes with the same trainer, outer state and round;
+- every event is handed to `publish`, which carries it to the event loop.
 """
 
 from __future__ import annotations
@@ -21,45 +21,38 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol
 
+from node.config.schema import TrainConfig
+from node.events import Event, Failed, RoundEnded, StepDone, Stopping, Trained
+from node.rounds.policy import RoundPolicy
 from node.train.trainer import InnerTrainer, pad_step
 
 log = logging.getLogger(__name__)
 
 
-class RoundPolicy(Protocol):
-    """The protocol-specific end of a round (NoLoCo or DiLoCoX), run in the training thread."""
-
-    def between_steps(self, round_index: int) -> dict[str, Any] | None:
-        """Called after every inner step that does not end a round (must be cheap); returns
-        an event to report, if any."""
-
-    def end_round(self, round_index: int) -> dict[str, Any]:
-        """Applies the outer step, leaves θ = the new φ, and returns fields to report."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+def every_rounds(steps: int, inner_steps: int) -> int:
+    """A cadence in steps (eval_every, checkpoint_every) as rounds; 0 keeps its meaning: never
+    during training."""
+    return max(1, steps // inner_steps) if steps else 0
 
 
 class TrainingWorker(threading.Thread):
-    def __init__(self, trainer: InnerTrainer, policy: RoundPolicy, inner_steps: int,
-                 total_steps: int, emit: Callable[[dict], None],
-                 save_checkpoint: Callable[[], None], eval_every_rounds: int = 1,
-                 checkpoint_rounds: int = 1, min_step_seconds: float = 0.0):
-        """`eval_every_rounds` / `checkpoint_rounds` of 0: never between rounds."""
+    def __init__(self, config: TrainConfig, inner_steps: int, trainer: InnerTrainer,
+                 policy: RoundPolicy, *, total_steps: int, publish: Callable[[Event], None],
+                 save_checkpoint: Callable[[], None], peers_alive: Callable[[], int]):
+        """`total_steps`: stop after this inner step; `peers_alive`: the members seen alive, for
+        the round's report."""
         super().__init__(name="lowcomm-training", daemon=True)
-        self.trainer, self.policy = trainer, policy
-        self.inner_steps, self.total_steps = inner_steps, total_steps
-        self.emit, self.save_checkpoint = emit, save_checkpoint
-        self.eval_every_rounds, self.checkpoint_rounds = eval_every_rounds, checkpoint_rounds
+        self.trainer, self.policy, self.inner_steps = trainer, policy, inner_steps
+        self.total_steps, self.min_step_seconds = total_steps, config.min_step_seconds
+        self.eval_every_rounds = every_rounds(config.eval_every, inner_steps)
+        self.checkpoint_rounds = every_rounds(config.checkpoint_every, inner_steps)
+        self.publish, self.save_checkpoint, self.peers_alive = publish, save_checkpoint, peers_alive
         self.stop_requested = threading.Event()
         self.finished = threading.Event()
         self.error: BaseException | None = None
         self.tokens = 0
         self.compute_seconds = 0.0
-        self.min_step_seconds = min_step_seconds
 
     @property
     def round_index(self) -> int:
@@ -74,7 +67,7 @@ class TrainingWorker(threading.Thread):
         except BaseException as exc:  # reported to the loop, which exits with the reason
             self.error = exc
             log.error("training thread failed: %s\n%s", exc, traceback.format_exc())
-            self.emit({"event": "failed", "error": f"{exc.__class__.__name__}: {exc}"})
+            self.publish(Failed(error=f"{exc.__class__.__name__}: {exc}"))
         finally:
             self.finished.set()
 
@@ -82,34 +75,35 @@ class TrainingWorker(threading.Thread):
         trainer = self.trainer
         round_started = time.monotonic()
         while trainer.step < self.total_steps and not self.stop_requested.is_set():
+            event = self.policy.between_steps(self.round_index)
+            if event is not None:
+                self.publish(event)
             result = trainer.train_step()
             self.tokens += result.tokens
             self.compute_seconds += result.seconds
-            self.emit({"event": "step", "step": result.step, "round": self.round_index,
-                       "loss": result.loss, "lr": result.lr,
-                       "tokens_per_second": result.tokens / result.seconds})
+            self.publish(StepDone(step=result.step, round=self.round_index, loss=result.loss,
+                                  lr=result.lr, grad_norm=result.grad_norm,
+                                  tokens_per_second=result.tokens / result.seconds))
             pad_step(result.seconds, self.min_step_seconds, self.stop_requested.wait)
             if trainer.step % self.inner_steps:
-                event = self.policy.between_steps(self.round_index)
-                if event is not None:
-                    self.emit(event)
                 continue
             finished_round = trainer.step // self.inner_steps - 1
             compute = time.monotonic() - round_started
             outer_started = time.monotonic()
-            report = self.policy.end_round(finished_round)
-            event = {"event": "round", "round": finished_round, "step": trainer.step,
-                     "round_seconds": compute, "outer_seconds": time.monotonic() - outer_started,
-                     **report}
+            outcome = self.policy.end_round(finished_round)
+            outer = time.monotonic() - outer_started
+            val = None
             if self.eval_every_rounds and (finished_round + 1) % self.eval_every_rounds == 0:
                 val = trainer.evaluate()
-                event.update(val_loss=val, perplexity=math.exp(min(val, 50.0)))
-            self.emit(event)
+            self.publish(RoundEnded(round=finished_round, step=trainer.step, round_seconds=compute,
+                                    outer_seconds=outer, outcome=outcome,
+                                    peers_alive=self.peers_alive(), val_loss=val,
+                                    perplexity=None if val is None else math.exp(min(val, 50.0))))
             if self.checkpoint_rounds and (finished_round + 1) % self.checkpoint_rounds == 0:
                 self.save_checkpoint()
             round_started = time.monotonic()
         if self.stop_requested.is_set():
-            self.emit({"event": "stopping", "step": trainer.step})
+            self.publish(Stopping(step=trainer.step))
         self.save_checkpoint()
-        self.emit({"event": "trained", "step": trainer.step, "tokens": self.tokens,
-                   "compute_seconds": self.compute_seconds})
+        self.publish(Trained(step=trainer.step, tokens=self.tokens,
+                             compute_seconds=self.compute_seconds))

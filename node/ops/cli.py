@@ -19,9 +19,9 @@ def _data_dir(args: argparse.Namespace) -> Path:
         return Path(args.data_dir)
     if args.swarm:
         return Path("runs") / args.swarm
-    from node.ops.control import SOCKET_NAME, NoDaemonError
+    from node.ops.control import NoDaemonError, control_socket_path
 
-    found = sorted(p.parent for p in Path("runs").glob(f"*/{SOCKET_NAME}"))
+    found = sorted(p for p in Path("runs").glob("*") if control_socket_path(p).exists())
     if len(found) == 1:
         return found[0]
     if not found:

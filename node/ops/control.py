@@ -28,9 +28,9 @@ import stat
 from pathlib import Path
 from typing import Any, Callable
 
+from node.data_dir import DataDir
 from node.ops.status import json_safe
 
-SOCKET_NAME = "control.sock"
 MAX_REQUEST = 1024
 REQUEST_TIMEOUT = 5.0
 # sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS), NUL included.
@@ -48,7 +48,7 @@ class ControlSocketError(RuntimeError):
 
 
 def control_socket_path(data_dir: str | os.PathLike) -> Path:
-    return Path(data_dir) / SOCKET_NAME
+    return DataDir(data_dir).control_socket
 
 
 def _check_length(path: Path) -> None:

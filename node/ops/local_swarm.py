@@ -22,7 +22,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-ADDRESS_FILE = "address"
+from node.data_dir import DataDir
+
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
@@ -35,7 +36,7 @@ class NodeProcess:
     offset: int = 0
 
     def poll_events(self) -> None:
-        log = self.data_dir / "metrics.jsonl"
+        log = DataDir(self.data_dir).metrics
         if not log.exists():
             return
         with open(log, encoding="utf-8") as f:
@@ -52,28 +53,28 @@ class NodeProcess:
 
 
 def wait_for_address(data_dir: Path, process: subprocess.Popen, timeout: float) -> str:
-    path = data_dir / ADDRESS_FILE
+    layout = DataDir(data_dir)
+    path = layout.address
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"node 0 exited with code {process.returncode} before it was "
-                               f"reachable: see {data_dir / 'node.log'}")
+                               f"reachable: see {layout.log}")
         if path.exists() and path.read_text().strip():
             return path.read_text().split()[0]
         time.sleep(0.1)
-    raise RuntimeError(f"node 0 did not write {path} within {timeout:.0f} s: see "
-                       f"{data_dir / 'node.log'}")
+    raise RuntimeError(f"node 0 did not write {path} within {timeout:.0f} s: see {layout.log}")
 
 
 def start_node(index: int, base: Path, join_args: list[str], peers: list[str]) -> NodeProcess:
     data_dir = base / f"node-{index}"
     data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / ADDRESS_FILE).unlink(missing_ok=True)
+    DataDir(data_dir).address.unlink(missing_ok=True)
     command = [sys.executable, "-m", "node.cli", "join", "--data-dir", str(data_dir),
                "--listen", LOOPBACK, *join_args]
     for peer in peers:
         command += ["--peer", peer]
-    log = open(data_dir / "node.log", "ab")
+    log = open(DataDir(data_dir).log, "ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     log.close()

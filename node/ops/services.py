@@ -60,7 +60,7 @@ class NodeOps:
     @classmethod
     def from_args(cls, status: NodeStatus, data_dir: str | os.PathLike,
                   args: argparse.Namespace, **kwargs: Any) -> "NodeOps":
-        """From the options of node.ops_cli.add_join_ops_arguments."""
+        """From the options of node.ops.cli.add_join_ops_arguments."""
         return cls(status, data_dir, mqtt_url=getattr(args, "mqtt", None),
                    mqtt_interval=getattr(args, "mqtt_interval", 5.0),
                    preemption=getattr(args, "preemption", None),

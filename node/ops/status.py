@@ -9,8 +9,7 @@ Fields, units and meaning (None = not known yet):
 
     schema                   int    schema version of this document (SCHEMA_VERSION)
     online                   bool   false only in the MQTT last will / the clean-exit message
-    state                    str    starting | training | exchanging | checkpointing |
-                                    stopping | offline
+    state                    str    starting | training | stopping | offline
     peer_id                  str    the node's libp2p peer id (base58; carries its public key)
     swarm                    str    swarm id (the manifest's name)
     protocol                 str    outer protocol: noloco | diloco | dilocox
@@ -25,8 +24,8 @@ Fields, units and meaning (None = not known yet):
     val_loss                 float  latest validation loss, nats/token
     train_loss_trend         [float] last TREND_LEN training losses, oldest first
     val_loss_trend           [float] last TREND_LEN validation losses, oldest first
-    tokens_per_second        float  inner training throughput, tokens/s (recent average)
-    rounds_per_minute        float  outer rounds completed per minute (recent average)
+    tokens_per_second        float  inner training throughput of the last step, tokens/s
+    rounds_per_minute        float  outer rounds completed per minute, averaged since start
     device                   str    where training runs: "cpu", "cuda:0", "mps"
     device_name              str    human name of the accelerator ("" on CPU)
     device_util_percent      float  accelerator utilisation, % (None on CPU or unknown)
@@ -68,7 +67,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 TREND_LEN = 32
-STATES = ("starting", "training", "exchanging", "checkpointing", "stopping", "offline")
+STATES = ("starting", "training", "stopping", "offline")
 DERIVED = ("last_exchange_age_s", "checkpoint_age_s", "uptime_s")
 
 

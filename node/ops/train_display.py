@@ -1,6 +1,6 @@
 """What `lowcomm-node train` shows: a rich progress bar on a terminal, plain lines otherwise.
 
-It only listens to the training loop's events; it holds no training logic.
+It only subscribes to the training loop's events (node/events.py); it holds no training logic.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ import sys
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from node.events import (CheckpointSkipped, Evaluated, Event, StepDone, Stopping, TrainingDone,
+                         TrainingStarted)
 
 
 class TrainDisplay:
@@ -33,43 +36,39 @@ class TrainDisplay:
         else:
             print(text, flush=True)
 
-    def __call__(self, event: dict) -> None:
-        kind = event["event"]
-        if kind == "start":
-            resumed = f", resumed from {event['resumed_from']}" if event["resumed_from"] else ""
-            self._line(f"corpus: {event['corpus']}")
-            self._line(f"model: {event['parameters']:,} parameters on {event['device']} "
-                       f"({event['threads']} threads), step {event['step']} of "
-                       f"{event['steps']}{resumed}")
+    def __call__(self, event: Event) -> None:
+        if isinstance(event, TrainingStarted):
+            resumed = f", resumed from {event.resumed_from}" if event.resumed_from else ""
+            self._line(f"corpus: {event.corpus}")
+            self._line(f"model: {event.parameters:,} parameters on {event.device} "
+                       f"({event.threads} threads), step {event.step} of {event.steps}{resumed}")
             if self.interactive:
                 self.progress = Progress(
                     TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[status]}"), TimeRemainingColumn(),
                     console=self.console, transient=False)
                 self.progress.start()
-                self.task = self.progress.add_task("train", total=event["steps"],
-                                                   completed=event["step"], status="")
-        elif kind == "step":
-            status = (f"loss {event['loss']:.3f}  lr {event['lr']:.2e}  "
-                      f"{event['tokens_per_second']:,.0f} tok/s")
+                self.task = self.progress.add_task("train", total=event.steps,
+                                                   completed=event.step, status="")
+        elif isinstance(event, StepDone):
+            status = f"loss {event.loss:.3f}  lr {event.lr:.2e}  {event.tokens_per_second:,.0f} tok/s"
             if self.last_val is not None:
                 status += f"  val {self.last_val:.3f}"
             if self.progress is not None:
-                self.progress.update(self.task, completed=event["step"], status=status)
-            elif event["step"] % self.log_every == 0:
-                self._line(f"step {event['step']}: {status}")
-        elif kind == "eval":
-            self.last_val = event["val_loss"]
-            self._line(f"step {event['step']}: validation loss {event['val_loss']:.4f} nats/token,"
-                       f" perplexity {event['perplexity']:.2f}")
-        elif kind == "checkpoint_skipped":
-            self._line(f"warning: {event['reason']}")
-        elif kind == "stopping":
-            self._line(f"{event['signal']} received: finished step {event['step']}, "
-                       f"writing a checkpoint")
-        elif kind == "done":
-            self._line(f"done at step {event['step']}: validation loss {event['val_loss']:.4f}, "
-                       f"{event['tokens_per_second']:,.0f} tokens/s")
+                self.progress.update(self.task, completed=event.step, status=status)
+            elif event.step % self.log_every == 0:
+                self._line(f"step {event.step}: {status}")
+        elif isinstance(event, Evaluated):
+            self.last_val = event.val_loss
+            self._line(f"step {event.step}: validation loss {event.val_loss:.4f} nats/token,"
+                       f" perplexity {event.perplexity:.2f}")
+        elif isinstance(event, CheckpointSkipped):
+            self._line(f"warning: {event.reason}")
+        elif isinstance(event, Stopping):
+            self._line(f"{event.signal} received: finished step {event.step}, writing a checkpoint")
+        elif isinstance(event, TrainingDone):
+            self._line(f"done at step {event.step}: validation loss {event.val_loss:.4f}, "
+                       f"{event.tokens_per_second:,.0f} tokens/s")
 
 
 def error(message: str) -> None:

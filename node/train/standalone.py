@@ -1,32 +1,31 @@
 """One node, no network: `lowcomm-node train`, the no-communication baseline.
 
-The loop trains, validates, checkpoints and resumes; what it reports goes to a metrics log
-(JSON lines in the data directory) and to any display that listens. SIGINT/SIGTERM finish the
-current step, write a checkpoint and return normally.
+The loop trains, validates, checkpoints and resumes; it reports typed events (node/events.py)
+to a metrics log (JSON lines in the data directory) and to any subscriber given (the terminal
+display, node/ops/train_display.py). SIGINT/SIGTERM finish the current step, write a checkpoint
+and return normally.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import signal
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from node.train.checkpoint import CheckpointStore
 from node.config.schema import Config
 from node.data.corpus import load_corpus, stream_seed
+from node.data_dir import DataDir, MetricsLog
+from node.events import (Checkpointed, CheckpointSkipped, EventBus, Evaluated, Handler, StepDone,
+                         Stopping, TrainingDone, TrainingStarted)
+from node.train.checkpoint import CheckpointStore
 from node.train.model import count_parameters
 from node.train.trainer import InnerTrainer, pad_step, pick_device
 
 CHECKPOINT_FORMAT = 1
-Event = dict
-Listener = Callable[[Event], None]
 
 
 @dataclass
@@ -36,21 +35,6 @@ class RunSummary:
     tokens_per_second: float
     resumed_from: str | None
     stopped_early: bool
-
-
-class MetricsLog:
-    """Append-only JSON lines: one object per event, flushed so a SIGKILL loses at most one."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(path, "a", encoding="utf-8")
-
-    def __call__(self, event: Event) -> None:
-        self.file.write(json.dumps(event) + "\n")
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
 
 
 class StopFlag:
@@ -95,18 +79,15 @@ def check_resumable(state: dict, cfg: Config, corpus_digest: str, path: Path) ->
                            f"same data or a fresh node.data_dir")
 
 
-def run_training(cfg: Config, identity: bytes, listeners: list[Listener] = (),
+def run_training(cfg: Config, identity: bytes, subscribers: list[Handler] = (),
                  stop: StopFlag | None = None) -> RunSummary:
-    data_dir = Path(cfg.node.data_dir)
-    store = CheckpointStore(data_dir / "checkpoints")
+    data_dir = DataDir(cfg.node.data_dir)
+    store = CheckpointStore(data_dir.checkpoints)
     store.remove_stale_temporaries()
-    metrics = MetricsLog(data_dir / "metrics.jsonl")
-    emit_to = [metrics, *listeners]
-
-    def emit(kind: str, **fields) -> None:
-        event = {"event": kind, "time": time.time(), **fields}
-        for listener in emit_to:
-            listener(event)
+    metrics = MetricsLog(data_dir.metrics)
+    events = EventBus()
+    for subscriber in (metrics, *subscribers):
+        events.subscribe(subscriber)
 
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -119,40 +100,45 @@ def run_training(cfg: Config, identity: bytes, listeners: list[Listener] = (),
                                stream_seed(identity, cfg.train.seed), device)
         loaded = store.load_latest()
         for reason in loaded.skipped if loaded else []:
-            emit("checkpoint_skipped", reason=reason)
+            events.publish(CheckpointSkipped(reason=reason))
         if loaded:
             check_resumable(loaded.state, cfg, corpus.digest, loaded.path)
             trainer.load_state_dict(loaded.state["trainer"])
-        emit("start", corpus=corpus.summary(), corpus_digest=corpus.digest, device=str(device),
-             parameters=count_parameters(trainer.model), threads=torch.get_num_threads(),
-             step=trainer.step, steps=cfg.train.steps,
-             resumed_from=loaded.path.name if loaded else None)
+        events.publish(TrainingStarted(
+            corpus=corpus.summary(), corpus_digest=corpus.digest, device=str(device),
+            parameters=count_parameters(trainer.model), threads=torch.get_num_threads(),
+            step=trainer.step, steps=cfg.train.steps,
+            resumed_from=loaded.path.name if loaded else None))
 
         def save() -> None:
             path = store.save(checkpoint_state(cfg, trainer, corpus.digest), trainer.step)
-            emit("checkpoint", step=trainer.step, path=path.name)
+            events.publish(Checkpointed(step=trainer.step, path=path.name))
+
+        def evaluate(step: int) -> float:
+            val = trainer.evaluate()
+            events.publish(Evaluated(step=step, val_loss=val, perplexity=math.exp(val)))
+            return val
 
         val_loss, tokens, seconds = math.nan, 0, 0.0
         while trainer.step < cfg.train.steps and not stop:
             result = trainer.train_step()
             tokens += result.tokens
             seconds += result.seconds
-            emit("step", step=result.step, loss=result.loss, lr=result.lr,
-                 grad_norm=result.grad_norm, tokens_per_second=result.tokens / result.seconds)
+            events.publish(StepDone(step=result.step, round=None, loss=result.loss, lr=result.lr,
+                                    grad_norm=result.grad_norm,
+                                    tokens_per_second=result.tokens / result.seconds))
             pad_step(result.seconds, cfg.train.min_step_seconds, stop.event.wait)
             if cfg.train.eval_every and result.step % cfg.train.eval_every == 0:
-                val_loss = trainer.evaluate()
-                emit("eval", step=result.step, val_loss=val_loss, perplexity=math.exp(val_loss))
+                val_loss = evaluate(result.step)
             if cfg.train.checkpoint_every and result.step % cfg.train.checkpoint_every == 0:
                 save()
         if stop:
-            emit("stopping", step=trainer.step, signal=stop.signal_name)
+            events.publish(Stopping(signal=stop.signal_name, step=trainer.step))
         elif not (cfg.train.eval_every and trainer.step % cfg.train.eval_every == 0):
-            val_loss = trainer.evaluate()
-            emit("eval", step=trainer.step, val_loss=val_loss, perplexity=math.exp(val_loss))
+            val_loss = evaluate(trainer.step)
         save()
         rate = tokens / seconds if seconds else 0.0
-        emit("done", step=trainer.step, val_loss=val_loss, tokens_per_second=rate)
+        events.publish(TrainingDone(step=trainer.step, val_loss=val_loss, tokens_per_second=rate))
         return RunSummary(trainer.step, val_loss, rate, loaded.path.name if loaded else None,
                           bool(stop))
     finally:

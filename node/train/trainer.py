@@ -2,7 +2,8 @@
 
 One object per node. It owns the live model (the fast weights θ), the inner optimizer (never
 sent, never averaged, never reset between rounds) and the node's batch stream. The outer
-protocols read and overwrite θ through `parameters()`; the trainer knows nothing of them.
+protocols read and overwrite θ through `named_parameters()` and `load_parameters()`; the
+trainer knows nothing of them.
 """
 
 from __future__ import annotations

@@ -37,6 +37,11 @@ def swapped_with(peer: str, after: float):
                           for e in ev)
 
 
+def refused_as_banned(by) -> str:
+    """What the adversary logs when `by`, having banned it, refuses one of its streams."""
+    return f"peer {by.peer_id} refused our 'noloco.match' message: BANNED"
+
+
 def wait_any_log(nodes, text: str, timeout: float):
     """(node, log) of the first node whose log holds `text`."""
     deadline = time.monotonic() + timeout
@@ -61,7 +66,7 @@ def test_poisoned_updates_are_refused_and_the_sender_banned(harness_factory, kin
     banner.wait_for(lambda ev: sum(e["event"] == "round" and bool(e.get("refused"))
                                    for e in ev) >= 2, 30, "the refusals' round events")
     # every refusal names the adversary and the right check; none names an honest node
-    refused = [r["refused"] for n in honest for r in n.events("round") if r.get("refused")]
+    refused = [s for n in honest for r in n.events("round") for s in r.get("refused") or []]
     assert len([s for s in refused if bad_id in s]) >= 2, refused
     assert all(bad_id in s and REFUSAL_TEXT[kind] in s for s in refused), refused
     assert "adversary: offering" in bad.log_tail(100_000)
@@ -70,10 +75,10 @@ def test_poisoned_updates_are_refused_and_the_sender_banned(harness_factory, kin
     other = next(n for n in honest if n is not banner)
     banner.wait_for(swapped_with(other.peer_id, banned_at), 120,
                     "a swap with the honest peer after the ban")
-    stop_all([*honest, bad])
-    counters = banner.events("transport")[-1]
     # after the ban the adversary's streams are refused before their payload is read
-    print(kind, "refusals:", len(refused), "banner counters:", counters["refused_incoming"])
+    wait_any_log([bad], refused_as_banned(banner), 90)
+    stop_all([*honest, bad])
+    assert banner.events("transport")[-1]["refused_incoming"].get("BANNED", 0) >= 1
     for node in honest:
         assert finished(node.events())
 
@@ -85,18 +90,16 @@ def test_replayed_messages_are_refused_as_replayed(harness_factory):
     harness = harness_factory(adversary_manifest("t-adv-replay"), harness_class=FaultHarness)
     honest, bad = start_swarm(harness, 2, "replay")
     wait_any_log([bad], "refused: REPLAYED", 120)
-    wait_any_log(honest, f"banned {bad.peer_id}", 120)
+    banner, _ = wait_any_log(honest, f"banned {bad.peer_id}", 120)
     attacked_at = time.time()
     a, b = honest
     a.wait_for(swapped_with(b.peer_id, attacked_at), 120, "an honest swap during the replays")
+    wait_any_log([bad], refused_as_banned(banner), 90)  # banned: its streams are refused
     stop_all([*honest, bad])
-    log = bad.log_tail(100_000)
-    assert "was ACCEPTED" not in log
-    replays = log.count("refused: REPLAYED")
-    refused = {k: v for n in honest for k, v in n.events("transport")[-1]["refused_incoming"].items()}
-    print("replays refused:", replays, "honest refusals:", refused)
+    assert "was ACCEPTED" not in bad.log_tail(100_000)
     assert sum(n.events("transport")[-1]["refused_incoming"].get("REPLAYED", 0)
                for n in honest) >= 1
+    assert banner.events("transport")[-1]["refused_incoming"].get("BANNED", 0) >= 1
 
 
 def test_streams_never_finished_do_not_stop_honest_exchanges(harness_factory):

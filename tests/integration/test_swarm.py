@@ -21,18 +21,29 @@ def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory)
     for node in nodes:
         node.wait_for(left, 300, "the node to finish and leave")
         assert node.process.wait(timeout=30) == 0
-    pairs, partners_of = set(), {}
+    pairs, partners_of, used_by = set(), {}, {}
+    trained_at = {node.peer_id: node.events("trained")[-1]["time"] for node in nodes}
     for node in nodes:
         rounds = node.events("round")
         vals = [r["val_loss"] for r in rounds if "val_loss" in r]
         assert len(vals) >= 5 and vals[-1] < vals[0] - 0.3, vals
         partners = [r["partner"] for r in rounds if r["partner"]]
         assert len(partners) >= 2, f"node {node.index} paired only {len(partners)} times"
+        # each partner's snapshot was applied: its correction moved θ and φ (local training
+        # alone would pass the checks above; a correction that applies nothing does not)
+        assert all(r["pair_shift"] > 0 for r in rounds if r["partner"]), rounds
+        corrections = node.events("pair_correction")
+        assert all(c["shift"] > 0 and c["phi_digest"] != c["phi_before"] for c in corrections)
         # honest peers' snapshots pass every check (the noise floor included)
         assert not [r["refused"] for r in rounds if r.get("refused")]
         # overlap timing: the training thread hands its snapshot over and never waits for a swap
         assert max(r["network_wait_seconds"] for r in rounds) < 2.0, rounds
         partners_of[node.peer_id] = set(partners)
+        # the partners that could use the pair too: it formed before their training ended (a
+        # node answers swaps until it leaves, but uses no pair after its last round)
+        paired_at = {(e["round"], e["partner"]): e["time"] for e in node.events("paired")}
+        used_by[node.peer_id] = {r["partner"] for r in rounds if r["partner"] and
+                                 paired_at[(r["round"], r["partner"])] < trained_at[r["partner"]]}
         pairs |= {frozenset((node.peer_id, p)) for p in partners}
         counters = node.events("transport")[-1]
         # every snapshot used was a verified signed message, and no message failed a security
@@ -46,7 +57,7 @@ def test_noloco_four_nodes_learn_and_pair_with_varying_partners(harness_factory)
     assert max(len(p) for p in partners_of.values()) >= 2
     # a pair is mutual: whoever A swapped with in a round lists A too
     for a, b in itertools.permutations(partners_of, 2):
-        if b in partners_of[a]:
+        if b in used_by[a]:
             assert a in partners_of[b]
 
 

@@ -7,26 +7,20 @@ the inbox as the transport's handler would after its checks.
 import asyncio
 import random
 
-from node.rounds.contributions import BanList
+from node.config.manifest import ProtocolSection
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from p2p.records import MemberRecord
-
-
-class MemberView:
-    def __init__(self, records: list[MemberRecord]):
-        self.records = records  # the caller's list: replacing a record changes the view
-
-    def peers(self) -> list[MemberRecord]:
-        return list(self.records)
+from tests.swarm_parts import member as live_member
+from tests.swarm_parts import unit_swarm
 
 
 def member(peer_id: str, round_index: int) -> MemberRecord:
-    return MemberRecord(peer_id, (), "dilocox", "m", round_index, "training", 0.0, {"since": 0})
+    return live_member(peer_id, round_index, "dilocox", "training", since=0)
 
 
 def exchange(loop, records: list[MemberRecord]) -> DiLoCoXExchange:
-    return DiLoCoXExchange(loop, None, MemberView(records), "me", "m", 8, 30.0, BanList(2, 60.0),
-                           60.0, random.Random(0), lambda kind, fields: None)
+    return DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=8, message_deadline_s=30.0),
+                           unit_swarm(loop, records), random.Random(0))
 
 
 def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
@@ -37,15 +31,14 @@ def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
 def test_a_member_still_in_the_round_is_waited_for_at_most_one_of_our_rounds():
     async def main():
         loop = asyncio.get_running_loop()
-        view = [member("slow", 3)]  # still training round 3 when we collect it
-        ex = exchange(loop, view)
+        ex = exchange(loop, [member("slow", 3)])  # still training round 3 when we collect it
         ex.last_collect_at = loop.time() - 2.0  # our rounds take 2 s
         loop.call_later(0.3, deliver, ex, 3, "slow")
         began = loop.time()
         got = await ex._collect(3, 30.0)
         assert [g.peer for g in got] == ["slow"] and loop.time() - began < 1.5
         # it stays in round 4: we wait one of our rounds (1 s), not the 30 s deadline
-        view[0] = member("slow", 4)
+        ex.members.records["slow"] = member("slow", 4)
         await asyncio.sleep(0.7)
         began = loop.time()
         assert await ex._collect(4, 30.0) == []
@@ -84,7 +77,7 @@ def test_a_late_joiner_waits_for_its_first_round_only_one_of_its_own_rounds():
         # from the next round on, a member that finished the round is waited for as usual
         ex.inbox.clear()
         ex.last_collect_at = loop.time() - 0.5
-        ex.members.records[0] = member("ahead", 9)
+        ex.members.records["ahead"] = member("ahead", 9)
         began = loop.time()
         assert await ex._collect(8, 1.5) == []
         assert loop.time() - began >= 1.4

@@ -6,6 +6,8 @@ import asyncio
 import time
 
 from node.daemon.members import MemberCache
+from node.loop import BackgroundTasks
+from node.rounds.contributions import BanList
 from p2p.errors import HostError
 from p2p.records import MemberRecord
 
@@ -31,13 +33,14 @@ def test_members_expire_on_time_while_refreshes_fail():
     async def scenario():
         soon, later = time.time() + 0.6, time.time() + 60
         lookup = LookupThatFailsAfterOneAnswer({"a": record("a", soon), "b": record("b", later)})
-        cache = MemberCache(lookup, refresh_s=0.05)
+        cache = MemberCache(lookup, BackgroundTasks(), manifest="m", bans=BanList(2, 60.0),
+                            refresh_s=0.05)
         await cache.start()
         assert {r.peer_id for r in cache.peers()} == {"a", "b"}
         deadline = time.monotonic() + 5
         while len(cache.peers()) > 1 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await cache.stop()
+        await cache.stop(5.0)
         assert lookup.calls > 2, "the cache stopped refreshing"
         # "a" expired although no refresh succeeded; "b" is still alive; both stay known
         assert [r.peer_id for r in cache.peers()] == ["b"]

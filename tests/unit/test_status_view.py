@@ -19,7 +19,7 @@ PARTNER = "12D3KooWPartnerPeerIdForTheViewTestxxxxxxxxxxxxxZZ9"
 
 
 def full_status(now: float) -> NodeStatus:
-    s = NodeStatus(peer_id=PEER, swarm="tiny-swarm", protocol="dilocox", state="exchanging",
+    s = NodeStatus(peer_id=PEER, swarm="tiny-swarm", protocol="dilocox", state="stopping",
                    started_at=now - 3725, round=17, step=4321, tokens_per_second=23456.0,
                    rounds_per_minute=1.75, device="cuda:0", device_name="Test GPU",
                    device_util_percent=87.0, device_memory_bytes=3 * 2**30,
@@ -38,7 +38,7 @@ def full_status(now: float) -> NodeStatus:
 
 # What each layout must show, field by field (the view formats; these are its renderings).
 EXPECTED = {
-    "swarm": "tiny-swarm", "protocol": "dilocox", "state": "exchanging", "round": "17",
+    "swarm": "tiny-swarm", "protocol": "dilocox", "state": "stopping", "round": "17",
     "step": "4321", "train_loss": "3.500", "val_loss": "3.600", "tokens_per_second": "23,456",
     "rounds_per_minute": "1.75", "device": "cuda:0 (Test GPU)", "device_util_percent": "87%",
     "device_memory": "3.0 GiB / 80.0 GiB", "cpu_percent": "143%", "rss_bytes": "1.5 GiB",

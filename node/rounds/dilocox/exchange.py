@@ -31,48 +31,33 @@ import asyncio
 import logging
 import random
 from collections import Counter
-from collections.abc import Callable
 
-from node.rounds.contributions import BanList
+from node.config.manifest import ProtocolSection
+from node.events import Diverged, Missing, ResyncReady, SendFailed, Sent
 from node.rounds.dilocox.round import GroupMessage
-from node.daemon.join import STATE_KIND
-from node.rounds.noloco.exchange import peer_name
-from node.rounds.wire_tensors import from_wire
+from node.rounds.state import STATE_KIND, announced_phi, decode_state
+from node.rounds.swarm import Swarm, peer_name
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from protocol.dilocox import winning_digest
-from protocol.tensors import weights_digest
 
 log = logging.getLogger("lowcomm.dilocox")
 PGRAD = "dilocox.pgrad"
-CONSENSUS_WAIT_S = 5.0
-
-
-def phi_vote(extra: dict, round_index: int) -> str | None:
-    """A member's announced φ digest after `round_index`: its latest, or the one before (a
-    member may have finished another round before we look)."""
-    for digest, announced in (("phi", "phi_round"), ("phi_prev", "phi_prev_round")):
-        if extra.get(announced) == round_index and isinstance(extra.get(digest), str):
-            return extra[digest]
-    return None
 
 
 class DiLoCoXExchange:
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport, members, peer_id: str,
-                 manifest_digest: str, fan_out: int, message_deadline_s: float, bans: BanList,
-                 ban_seconds: float, rng: random.Random, report: Callable[[str, dict], None]):
-        self.loop, self.transport, self.members = loop, transport, members
-        self.peer_id, self.manifest = peer_id, manifest_digest
-        self.fan_out, self.deadline_s = fan_out, message_deadline_s
-        self.bans, self.ban_seconds, self.rng, self.report = bans, ban_seconds, rng, report
+    def __init__(self, config: ProtocolSection, swarm: Swarm, rng: random.Random):
+        self.swarm, self.rng = swarm, rng
+        self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
+        self.peer_id, self.publish = swarm.peer_id, swarm.publish
+        self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
         self.arrived = asyncio.Event()
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
-        self.sent_ok = self.sent_failed = 0
-        self._tasks: set[asyncio.Task] = set()
+        self._checks: set[asyncio.Task] = set()  # consensus checks in flight
 
     def start(self, round_index: int) -> None:
         self.oldest_wanted = max(0, round_index - 1)
@@ -81,43 +66,36 @@ class DiLoCoXExchange:
                                accept_round=lambda r: r >= self.oldest_wanted)
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
+        """Ends the consensus checks still running (the node is leaving)."""
+        for task in self._checks:
             task.cancel()
-        if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-
-    def _spawn(self, coroutine) -> None:
-        task = self.loop.create_task(coroutine)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if self._checks:
+            await asyncio.wait(self._checks)
 
     def _members(self) -> list[str]:
-        return sorted(r.peer_id for r in self.members.peers()
-                      if r.manifest == self.manifest and r.protocol == "dilocox"
-                      and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id))
+        return sorted(r.peer_id for r in self.members.eligible())
 
     def group(self) -> list[str]:
         peers = self._members()
         return peers if len(peers) <= self.fan_out else self.rng.sample(peers, self.fan_out)
 
     # ------------------------------------------------------------------ training thread side
-    def send_round(self, round_index: int, tensors: list, wait_s: float) -> None:
-        asyncio.run_coroutine_threadsafe(self._send_all(round_index, tensors), self.loop)
+    def send_round(self, round_index: int, tensors: list) -> None:
+        self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
+                                round_index, tensors)
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
-        future = asyncio.run_coroutine_threadsafe(self._collect(round_index, wait_s), self.loop)
-        return future.result(timeout=wait_s + 30.0)
+        return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
+                                      round_index, wait_s, wait_s=wait_s)
 
     def publish_digest(self, round_index: int, digest: str) -> None:
-        self.loop.call_soon_threadsafe(self._after_round, round_index, digest)
+        self.swarm.bridge.post(self._after_round, round_index, digest)
 
     def take_resync(self, round_index: int) -> dict | None:
-        future = asyncio.run_coroutine_threadsafe(self._pop_resync(round_index), self.loop)
-        return future.result(timeout=30.0)
+        return self.swarm.bridge.call("a resync state", self._pop_resync, round_index)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.loop.call_soon_threadsafe(self.bans.refuse, peer, reason, sentence,
-                                       self.transport.ban)
+        self.swarm.refuse_from_thread(peer, reason, sentence)
 
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, tensors: list) -> None:
@@ -127,16 +105,14 @@ class DiLoCoXExchange:
         async def send(peer: str) -> None:
             try:
                 await self.transport.push(peer, message, timeout=self.deadline_s)
-                self.sent_ok += 1
             except P2PError as exc:
-                self.sent_failed += 1
-                self.report("send_failed", {"round": round_index, "peer": peer, "error": str(exc)})
+                self.publish(SendFailed(round=round_index, peer=peer, error=str(exc)))
         await asyncio.gather(*(send(p) for p in group))
-        self.report("sent", {"round": round_index, "group": group, "bytes": message.total_bytes})
+        self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
 
     async def _on_message(self, received: ReceivedMessage) -> None:
         sender = peer_name(received.sender)
-        if self.bans.is_banned(sender):
+        if self.swarm.bans.is_banned(sender):
             raise Refusal(Reason.BANNED, "banned for refused contributions")
         box = self.inbox.setdefault(received.round, {})
         if sender in box:
@@ -147,17 +123,13 @@ class DiLoCoXExchange:
     def _finished(self, round_index: int) -> set[str]:
         """Members that took part in `round_index` (joined at or before it, announced `since`)
         and finished it (announced a later round): they sent their message of that round."""
-        return {r.peer_id for r in self.members.peers()
-                if r.manifest == self.manifest and r.round > round_index
-                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index
-                and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
+        return {r.peer_id for r in self.members.eligible() if r.round > round_index
+                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
     def _in_round(self, round_index: int) -> set[str]:
         """Members that took part in `round_index` and are still training it."""
-        return {r.peer_id for r in self.members.peers()
-                if r.manifest == self.manifest and r.round == round_index
-                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index
-                and r.peer_id != self.peer_id and not self.bans.is_banned(r.peer_id)}
+        return {r.peer_id for r in self.members.eligible() if r.round == round_index
+                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         now = self.loop.time()
@@ -195,7 +167,7 @@ class DiLoCoXExchange:
                 pass  # members may have moved on: recompute who is missing
         box = self.inbox.pop(round_index, {})
         if missing:
-            self.report("missing", {"round": round_index, "peers": sorted(missing)})
+            self.publish(Missing(round=round_index, peers=sorted(missing)))
         self.oldest_wanted = round_index + 1
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
             del self.inbox[old]
@@ -203,30 +175,32 @@ class DiLoCoXExchange:
 
     def _after_round(self, round_index: int, digest: str) -> None:
         self.members.update(round=round_index + 1, status="training")
-        self._spawn(self._check_consensus(round_index, digest))
+        check = self.swarm.tasks.spawn(self._check_consensus(round_index, digest),
+                                       f"dilocox consensus of round {round_index}")
+        self._checks.add(check)
+        check.add_done_callback(self._checks.discard)
 
     async def _check_consensus(self, round_index: int, digest: str) -> None:
         """Waits for the members that reach this round to announce their φ, then compares."""
-        deadline = self.loop.time() + CONSENSUS_WAIT_S
+        deadline = self.loop.time() + self.swarm.timeouts.consensus_wait_s
         votes: Counter = Counter()
         holders: dict[str, list[str]] = {}
         while self.loop.time() < deadline:
             votes, holders = Counter({digest: 1}), {}
-            for r in self.members.peers():
-                banned = self.bans.is_banned(r.peer_id)  # a banned peer has no say in φ
-                vote = phi_vote(r.extra, round_index) if r.manifest == self.manifest and not banned else None
+            for r in self.members.eligible():  # a banned peer has no say in φ
+                vote = announced_phi(r.extra, round_index)
                 if vote:
                     votes[vote] += 1
                     holders.setdefault(vote, []).append(r.peer_id)
             if sum(votes.values()) > len(self._finished(round_index - 1)):
                 break  # everyone who could vote has voted
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(self.members.refresh_s)  # votes arrive with the member cache
         majority = winning_digest(votes)
         complete = sum(votes.values()) > len(self._finished(round_index - 1))
         if majority == digest or (not complete and votes[majority] <= votes[digest]):
             return  # a tie is broken only once every vote is in: a missing one may decide it
-        self.report("diverged", {"round": round_index, "ours": digest[:12],
-                                 "majority": majority[:12], "votes": dict(votes)})
+        self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
+                              votes=dict(votes)))
         for peer in holders.get(majority, []):
             try:
                 received = await self.transport.request(
@@ -235,11 +209,12 @@ class DiLoCoXExchange:
             except P2PError as exc:
                 log.info("resync from %s failed: %s", peer[-8:], exc)
                 continue
-            phi = from_wire(received, "phi/")
-            if received.meta.get("phi_round") == round_index and weights_digest(phi) == majority:
-                self.resyncs[round_index] = {"slow_weights": phi,
-                                             "momentum": from_wire(received, "momentum/")}
-                self.report("resync_ready", {"round": round_index, "source": peer})
+            # decoding and hashing a whole φ is torch work: off the loop
+            groups, got = await self.loop.run_in_executor(None, decode_state, received)
+            if received.meta.get("phi_round") == round_index and got == majority:
+                self.resyncs[round_index] = {"slow_weights": groups["phi"],
+                                             "momentum": groups["momentum"]}
+                self.publish(ResyncReady(round=round_index, source=peer))
                 return
 
     async def _pop_resync(self, round_index: int) -> dict | None:

@@ -23,12 +23,12 @@ import asyncio
 import logging
 import random
 import threading
-from collections.abc import Callable
 
-from hivemind.p2p import PeerID
-
-from node.rounds.contributions import BanList
+from node.config.manifest import ProtocolSection
+from node.events import (LatePartner, NoPartner, PairCancelled, Paired, SwapFailed, SwapLate,
+                         Swapped)
 from node.rounds.noloco.round import PartnerSnapshot
+from node.rounds.swarm import Swarm, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.wire import MessageHeader
@@ -37,7 +37,6 @@ from protocol.matching import (DeclineReason, MatchingState, MatchMessage, Messa
 
 log = logging.getLogger("lowcomm.noloco")
 MATCH, SNAPSHOT = "noloco.match", "noloco.snapshot"
-CONTROL_TIMEOUT_S = 10.0
 # Overlap timing proposes at a random moment in the first part of the round. Proposing the
 # instant a round ends would meet peers still finishing the previous round, already paired:
 # they decline, pairs form in finishing order, and with steady node speeds never change.
@@ -49,28 +48,20 @@ MATCH_POLL_S = 0.25
 # partner (see `_announcements`).
 
 
-def peer_name(raw: bytes | PeerID | str) -> str:
-    if isinstance(raw, str):
-        return raw
-    return (raw if isinstance(raw, PeerID) else PeerID(raw)).to_base58()
-
-
 class NoLoCoExchange:
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport, membership, peer_id: str,
-                 manifest_digest: str, timing: str, max_staleness: int, bans: BanList,
-                 ban_seconds: float, swap_timeout_s: float, rng: random.Random,
-                 report: Callable[[str, dict], None]):
-        self.loop, self.transport, self.membership = loop, transport, membership
-        self.peer_id, self.manifest = peer_id, manifest_digest
-        self.timing, self.bans, self.ban_seconds = timing, bans, ban_seconds
-        self.swap_timeout_s, self.rng, self.report = swap_timeout_s, rng, report
-        self.matching = MatchingState(peer_id, manifest_digest, 0, max_staleness)
+    def __init__(self, config: ProtocolSection, swarm: Swarm, rng: random.Random):
+        self.swarm, self.rng = swarm, rng
+        self.loop, self.transport, self.membership = swarm.loop, swarm.transport, swarm.members
+        self.peer_id, self.manifest, self.publish = swarm.peer_id, swarm.manifest, swarm.publish
+        self.timing = config.timing
+        self.swap_timeout_s = config.pair_deadline_s
+        self.control_timeout_s = swarm.timeouts.match_message_s
+        self.matching = MatchingState(self.peer_id, self.manifest, 0, config.max_staleness)
         self.offered: OutgoingMessage | None = None
-        self.accepting = timing == "overlap"  # blocking: only while waiting at a round's end
+        self.accepting = self.timing == "overlap"  # blocking: only while waiting at a round's end
         self.partners: dict[int, PartnerSnapshot] = {}
         self.landed = threading.Event()  # a partner snapshot waits: read by the training thread
         self.changed = asyncio.Event()
-        self.swaps_ok = self.swaps_failed = 0
         self._task: asyncio.Task | None = None
         self.propose_after = 0.0
         self.previous_pair = None  # a pair formed late in the last round may still be swapping
@@ -79,7 +70,7 @@ class NoLoCoExchange:
         self.window_closes = 0.0
         self._settling: list[tuple[str, asyncio.Future]] = []  # swaps waiting on our proposal
         self.failed_round: int | None = None  # blocking: this round's swap failed, stop waiting
-        self._round_started = loop.time()
+        self._round_started = self.loop.time()
         self.round_seconds = 0.0
 
     # ------------------------------------------------------------------ life
@@ -90,7 +81,7 @@ class NoLoCoExchange:
         self.transport.on_push(MATCH, self._on_match, accept_round=accept_any)
         self.transport.on_swap(SNAPSHOT, self._snapshot_reply, accept_round=accept_any,
                                deliver=self._snapshot_delivered)
-        self._task = self.loop.create_task(self._matchmaker())
+        self._task = self.swarm.tasks.spawn(self._matchmaker(), "noloco matchmaker")
 
     async def stop(self) -> None:
         if self._task:
@@ -103,36 +94,34 @@ class NoLoCoExchange:
 
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
         """Overlap: the partner snapshot swapped during `round_index`, if any (taken once)."""
-        async def take() -> PartnerSnapshot | None:
+        def take() -> PartnerSnapshot | None:
             self.landed.clear()
             return self.partners.pop(round_index, None)
-        return asyncio.run_coroutine_threadsafe(take(), self.loop).result(timeout=30.0)
+        return self.swarm.bridge.call("the partner snapshot", take)
 
     def finish_round(self, round_index: int, snapshot: list, wait_s: float,
                      next_round: int | None = None) -> PartnerSnapshot | None:
-        future = asyncio.run_coroutine_threadsafe(
-            self._finish_round(round_index, snapshot, wait_s,
-                               round_index + 1 if next_round is None else next_round), self.loop)
-        return future.result(timeout=wait_s + 30.0)
+        return self.swarm.bridge.call(
+            "the end of a NoLoCo round", self._finish_round, round_index, snapshot, wait_s,
+            round_index + 1 if next_round is None else next_round, wait_s=wait_s)
 
     def catch_up_round(self, round_index: int) -> int | None:
         """The swarm's round, if this node (ending `round_index`) fell too far behind it to
         pair (protocol/matching.py catch_up_round); None otherwise."""
-        async def decide() -> int | None:
-            rounds = [rec.round for rec in self._other_members() if rec.manifest == self.manifest]
+        def decide() -> int | None:
+            rounds = [rec.round for rec in self.membership.eligible()]
             return catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
-        return asyncio.run_coroutine_threadsafe(decide(), self.loop).result(timeout=30.0)
+        return self.swarm.bridge.call("the swarm's round", decide)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.loop.call_soon_threadsafe(self.bans.refuse, peer, reason, sentence,
-                                       self.transport.ban)
+        self.swarm.refuse_from_thread(peer, reason, sentence)
 
     async def _finish_round(self, round_index: int, snapshot: list, wait_s: float, next_round: int):
         message = OutgoingMessage(SNAPSHOT, round_index, snapshot)
         if self.timing == "overlap":
             late = self.partners.pop(round_index, None)  # landed after take_partner: unused
             if late is not None:
-                self.report("late_partner", {"round": round_index, "peer": late.peer})
+                self.publish(LatePartner(round=round_index, peer=late.peer))
             self.offered = message  # what partners of the next round get
             self._next_round(next_round)
             return None
@@ -145,7 +134,7 @@ class NoLoCoExchange:
         try:
             await asyncio.wait_for(self._wait_partner(round_index), timeout=wait_s)
         except asyncio.TimeoutError:
-            self.report("no_partner", {"round": round_index, "waited_s": wait_s})
+            self.publish(NoPartner(round=round_index, waited_s=wait_s))
         self.accepting = False
         partner = self.partners.pop(round_index, None)
         self._next_round(next_round)
@@ -178,12 +167,6 @@ class NoLoCoExchange:
         self.changed.set()
 
     # ------------------------------------------------------------------ matching
-    def _other_members(self) -> list:
-        """The member cache's other NoLoCo members that we do not ban."""
-        return [rec for rec in self.membership.peers()
-                if rec.peer_id != self.peer_id and rec.protocol == "noloco"
-                and not self.bans.is_banned(rec.peer_id)]
-
     def _announcements(self) -> list[ReadyAnnouncement]:
         """Unpaired peers: a member announces "ready" while it may pair and "exchanging" once
         paired, so a proposal rarely meets a decline. Every eligible round counts the same
@@ -191,7 +174,7 @@ class NoLoCoExchange:
         with each other, and a swarm of two fast and two slow nodes split into two pairs that
         never mixed (measured: tests/integration/test_swarm.py, 2 distinct pairs in 10 rounds)."""
         ready = [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)
-                 for rec in self._other_members() if rec.status == "ready"]
+                 for rec in self.membership.eligible() if rec.status == "ready"]
         if self.loop.time() < self.window_closes:
             # A node pairs early in its round, so the peers free then are those whose rounds
             # start with ours: nodes of equal speed lock in phase, and uniform draws among them
@@ -226,14 +209,15 @@ class NoLoCoExchange:
 
         async def send() -> None:
             try:
-                await self.transport.push(message.recipient, outgoing, timeout=CONTROL_TIMEOUT_S)
+                await self.transport.push(message.recipient, outgoing,
+                                          timeout=self.control_timeout_s)
             except P2PError as exc:
                 log.info("match %s to %s failed: %s", message.kind.value, message.recipient[-8:], exc)
                 if message.kind is MessageKind.PROPOSE:  # an unreachable peer is a decline
                     self._handle(MatchMessage(MessageKind.DECLINE, message.recipient, self.peer_id,
                                               message.proposal_round, message.sender_round,
                                               self.manifest, DeclineReason.BUSY))
-        self.loop.create_task(send())
+        self.swarm.tasks.spawn(send(), f"noloco {message.kind.value} to {message.recipient[-8:]}")
 
     async def _on_match(self, received: ReceivedMessage) -> None:
         meta = received.meta
@@ -259,18 +243,17 @@ class NoLoCoExchange:
         if had_pair is not None and pair is None:
             self._pair_dropped(had_pair, "the partner cancelled its proposal")
         elif pair is not None and had_pair is None:
-            self.report("paired", {"round": pair.round_index, "partner": pair.partner})
+            self.publish(Paired(round=pair.round_index, partner=pair.partner))
             self.membership.update(status="exchanging")  # no more proposals this round
             if pair.initiator == self.peer_id:
-                self.loop.create_task(self._swap(pair))
+                self.swarm.tasks.spawn(self._swap(pair), f"noloco swap with {pair.partner[-8:]}")
         self._wake_settled()
         self.changed.set()
 
     def _pair_dropped(self, pair: Pair, why: str) -> None:
         """A half-formed pair is gone (I6): free to pair again in this round."""
         self.dropped_pair = pair
-        self.report("pair_cancelled", {"round": pair.round_index, "partner": pair.partner,
-                                       "why": why})
+        self.publish(PairCancelled(round=pair.round_index, partner=pair.partner, why=why))
         self.membership.update(status="ready" if self.accepting and self.offered else "training")
         self.changed.set()
 
@@ -286,9 +269,7 @@ class NoLoCoExchange:
                     self._pair_dropped(pair, "the partner refused our swap as not paired")
                 if pair is self.dropped_pair:  # half-formed (here or by its cancel): no swap owed
                     return
-            self.swaps_failed += 1
-            self.report("swap_failed", {"round": round_index, "partner": partner,
-                                        "error": str(exc)})
+            self.publish(SwapFailed(round=round_index, partner=partner, error=str(exc)))
             self.failed_round = round_index  # one pair a round: blocking need not wait on
             self.changed.set()
             return
@@ -314,11 +295,11 @@ class NoLoCoExchange:
                      if p is not None and p.partner == peer), None)
 
     async def _proposal_settled(self, peer: str) -> None:
-        """Waits, at most CONTROL_TIMEOUT_S, until our proposal to `peer` is answered."""
+        """Waits, at most the match message timeout, until our proposal to `peer` is answered."""
         settled = self.loop.create_future()
         self._settling.append((peer, settled))
         try:
-            await asyncio.wait_for(asyncio.shield(settled), timeout=CONTROL_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(settled), timeout=self.control_timeout_s)
         except asyncio.TimeoutError:
             pass
         finally:
@@ -338,14 +319,11 @@ class NoLoCoExchange:
             self._store(sender, pair.round_index, received)
 
     def _store(self, partner: str, round_index: int, received: ReceivedMessage) -> None:
-        if round_index < self.matching.round_index:
-            self.swaps_failed += 1  # the round ended before the swap finished: too late to use
-            self.report("swap_late", {"round": round_index, "partner": partner})
+        if round_index < self.matching.round_index:  # the round ended first: too late to use
+            self.publish(SwapLate(round=round_index, partner=partner))
             return
-        self.swaps_ok += 1
         self.partners[round_index] = PartnerSnapshot(partner, received.round, received)
         self.landed.set()
-        self.report("swapped", {"round": round_index, "partner": partner,
-                                "partner_round": received.round,
-                                "bytes": len(received.payload)})
+        self.publish(Swapped(round=round_index, partner=partner, partner_round=received.round,
+                             bytes=len(received.payload)))
         self.changed.set()

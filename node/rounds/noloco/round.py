@@ -1,12 +1,13 @@
 """NoLoCo's end of a round in the training thread (PROTOCOLS.md §1; the math is protocol/noloco.py).
 
-At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), hands it to the exchange
-(the event loop), and gets back at most one partner snapshot:
+At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), hands it to its link
+(the daemon's exchange on the event loop, or the simulator's in-memory link), and gets back at
+most one partner snapshot:
 - `overlap` (default): the round ends with the local update, and the snapshot a partner swapped
-  with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ at the next
-  step boundary, as if that pair's update had been taken in time (protocol/noloco.py
-  late_pair_correction); nothing waits on the network;
-- `blocking`: the exchange pairs and swaps S_r now, waiting at most `pair_deadline_s`.
+  with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ at the first
+  step boundary after it lands, as if that pair's update had been taken in time
+  (protocol/noloco.py late_pair_correction); nothing waits on the network;
+- `blocking`: the link pairs and swaps S_r now, waiting at most `pair_deadline_s`.
 Whatever arrives is checked (names, shapes, finite, norm) before use; no partner, or a refused
 one, gives the local update of G = {self}, counted.
 
@@ -14,6 +15,8 @@ A node more than max_staleness rounds behind its swarm (it started late, or stal
 with nobody; at a round's end it jumps to the swarm's round (protocol/matching.py
 catch_up_round): its step counter and schedule move forward, and its φ, δ, θ, inner optimizer
 and data position stay its own, for the pairs to come to average.
+
+What travels is encoded in node/rounds/noloco/payload.py.
 """
 
 from __future__ import annotations
@@ -23,24 +26,25 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from node.config.manifest import ContributionSection, ProtocolSection
+from node.events import PairCorrected
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
+from node.rounds.noloco import payload
+from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
-from node.rounds.wire_tensors import from_wire, to_wire
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
 from protocol.tensors import shift_in_place, weights_digest
-
-PHI, DELTA = "phi/", "delta/"
 
 
 @dataclass
 class PartnerSnapshot:
     peer: str
     round_index: int
-    message: Any  # p2p ReceivedMessage with PHI and DELTA tensors
+    message: Any  # a received message holding the snapshot (payload.decode_snapshot reads it)
 
 
 class NoLoCoLink(Protocol):
-    """The event loop's side, called from the training thread."""
+    """The network's side, called from the training thread."""
 
     def partner_landed(self) -> bool:
         """Overlap: a partner snapshot is waiting to be taken (cheap, from any thread)."""
@@ -61,57 +65,72 @@ class NoLoCoLink(Protocol):
         """Counts a refused contribution against `peer` (and may ban it)."""
 
 
-def encode_snapshot(snapshot: NoLoCoSnapshot, wire_dtype: str) -> list:
-    return (to_wire(snapshot.slow_weights, wire_dtype, PHI)
-            + to_wire(snapshot.local_progress, wire_dtype, DELTA))
+@dataclass(frozen=True)
+class NoLoCoOutcome(RoundOutcome):
+    partner: str | None           # whose snapshot this round applied
+    partner_round: int | None     # the round of that snapshot
+    local_update: bool            # no partner: G = {self}
+    local_updates: int            # running totals
+    partner_updates: int
+    caught_up_to: int | None      # the swarm's round this node jumped to
+    pair_shift: float | None      # overlap: the norm of what the pair's correction added to θ
+
+    @property
+    def partners(self) -> list[str]:
+        return [self.partner] if self.partner else []
 
 
-def decode_snapshot(message: Any) -> NoLoCoSnapshot:
-    return NoLoCoSnapshot(slow_weights=from_wire(message, PHI),
-                          local_progress=from_wire(message, DELTA))
+@dataclass
+class _Pair:
+    """A partner snapshot taken in overlap timing, and what applying it did."""
+
+    partner: PartnerSnapshot | None
+    used: list[NoLoCoSnapshot]   # [its snapshot] if it passed the checks, else []
+    refused: list[str]
+    shift: float | None = None
 
 
 class NoLoCoRound:
-    def __init__(self, trainer: InnerTrainer, hyper: NoLoCoHyperParameters, link: NoLoCoLink,
-                 inner_steps: int, wire_dtype: str, timing: str, pair_deadline_s: float,
-                 max_norm_ratio: float, min_alignment_sigmas: float = 0.0):
-        self.trainer, self.link, self.inner_steps = trainer, link, inner_steps
+    def __init__(self, config: ProtocolSection, contributions: ContributionSection,
+                 trainer: InnerTrainer, link: NoLoCoLink):
+        self.config, self.contributions = config, contributions
+        self.trainer, self.link = trainer, link
+        hyper = NoLoCoHyperParameters(config.momentum, config.progress_weight,
+                                      config.consensus_weight)
         self.outer = NoLoCo({k: v.detach() for k, v in trainer.named_parameters().items()}, hyper)
-        self.wire_dtype, self.timing = wire_dtype, timing
-        self.pair_deadline_s, self.max_norm_ratio = pair_deadline_s, max_norm_ratio
-        self.min_alignment_sigmas = min_alignment_sigmas
         self.local_updates = 0
         self.partner_updates = 0
         self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
         self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
         self.previous_own: NoLoCoSnapshot | None = None  # overlap: what we offered this round
-        self._corrected: tuple[int, tuple] | None = None  # overlap: (round, correction result)
+        self._corrected: tuple[int, _Pair] | None = None  # overlap: (round, its pair applied)
 
-    def between_steps(self, round_index: int) -> dict[str, Any] | None:
+    def between_steps(self, round_index: int) -> PairCorrected | None:
         """Overlap: a partner snapshot that landed during the round corrects θ at this step
         boundary rather than at the round's end, so the rest of the round trains from where
         the pair's update puts the node (with a fast swap: exactly where blocking would). φ
         changed, so the event returned carries its new digest for late joiners to verify."""
-        if self.timing != "overlap" or not self.link.partner_landed() \
+        if self.config.timing != "overlap" or not self.link.partner_landed() \
                 or (self._corrected is not None and self._corrected[0] == round_index):
             return None
-        self._corrected = (round_index, self._overlap_correction(round_index, mid_round=True))
-        partner, partners, _ = self._corrected[1]
-        if not partners:
+        before = self.phi_digest
+        pair = self._overlap_correction(round_index, mid_round=True)
+        self._corrected = (round_index, pair)
+        if not pair.used:
             return None
-        return {"event": "pair_correction", "round": self.state_round,
-                "phi_digest": self.phi_digest, "partner": partner.peer}
+        return PairCorrected(round=self.state_round, phi_digest=self.phi_digest,
+                             partner=pair.partner.peer, phi_before=before, shift=pair.shift)
 
-    def end_round(self, round_index: int) -> dict[str, Any]:
+    def end_round(self, round_index: int) -> NoLoCoOutcome:
         next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
-        if self.timing == "overlap":
+        if self.config.timing == "overlap":
             if self._corrected is not None and self._corrected[0] == round_index:
-                partner, partners, refused = self._corrected[1]
+                pair = self._corrected[1]
             else:
-                partner, partners, refused = self._overlap_correction(round_index)
+                pair = self._overlap_correction(round_index)
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
-            self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype), 0.0, next_round)
+            self.link.finish_round(round_index, self._encoded(own), 0.0, next_round)
             waited = time.monotonic() - waited
             with self.lock:
                 phi = self.outer.outer_step(own)  # the local update; the pair's comes next round
@@ -120,61 +139,65 @@ class NoLoCoRound:
         else:
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
-            partner = self.link.finish_round(round_index, encode_snapshot(own, self.wire_dtype),
-                                             self.pair_deadline_s, next_round)
+            partner = self.link.finish_round(round_index, self._encoded(own),
+                                             self.config.pair_deadline_s, next_round)
             waited = time.monotonic() - waited
-            partners, refused = self._checked(partner, own)
+            pair = self._checked(partner, own)
             with self.lock:
-                phi = self.outer.outer_step(own, partners)
+                phi = self.outer.outer_step(own, pair.used)
                 self.state_round, self.phi_digest = round_index, weights_digest(phi)
         self.trainer.load_parameters(phi)
         if next_round is not None:
-            self.trainer.start_at(next_round * self.inner_steps)
-        if partners:
+            self.trainer.start_at(next_round * self.config.inner_steps)
+        if pair.used:
             self.partner_updates += 1
         else:
             self.local_updates += 1
-        return {"partner": partner.peer if partners else None,
-                "partner_round": partner.round_index if partners else None,
-                "local_update": not partners, "refused": refused,
-                "phi_digest": self.phi_digest, "network_wait_seconds": waited,
-                "local_updates": self.local_updates, "partner_updates": self.partner_updates,
-                "caught_up_to": next_round}
+        partner = pair.partner if pair.used else None
+        return NoLoCoOutcome(
+            phi_digest=self.phi_digest, refused=pair.refused, network_wait_seconds=waited,
+            partner=partner.peer if partner else None,
+            partner_round=partner.round_index if partner else None,
+            local_update=not pair.used, local_updates=self.local_updates,
+            partner_updates=self.partner_updates, caught_up_to=next_round, pair_shift=pair.shift)
 
-    def _overlap_correction(self, round_index: int, mid_round: bool = False
-                            ) -> tuple[PartnerSnapshot | None, list, str | None]:
+    def _encoded(self, own: NoLoCoSnapshot) -> list:
+        return payload.encode_snapshot(own, self.config.wire_dtype)
+
+    def _overlap_correction(self, round_index: int, mid_round: bool = False) -> _Pair:
         """The pair formed during this round swapped our previous snapshot for the partner's:
         apply that pair's update now, as a correction of φ, δ and θ (protocol/noloco.py).
         Mid-round, φ of `state_round` changes: what we serve, and its digest with it (at the
         round's end the local update follows, and its digest replaces both)."""
         partner = self.link.take_partner(round_index)
         if partner is None or self.previous_own is None:
-            return partner, [], None  # nothing swapped, or we restarted since we offered it
-        partners, refused = self._checked(partner, self.previous_own)
-        if partners:
+            return _Pair(partner, [], [])  # nothing swapped, or we restarted since we offered it
+        pair = self._checked(partner, self.previous_own)
+        if pair.used:
             with self.lock:
-                correction = self.outer.late_pair_correction(self.previous_own, partners)
+                correction = self.outer.late_pair_correction(self.previous_own, pair.used)
                 if mid_round:
                     self.phi_digest = weights_digest(self.outer.slow_weights)
             shift_in_place(self.trainer.named_parameters(), correction)
-        return partner, partners, refused
+            pair.shift = global_norm(correction)
+        return pair
 
-    def _checked(self, partner: PartnerSnapshot | None,
-                 reference: NoLoCoSnapshot) -> tuple[list[NoLoCoSnapshot], str | None]:
-        """[the partner's snapshot] if it passes the contribution checks, else [] (counted)."""
+    def _checked(self, partner: PartnerSnapshot | None, reference: NoLoCoSnapshot) -> _Pair:
+        """The partner's snapshot, used if it passes the contribution checks (else counted)."""
         if partner is None:
-            return [], None
+            return _Pair(None, [], [])
         try:
-            snapshot = decode_snapshot(partner.message)
+            snapshot = payload.decode_snapshot(partner.message)
             for what, theirs, mine in (("slow weights", snapshot.slow_weights, reference.slow_weights),
                                        ("progress", snapshot.local_progress, reference.local_progress)):
                 check_contribution(partner.peer, theirs, mine, global_norm(mine),
-                                   self.max_norm_ratio, f"NoLoCo {what}", self.min_alignment_sigmas)
-            return [snapshot], None
+                                   self.contributions.max_norm_ratio, f"NoLoCo {what}",
+                                   self.contributions.min_alignment_sigmas)
+            return _Pair(partner, [snapshot], [])
         except (ContributionRefused, ValueError) as exc:
             reason = getattr(exc, "reason", "malformed")
             self.link.refused(partner.peer, reason, str(exc))
-            return [], str(exc)
+            return _Pair(partner, [], [str(exc)])
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.

@@ -1,0 +1,324 @@
+"""Everything a node reports, one dataclass per event, and the bus that hands each to its subscribers.
+
+Who reports what:
+- the training thread (node/daemon/worker.py, node/train/standalone.py): StepDone, RoundEnded
+  (carrying the round class's outcome, node/rounds/<protocol>/round.py), PairCorrected,
+  Evaluated, Checkpointed, Stopping, Trained, Failed;
+- the exchanges (node/rounds/<protocol>/exchange.py): Paired, Swapped, ... and Sent, Diverged, ...;
+- the daemon (node/daemon/): Joined, Started, Resumed, LateJoined, TransportSummary, Left;
+- background tasks (node/loop.py): TaskFailed.
+Who listens, each to what it needs (wired in node/daemon/daemon.py): the metrics log (every
+event: `record()` is its JSON line in <data_dir>/metrics.jsonl), the status feed
+(node/ops/status_feed.py), the φ announcement (node/daemon/members.py) and the log (events
+marked `logged`).
+
+Invariants: an event is a frozen record of what happened, stamped with the time it happened;
+nothing is computed here. The JSON of every event is `{"event": kind, "time": ..., **fields}`,
+the format tests, benchmarks and `local-swarm` read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
+
+if TYPE_CHECKING:
+    from node.rounds.policy import RoundOutcome
+
+log = logging.getLogger("lowcomm.events")
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: ClassVar[str]
+    logged: ClassVar[bool]  # one INFO line in the node's log
+    time: float = field(default_factory=time.time, kw_only=True)
+
+    def __init_subclass__(cls, kind: str = "", logged: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.kind, cls.logged = kind, logged
+
+    def fields(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "time"}
+
+    def record(self) -> dict[str, Any]:
+        """The event as one JSON object (metrics.jsonl)."""
+        return {"event": self.kind, "time": self.time, **self.fields()}
+
+
+Handler = Callable[[Event], None]
+
+
+class EventBus:
+    """Hands each published event to the subscribers of its type, in subscription order.
+
+    `publish` runs them on the caller's thread: the daemon publishes on its event loop only
+    (the training thread posts through node/loop.py LoopBridge). A subscriber that raises is
+    logged and counted; the reporter and the other subscribers go on.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: list[tuple[tuple[type[Event], ...], Handler]] = []
+        self.failures: Counter = Counter()
+
+    def subscribe(self, handler: Handler, *kinds: type[Event]) -> None:
+        """`handler` gets every event of the given types (all events when none is given)."""
+        self._handlers.append((kinds or (Event,), handler))
+
+    def publish(self, event: Event) -> None:
+        for kinds, handler in self._handlers:
+            if isinstance(event, kinds):
+                try:
+                    handler(event)
+                except Exception as exc:  # a broken view must not stop training or the others
+                    name = getattr(handler, "__qualname__", repr(handler))
+                    self.failures[name] += 1
+                    log.error("the %s subscriber %s failed on a %s event: %s: %s", self.failures[name],
+                              name, event.kind, type(exc).__name__, exc)
+
+
+def log_event(event: Event) -> None:
+    """The log subscriber: one line for the events an operator follows."""
+    if event.logged:
+        log.info("%s %s", event.kind, {k: v for k, v in event.fields().items() if k != "energy_kept"})
+
+
+# ---------------------------------------------------------------------- the training thread
+@dataclass(frozen=True)
+class StepDone(Event, kind="step"):
+    step: int
+    round: int | None  # None: a node alone (`lowcomm-node train`)
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_second: float
+
+
+@dataclass(frozen=True)
+class RoundEnded(Event, kind="round", logged=True):
+    round: int
+    step: int
+    round_seconds: float   # the round's inner steps
+    outer_seconds: float   # its end: the outer step, and any wait on the network
+    outcome: RoundOutcome  # the protocol's report: node/rounds/<protocol>/round.py
+    peers_alive: int
+    val_loss: float | None = None  # None: not evaluated this round
+    perplexity: float | None = None
+
+    def fields(self) -> dict[str, Any]:
+        fields = {k: v for k, v in super().fields().items() if k != "outcome"}
+        for unmeasured in ("val_loss", "perplexity"):
+            if fields[unmeasured] is None:
+                del fields[unmeasured]
+        return {**fields, **dataclasses.asdict(self.outcome)}
+
+
+@dataclass(frozen=True)
+class PairCorrected(Event, kind="pair_correction"):
+    """NoLoCo overlap: a partner's snapshot corrected φ, δ and θ in the middle of a round."""
+
+    round: int          # the round whose φ changed (the last one ended)
+    phi_digest: str     # φ after the correction
+    partner: str
+    phi_before: str     # φ before it: the correction changed φ when the two differ
+    shift: float        # the norm of what the correction added to θ
+
+
+@dataclass(frozen=True)
+class Evaluated(Event, kind="eval"):
+    step: int
+    val_loss: float
+    perplexity: float
+
+
+@dataclass(frozen=True)
+class Checkpointed(Event, kind="checkpoint"):
+    step: int
+    path: str
+
+
+@dataclass(frozen=True)
+class CheckpointSkipped(Event, kind="checkpoint_skipped"):
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stopping(Event, kind="stopping", logged=True):
+    signal: str | None = None  # what asked (a signal, a preemption notice); None: the thread
+    step: int | None = None    # the step the training thread stopped after
+
+
+@dataclass(frozen=True)
+class Trained(Event, kind="trained"):
+    step: int
+    tokens: int
+    compute_seconds: float
+
+
+@dataclass(frozen=True)
+class Failed(Event, kind="failed", logged=True):
+    error: str
+
+
+@dataclass(frozen=True)
+class TrainingStarted(Event, kind="start"):
+    """`lowcomm-node train`: what the lone node trains, and where it starts."""
+
+    corpus: str
+    corpus_digest: str
+    device: str
+    parameters: int
+    threads: int
+    step: int
+    steps: int
+    resumed_from: str | None
+
+
+@dataclass(frozen=True)
+class TrainingDone(Event, kind="done"):
+    step: int
+    val_loss: float
+    tokens_per_second: float
+
+
+# ---------------------------------------------------------------------- the daemon's life
+@dataclass(frozen=True)
+class Joined(Event, kind="joined", logged=True):
+    peer_id: str
+    addresses: list[str]
+    manifest: str
+    corpus_digest: str
+
+
+@dataclass(frozen=True)
+class Resumed(Event, kind="resumed", logged=True):
+    checkpoint: str
+    step: int
+
+
+@dataclass(frozen=True)
+class LateJoined(Event, kind="late_join", logged=True):
+    source: str
+    round: int
+    state_round: int | None
+    digest: str | None
+
+
+@dataclass(frozen=True)
+class MinPeersTimeout(Event, kind="min_peers_timeout"):
+    wanted: int
+    found: int
+
+
+@dataclass(frozen=True)
+class Started(Event, kind="started"):
+    round: int
+    step: int
+
+
+@dataclass(frozen=True)
+class TransportSummary(Event, kind="transport"):
+    """At leaving: the transport's counters, the proof that every message was signed and verified."""
+
+    counters: dict[str, Any]
+
+    def fields(self) -> dict[str, Any]:
+        return dict(self.counters)
+
+
+@dataclass(frozen=True)
+class Left(Event, kind="left", logged=True):
+    pass
+
+
+@dataclass(frozen=True)
+class TaskFailed(Event, kind="task_failed"):
+    task: str
+    error: str
+
+
+# ---------------------------------------------------------------------- NoLoCo's exchange
+@dataclass(frozen=True)
+class Paired(Event, kind="paired"):
+    round: int
+    partner: str
+
+
+@dataclass(frozen=True)
+class PairCancelled(Event, kind="pair_cancelled"):
+    round: int
+    partner: str
+    why: str
+
+
+@dataclass(frozen=True)
+class Swapped(Event, kind="swapped"):
+    round: int
+    partner: str
+    partner_round: int
+    bytes: int  # the partner's snapshot as received
+
+
+@dataclass(frozen=True)
+class SwapFailed(Event, kind="swap_failed", logged=True):
+    round: int
+    partner: str
+    error: str
+
+
+@dataclass(frozen=True)
+class SwapLate(Event, kind="swap_late"):
+    round: int
+    partner: str
+
+
+@dataclass(frozen=True)
+class LatePartner(Event, kind="late_partner"):
+    round: int
+    peer: str
+
+
+@dataclass(frozen=True)
+class NoPartner(Event, kind="no_partner", logged=True):
+    round: int
+    waited_s: float
+
+
+# ---------------------------------------------------------------------- DiLoCoX's exchange
+@dataclass(frozen=True)
+class Sent(Event, kind="sent"):
+    round: int
+    group: list[str]
+    bytes: int  # one copy of the message
+
+
+@dataclass(frozen=True)
+class SendFailed(Event, kind="send_failed"):
+    round: int
+    peer: str
+    error: str
+
+
+@dataclass(frozen=True)
+class Missing(Event, kind="missing"):
+    round: int
+    peers: list[str]
+
+
+@dataclass(frozen=True)
+class Diverged(Event, kind="diverged", logged=True):
+    round: int
+    ours: str
+    majority: str
+    votes: dict[str, int]
+
+
+@dataclass(frozen=True)
+class ResyncReady(Event, kind="resync_ready", logged=True):
+    round: int
+    source: str

@@ -1,0 +1,94 @@
+"""Where the status view gets each number: the node's events, turned into its NodeStatus.
+
+The daemon subscribes a StatusFeed to its event bus (node/events.py); the control socket, MQTT
+telemetry and the terminal view all read the NodeStatus it keeps. Per field (node/ops/status.py):
+
+    step, round, state=training, tokens_per_second, train_loss   StepDone (the last step)
+    val_loss                                       RoundEnded, when the round was evaluated
+    bytes_*_round, bytes_*_total, last_exchange_at  RoundEnded: the transport's byte counters
+                                                   since the last round; an exchange when the
+                                                   round applied a partner's or group's work
+    partners, peers_alive                          RoundEnded (its outcome; the worker's count)
+    peers_known                                    RoundEnded: the member cache's records
+    rounds_per_minute                              RoundEnded: rounds since Started, per minute
+    refused["contribution"]                        RoundEnded: the outcome's refusals
+    refused[<transport reason>]                    `transport_refusals`, called by the daemon's
+                                                   watch loop with the transport's counters
+    compression_ratio                              Swapped (NoLoCo: φ and Δ) or Sent (DiLoCoX):
+                                                   fp32 bytes of the payload over its wire bytes
+    checkpoint_at, checkpoint_step                 Checkpointed
+    state=stopping                                 Stopping
+CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from node.events import (Checkpointed, EventBus, RoundEnded, Sent, Started, StepDone, Stopping,
+                         Swapped)
+from node.ops.status import NodeStatus
+
+
+class StatusFeed:
+    def __init__(self, status: NodeStatus, *, param_bytes: int,
+                 traffic: Callable[[], tuple[int, int]], peers_known: Callable[[], int]):
+        """`param_bytes`: the model's fp32 size; `traffic`: the transport's (bytes sent, bytes
+        received) so far; `peers_known`: members in the member cache."""
+        self.status, self.param_bytes = status, param_bytes
+        self.traffic, self.peers_known = traffic, peers_known
+        self._started = time.monotonic()
+        self._first_round = 0
+        self._bytes_mark = (0, 0)
+        self._transport_refused: dict[str, int] = {}
+
+    def subscribe(self, bus: EventBus) -> None:
+        bus.subscribe(self._step, StepDone)
+        bus.subscribe(self._round, RoundEnded)
+        bus.subscribe(self._started_at, Started)
+        bus.subscribe(self._payload, Swapped, Sent)
+        bus.subscribe(self._checkpoint, Checkpointed)
+        bus.subscribe(self._stopping, Stopping)
+
+    def _step(self, event: StepDone) -> None:
+        self.status.update(step=event.step, round=event.round, state="training",
+                           tokens_per_second=event.tokens_per_second)
+        self.status.record_train_loss(event.loss)
+
+    def _started_at(self, event: Started) -> None:
+        self._first_round = event.round
+
+    def _round(self, event: RoundEnded) -> None:
+        status, outcome = self.status, event.outcome
+        if event.val_loss is not None:
+            status.record_val_loss(event.val_loss)
+        sent, received = self.traffic()
+        status.record_round(sent=sent - self._bytes_mark[0], received=received - self._bytes_mark[1],
+                            exchanged=bool(outcome.partners))
+        self._bytes_mark = (sent, received)
+        elapsed = time.monotonic() - self._started
+        status.update(partners=outcome.partners, peers_alive=event.peers_alive,
+                      peers_known=self.peers_known(),
+                      rounds_per_minute=(event.round + 1 - self._first_round) * 60 / elapsed)
+        if outcome.refused:
+            status.count_refused("contribution", len(outcome.refused))
+
+    def _payload(self, event: Swapped | Sent) -> None:
+        # fp32 size over wire size of one payload: NoLoCo's (φ, Δ), DiLoCoX's coded Δ (per
+        # payload, since a swap may finish after its round's bytes were counted)
+        if event.bytes:
+            copies = 2 if isinstance(event, Swapped) else 1
+            self.status.update(compression_ratio=copies * self.param_bytes / event.bytes)
+
+    def _checkpoint(self, event: Checkpointed) -> None:
+        self.status.update(checkpoint_at=event.time, checkpoint_step=event.step)
+
+    def _stopping(self, event: Stopping) -> None:
+        self.status.update(state="stopping")
+
+    def transport_refusals(self, refused: dict[str, int]) -> None:
+        """The transport's refusals by reason (its counters), shown beside the contributions'."""
+        if refused != self._transport_refused:
+            self.status.update(refused={**self.status.refused, **refused})
+            self._transport_refused = dict(refused)

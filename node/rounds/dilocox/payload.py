@@ -1,0 +1,52 @@
+"""What a DiLoCoX round sends and receives: its compressed pseudo-gradient on the wire, in one place.
+
+A message travels as one msgpack blob of the codec's descriptions ("descriptions": [[name,
+description], ...]) and each tensor's codec payload as raw bytes ("c/<name>"). Decoding bounds
+the blob before unpacking it; any malformation is a ValueError naming the sender.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from p2p.messages import OutgoingTensor
+from protocol.codecs.base import Encoded
+from protocol.dilocox import PseudoGradientMessage
+
+DESCRIPTIONS = "descriptions"
+PAYLOAD = "c/"
+MAX_DESCRIPTIONS_BYTES = 1 << 20
+
+
+def encode_message(message: PseudoGradientMessage) -> list[OutgoingTensor]:
+    """The codec descriptions as one msgpack blob, then each tensor's payload as raw bytes."""
+    names = sorted(message.tensors)
+    descriptions = msgpack.packb([[n, message.tensors[n].description] for n in names])
+    out = [OutgoingTensor(DESCRIPTIONS, "uint8", (len(descriptions),),
+                          np.frombuffer(descriptions, dtype=np.uint8))]
+    for n in names:
+        payload = bytes(message.tensors[n].payload)
+        out.append(OutgoingTensor(PAYLOAD + n, "uint8", (len(payload),),
+                                  np.frombuffer(payload, dtype=np.uint8)))
+    return out
+
+
+def decode_message(peer: str, round_index: int, received: Any) -> PseudoGradientMessage:
+    """Rebuilds a peer's message; any malformation is a ValueError naming it."""
+    views = received.tensor_views()
+    if DESCRIPTIONS not in views:
+        raise ValueError(f"DiLoCoX message from {peer} has no codec descriptions")
+    blob = bytes(views[DESCRIPTIONS][1])
+    if len(blob) > MAX_DESCRIPTIONS_BYTES:
+        raise ValueError(f"DiLoCoX message from {peer} has {len(blob)} bytes of descriptions")
+    try:
+        entries = msgpack.unpackb(blob, max_bin_len=1 << 16, max_str_len=1 << 12,
+                                  max_array_len=1 << 16, max_map_len=1 << 10, strict_map_key=True)
+        tensors = {str(n): Encoded(d, bytes(views[PAYLOAD + n][1])) for n, d in entries}
+    except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
+        raise ValueError(f"DiLoCoX message from {peer} is malformed ({exc.__class__.__name__})") \
+            from None
+    return PseudoGradientMessage(peer, round_index, tensors)

@@ -1,0 +1,52 @@
+"""The outer state a member serves (what a late joiner downloads, and a diverged DiLoCoX node
+too), and the digest of φ it announces in its member record to verify that state against.
+
+A state message (kind STATE_KIND) carries φ as "phi/<name>" and the outer momentum as
+"momentum/<name>", in fp32, and in its signed header the round it belongs to ("phi_round"), the
+digest of φ ("phi") and the server's current round ("round"). A requester may ask for the state
+after a given round (meta "phi_round"); DiLoCoX members keep the last two.
+
+Encoding and decoding copy and hash whole models: callers run them off the event loop
+(`loop.run_in_executor`).
+
+The announcement (`announcement`, kept current by node/daemon/members.py PhiAnnouncer) holds the
+digest of φ after the member's latest round and the one before it: a member a round ahead still
+shows the digest of the round another node compares or downloaded (`announced_phi`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from node.rounds.wire_tensors import from_wire, to_wire
+from protocol.tensors import weights_digest
+
+STATE_KIND = "state"
+GROUPS = ("phi", "momentum")
+
+
+def encode_state(groups: dict[str, dict[str, torch.Tensor]]) -> list:
+    return [t for group in GROUPS for t in to_wire(groups[group], "fp32", f"{group}/")]
+
+
+def announcement(digest: str, round_index: int, previous: dict[str, Any]) -> dict[str, Any]:
+    """The member record fields announcing φ's `digest` after `round_index`; `previous` is the
+    record's fields before (its latest announcement becomes the one before)."""
+    return {"phi": digest, "phi_round": round_index, "phi_prev": previous.get("phi", ""),
+            "phi_prev_round": previous.get("phi_round", -1)}
+
+
+def announced_phi(extra: dict[str, Any], round_index: int) -> str | None:
+    """A member's announced φ digest after `round_index`: its latest, or the one before."""
+    for digest, announced in (("phi", "phi_round"), ("phi_prev", "phi_prev_round")):
+        if extra.get(announced) == round_index and isinstance(extra.get(digest), str):
+            return extra[digest]
+    return None
+
+
+def decode_state(received: Any) -> tuple[dict[str, dict[str, torch.Tensor]], str]:
+    """({"phi": φ, "momentum": ...} as fp32 copies, the digest of φ as received)."""
+    groups = {group: from_wire(received, f"{group}/") for group in GROUPS}
+    return groups, weights_digest(groups["phi"])

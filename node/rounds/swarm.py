@@ -1,0 +1,50 @@
+"""The running node as a protocol's exchange sees it: the daemon builds one `Swarm`, and each
+exchange takes it with its config section (`NoLoCoExchange(config, swarm, rng)`).
+
+The exchanges choose peers only among `members.eligible()` (node/daemon/members.py: live, on our
+manifest, not banned, admitted), report through `publish`, start background work through
+`tasks`, and are called by the training thread through `bridge`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from hivemind.p2p import PeerID
+
+from node.config.settings import NodeTimeouts
+from node.events import Event
+from node.loop import BackgroundTasks, LoopBridge
+from node.rounds.contributions import BanList
+
+
+@dataclass
+class Swarm:
+    loop: asyncio.AbstractEventLoop
+    transport: Any      # p2p.streams.Transport: push, swap, request, on_push, on_swap, ban
+    members: Any        # node.daemon.members.MemberCache: eligible(), update()
+    bans: BanList
+    peer_id: str
+    manifest: str       # our manifest's digest
+    bridge: LoopBridge
+    tasks: BackgroundTasks
+    publish: Callable[[Event], None]
+    timeouts: NodeTimeouts
+
+    def refuse(self, peer: str, reason: str, sentence: str) -> None:
+        """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""
+        self.bans.refuse(peer, reason, sentence, self.transport.ban)
+
+    def refuse_from_thread(self, peer: str, reason: str, sentence: str) -> None:
+        """The same, from the training thread (the round classes' `link.refused`)."""
+        self.bridge.post(self.refuse, peer, reason, sentence)
+
+
+def peer_name(raw: bytes | PeerID | str) -> str:
+    """A peer id as base58 text, whatever form the transport gave it in."""
+    if isinstance(raw, str):
+        return raw
+    return (raw if isinstance(raw, PeerID) else PeerID(raw)).to_base58()

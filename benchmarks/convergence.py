@@ -185,9 +185,10 @@ def outer_line(args) -> str:
     return (f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} "
             "(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots in bf16; DiLoCoX low-rank rank "
             f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, group = all "
-            "replicas. Bytes are the codecs' exact encoded sizes (no wire headers); DiLoCo and "
-            "data-parallel are counted as a ring all-reduce of fp32, DiLoCoX as one message to "
-            "each of the N−1 others.")
+            "replicas. NoLoCo and DiLoCoX run the daemon's round classes (node/rounds/) over the "
+            "simulator's in-memory links. Bytes are the payloads those rounds encode (no wire "
+            "headers); DiLoCo and data-parallel are counted as a ring all-reduce of fp32, "
+            "DiLoCoX as one message to each of the N−1 others.")
 
 
 def main_report(results: dict, args, command: str, seconds: float) -> str:

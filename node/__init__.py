@@ -17,7 +17,7 @@ Rooms, one concern each (import modules directly; this package imports nothing e
                      members.py (the member cache, eligible peers, our announced φ)
     ops/             what the operator sees: status (the schema), status_feed (its numbers),
                      status_view, control socket, telemetry, monitor, preemption, local_swarm
-    simulator/       N replicas in one process
+    simulator/       N replicas in one process, driving the same round classes over memory
     events.py        every event a node reports, typed, and the bus to its subscribers
     loop.py          background tasks (errors counted) and the training thread's bridge to the loop
     data_dir.py      the data directory's layout, and the metrics log

@@ -1,11 +1,18 @@
-"""N replicas in one process, exchanging through memory with the protocol code the daemon runs.
+"""N replicas in one process, exchanging through memory with the round code the daemon runs.
 
     from node.simulator import SimulationSettings, run_simulation
     result = run_simulation(SimulationSettings("noloco", workers=8, rounds=10), load_config())
 
-Modules: settings (what to run), replica (a trainer per node), exchange (simulated time,
-latency, loss, byte counts), methods/ (one class per protocol), runner (the round loop and the
-measurements), report (JSON, plot, table), cli (`lowcomm-node simulate`).
+NoLoCo and DiLoCoX replicas run the daemon's own round classes (node/rounds/: contribution
+checks, overlap correction, catch-up, delayed outer step, resync) over in-memory links; the
+baselines (data-parallel, DiLoCo, local) are collectives.
+
+Modules: settings (what to run, as the manifest sections the rounds take), replica (a trainer
+per node), exchange (simulated time, latency, loss, byte counts), noloco_link and dilocox_link
+(the in-memory links and their networks), lockstep (the replicas' ends of a round, together),
+decoding (DiLoCoX decodings shared), methods/ (the collectives; rounds.py drives the round
+classes), runner (the round loop and the measurements), report (JSON, plot, table), cli
+(`lowcomm-node simulate`).
 
 The package imports lazily: `node.simulator.cli` must not pull torch in when the CLI starts.
 """

@@ -13,7 +13,7 @@ from pathlib import Path
 # Protocol-specific flags, and the protocols each one applies to: giving one to another
 # protocol is refused, since it would silently do nothing.
 APPLIES_TO = {
-    "timing": ("noloco",), "deadline_steps": ("noloco",), "snapshot_codec": ("noloco",),
+    "timing": ("noloco",), "deadline_steps": ("noloco", "dilocox"), "wire_dtype": ("noloco",),
     "max_staleness": ("noloco",), "alpha": ("noloco",), "beta": ("noloco",), "gamma": ("noloco",),
     "delay": ("dilocox",), "codec": ("dilocox",), "rank": ("dilocox",), "bits": ("dilocox",),
     "outer_lr": ("diloco", "dilocox"), "outer_momentum": ("diloco", "dilocox"),
@@ -49,18 +49,20 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
                          help="one message's travel time in rounds of H steps")
     net.add_argument("--drop-probability", type=float, metavar="P",
                      help="chance that a point-to-point message is lost (noloco, dilocox)")
+    net.add_argument("--deadline-steps", type=int, help="the longest wait for a message, in "
+                     "inner steps (noloco blocking: the partner's snapshot; dilocox: the "
+                     "group's messages; default H)")
     outer = p.add_argument_group("DiLoCo and DiLoCoX outer Nesterov")
     outer.add_argument("--outer-lr", type=float, help="η (default 0.7)")
     outer.add_argument("--outer-momentum", type=float, help="μ (default 0.9; the NoLoCo paper's "
                        "DiLoCo baseline used 0.3)")
     noloco = p.add_argument_group("NoLoCo")
     noloco.add_argument("--timing", choices=TIMINGS, help="overlap (default) or blocking")
-    noloco.add_argument("--deadline-steps", type=int, help="blocking: longest wait for the "
-                        "partner's snapshot, in inner steps (default H)")
     noloco.add_argument("--alpha", type=float, help="outer momentum α (default 0.5)")
     noloco.add_argument("--beta", type=float, help="progress weight β (default 0.7)")
     noloco.add_argument("--gamma", type=float, help="consensus weight γ (default 0.7)")
-    noloco.add_argument("--snapshot-codec", help="codec of the snapshots sent (default bf16)")
+    noloco.add_argument("--wire-dtype", choices=("bf16", "fp16", "fp32"),
+                        help="dtype of the snapshots sent (default bf16)")
     noloco.add_argument("--max-staleness", type=int, help="largest round difference of a pair (default 2)")
     dilocox = p.add_argument_group("DiLoCoX")
     dilocox.add_argument("--delay", type=int, choices=(0, 1), help="rounds between sending and "
@@ -73,7 +75,8 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     cfg.add_argument("--model", metavar="PRESET", help="model preset in configs/models/ (default tiny)")
     cfg.add_argument("--config", type=Path, metavar="PATH", help="a node config TOML file")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override one config value, e.g. --set model.dim=64 (repeatable)")
+                     help="override one config value, e.g. --set model.dim=64, or a key of the "
+                     "manifest's [protocol] section, e.g. --set protocol.fan_out=4 (repeatable)")
     cfg.add_argument("--seed", type=int, default=0, help="seed of weights, streams, pairs and losses")
     cfg.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     p.add_argument("--out", type=Path, metavar="DIR", help="output directory "
@@ -82,7 +85,8 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def settings_from_args(args: argparse.Namespace, default_steps: int):
+def settings_from_args(args: argparse.Namespace, default_steps: int,
+                       protocol_values: dict | None = None):
     """SimulationSettings from the parsed flags; SimulationError names a misplaced flag."""
     from node.simulator.settings import DEFAULT_INNER_STEPS, SimulationError, SimulationSettings
 
@@ -107,23 +111,25 @@ def settings_from_args(args: argparse.Namespace, default_steps: int):
     return SimulationSettings(protocol=args.protocol, workers=args.workers,
                               inner_steps=inner_steps, rounds=rounds, seed=args.seed,
                               eval_every=args.eval_every, latency_steps=latency,
-                              **values).validated()
+                              protocol_values=protocol_values or {}, **values).validated()
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from node.config.schema import load_config
+    from node.config.schema import load_config, nest_overrides, parse_override
     from node.simulator.report import human_bytes, plot_validation_loss, round_table, write_json
     from node.simulator.runner import run_simulation
 
-    overrides = list(args.overrides)
+    protocol = [o for o in args.overrides if o.strip().startswith("protocol.")]
+    overrides = [o for o in args.overrides if o not in protocol]
     if args.model:
         overrides.insert(0, f"model.preset={json.dumps(args.model)}")
     if args.threads is not None:
         overrides.append(f"train.threads={args.threads}")
     config = load_config(args.config, overrides)
-    settings = settings_from_args(args, config.train.steps)
+    protocol_values = nest_overrides([parse_override(o) for o in protocol]).get("protocol", {})
+    settings = settings_from_args(args, config.train.steps, protocol_values)
     out = args.out or Path("runs/simulate") / f"{settings.protocol}-{settings.workers}"
     console = Console()
     if not console.is_terminal:  # a pipe or a log: do not squeeze the table into 80 columns

@@ -2,15 +2,16 @@
 
 Time is counted in inner steps (one step of one replica), shared by all replicas: the replicas
 run in lockstep, so a round's compute advances the clock by H, and a blocking wait advances it
-by the time waited (counted as idle). A point-to-point message sent at time t arrives at
+by the time waited (counted as idle). Within a round the replicas train one after another, each
+at the clock of its own step (`at`). A point-to-point message sent at time t arrives at
 t + latency; it is dropped with probability `drop_probability`, decided when it is sent (the
 sender still paid its bytes: they went on the wire).
 
 Byte accounting (what `bytes_sent` holds, per sender):
-- point-to-point messages count the exact encoded size the caller gives, which the methods take
-  from the codecs (`Encoded.size_bytes`: payload plus msgpack description). Wire headers and
-  signatures (p2p/, not written yet) are NOT included; neither are the matching's small control
-  messages (propose/accept/decline), which are counted by number only.
+- point-to-point messages count the bytes of the payload the round classes encode
+  (node/rounds/<protocol>/payload.py: what the daemon hands its transport). Wire headers and
+  signatures (p2p/wire.py) are NOT included; neither are the matching's small control
+  messages (propose/accept/decline), which the simulator does not send.
 - collectives (data-parallel's gradient, DiLoCo's Δ) are a ring all-reduce of one flat fp32
   vector, counted chunk by chunk with `ring_allreduce_bytes`: about 2·(N−1)/N × its bytes each.
 """
@@ -22,6 +23,8 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
+
+from p2p.messages import OutgoingTensor, ReceivedMessage
 
 
 def ring_allreduce_bytes(num_elements: int, element_bytes: int, workers: int) -> list[int]:
@@ -40,6 +43,23 @@ def ring_allreduce_bytes(num_elements: int, element_bytes: int, workers: int) ->
     chunk = [(base + (1 if c < extra else 0)) * element_bytes for c in range(workers)]
     total = num_elements * element_bytes
     return [2 * total - chunk[(i + 1) % workers] - chunk[(i + 2) % workers] for i in range(workers)]
+
+
+class InMemoryMessage:
+    """A received message as the round classes read it (p2p's ReceivedMessage's `round` and
+    `tensor_views`), built from what a round handed its link: the tensors' bytes, copied once,
+    as a transport would."""
+
+    def __init__(self, round_index: int, tensors: list[OutgoingTensor]):
+        self.round = round_index
+        self.tensors = tuple(t.entry() for t in tensors)
+        self.payload = memoryview(b"".join(t.byte_view() for t in tensors))
+
+    @property
+    def size_bytes(self) -> int:
+        return len(self.payload)
+
+    tensor_views = ReceivedMessage.tensor_views  # the transport's own views of the payload
 
 
 @dataclass
@@ -93,6 +113,11 @@ class InMemoryExchange:
         self.now += steps
         self.idle_steps += steps
 
+    def at(self, time: int) -> None:
+        """The clock of one replica's step within the current round (replicas train one after
+        another; each sees what has arrived by its own step)."""
+        self.now = time
+
     # ------------------------------------------------------------------ point to point
     def send(self, sender: str, recipient: str, topic: str, round_index: int, payload: Any,
              size_bytes: int) -> bool:
@@ -110,29 +135,39 @@ class InMemoryExchange:
                                          size_bytes, self.now + self.latency_steps))
         return True
 
-    def collect(self, recipient: str, topic: str) -> list[Envelope]:
-        """Messages for `recipient` on `topic` that have arrived by now, in sending order."""
-        arrived = [e for e in self._in_transit
-                   if e.recipient == recipient and e.topic == topic and e.arrives_at <= self.now]
+    def arrived(self, recipient: str, topic: str, round_index: int | None = None) -> list[Envelope]:
+        """Messages for `recipient` on `topic` (of `round_index`, if given) that have arrived by
+        now, in sending order; they stay in the exchange."""
+        return [e for e in self._in_transit
+                if e.recipient == recipient and e.topic == topic and e.arrives_at <= self.now
+                and (round_index is None or e.round_index == round_index)]
+
+    def collect(self, recipient: str, topic: str, round_index: int | None = None) -> list[Envelope]:
+        """The same, taken out of the exchange (delivered)."""
+        arrived = self.arrived(recipient, topic, round_index)
         if arrived:
             taken = {id(e) for e in arrived}
             self._in_transit = [e for e in self._in_transit if id(e) not in taken]
             self.counters.messages_delivered += len(arrived)
         return arrived
 
-    def expire(self, topic: str) -> int:
-        """Drop every message on `topic` still in transit (it would arrive after its use);
-        returns how many, for the caller to count as late."""
-        late = [e for e in self._in_transit if e.topic == topic]
-        self._in_transit = [e for e in self._in_transit if e.topic != topic]
-        return len(late)
+    def expire(self, topic: str, up_to_round: int | None = None) -> int:
+        """Drop every message on `topic` (of rounds up to `up_to_round`, if given) still in
+        transit: it would arrive after its use. Returns how many, for the caller to count as late."""
+        def late(e: Envelope) -> bool:
+            return e.topic == topic and (up_to_round is None or e.round_index <= up_to_round)
+        expired = [e for e in self._in_transit if late(e)]
+        self._in_transit = [e for e in self._in_transit if not late(e)]
+        return len(expired)
 
     def in_transit(self, topic: str | None = None) -> int:
         return sum(1 for e in self._in_transit if topic is None or e.topic == topic)
 
-    def time_until_arrival(self, topic: str) -> int:
-        """How long until every message now in transit on `topic` has arrived (0 if none)."""
-        pending = [e.arrives_at for e in self._in_transit if e.topic == topic]
+    def time_until_arrival(self, topic: str, round_index: int | None = None) -> int:
+        """How long until every message now in transit on `topic` (of `round_index`, if given)
+        has arrived (0 if none)."""
+        pending = [e.arrives_at for e in self._in_transit if e.topic == topic
+                   and (round_index is None or e.round_index == round_index)]
         return max(0, max(pending) - self.now) if pending else 0
 
     # ------------------------------------------------------------------ collectives

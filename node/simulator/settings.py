@@ -2,16 +2,24 @@
 
 The model, data and inner optimizer come from the ordinary node config (node/config/schema.py); this is
 everything on top. `validated()` refuses what does not fit with one sentence per problem, and
-fills the settings a protocol leaves open with its documented defaults.
+fills the settings a protocol leaves open with its documented defaults. NoLoCo and DiLoCoX run
+the daemon's round classes, built from the manifest sections `sections()` makes of these
+settings; `protocol_values` sets any other key of the manifest's [protocol] section (validated
+as a manifest's), for what the named settings do not cover.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+from node.config.manifest import ContributionSection, ProtocolSection
+from node.config.schema import ConfigError, build_section
 
 PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
 TIMINGS = ("overlap", "blocking")
+WIRE_DTYPES = ("bf16", "fp16", "fp32")
 # H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (PROTOCOLS.md §1, §2); for
 # data-parallel and local training a "round" is only the interval between evaluations.
 DEFAULT_INNER_STEPS = {"data-parallel": 100, "diloco": 100, "noloco": 50, "dilocox": 100, "local": 100}
@@ -38,17 +46,21 @@ class SimulationSettings:
     outer_momentum: float = 0.9
     # NoLoCo (PROTOCOLS.md §1 defaults)
     timing: str = "overlap"
-    deadline_steps: int | None = None      # blocking: longest wait for the partner; None: H
+    # the longest wait for a message (NoLoCo blocking: the partner's snapshot; DiLoCoX: the
+    # group's messages of the round applied); None: H
+    deadline_steps: int | None = None
     noloco_momentum: float = 0.5           # α
     noloco_progress_weight: float = 0.7    # β
     noloco_consensus_weight: float = 0.7   # γ
-    snapshot_codec: str = "bf16"
+    wire_dtype: str = "bf16"               # of the snapshots sent
     max_staleness: int = 2
     # DiLoCoX (PROTOCOLS.md §3)
     delay: int = 1
     codec: str = "lowrank"
     rank: int | None = None                # lowrank only; None: the codec's default
     bits: int | None = None                # lowrank and blockwise; None: the codec's default
+    # any other key of the manifest's [protocol] section, e.g. {"fan_out": 4}
+    protocol_values: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_inner_steps(self) -> int:
@@ -81,6 +93,9 @@ class SimulationSettings:
                                   "not drop messages of: a drop probability applies to noloco and dilocox only.")
         if s.timing not in TIMINGS:
             raise SimulationError(f"timing {s.timing!r} is unknown: choose overlap or blocking.")
+        if s.wire_dtype not in WIRE_DTYPES:
+            raise SimulationError(f"wire dtype {s.wire_dtype!r} is unknown: choose one of "
+                                  f"{', '.join(WIRE_DTYPES)}.")
         if s.delay not in (0, 1):
             raise SimulationError(f"DiLoCoX delay must be 0 or 1 rounds, got {s.delay!r}.")
         unused = [name for name in ("rank", "bits") if getattr(s, name) is not None
@@ -88,7 +103,26 @@ class SimulationSettings:
         if unused:
             raise SimulationError(f"codec {s.codec!r} takes no {unused[0]}: rank is for lowrank, "
                                   "bits for lowrank and blockwise.")
+        try:
+            s.sections()
+        except ConfigError as exc:
+            raise SimulationError(str(exc)) from None
         return s
+
+    def sections(self) -> tuple[ProtocolSection, ContributionSection]:
+        """The manifest sections the daemon's round classes are built from. Simulated time is
+        counted in inner steps, so the deadlines (seconds in a manifest) are in steps here."""
+        protocol = ProtocolSection(
+            name=self.protocol if self.protocol in ("noloco", "dilocox") else "noloco",
+            inner_steps=self.inner_steps, momentum=self.noloco_momentum,
+            progress_weight=self.noloco_progress_weight,
+            consensus_weight=self.noloco_consensus_weight, timing=self.timing,
+            max_staleness=self.max_staleness, pair_deadline_s=float(self.deadline_steps),
+            wire_dtype=self.wire_dtype, outer_lr=self.outer_lr,
+            outer_momentum=self.outer_momentum, delay=self.delay, codec=self.codec,
+            message_deadline_s=float(self.deadline_steps), **self.codec_parameters())
+        build_section(ProtocolSection, self.protocol_values, "protocol.", protocol)
+        return protocol, ContributionSection()
 
     def describe(self) -> str:
         """One line naming the method as the results table shows it."""

@@ -2,6 +2,7 @@
 
 import copy
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -10,9 +11,11 @@ from node.config.schema import load_config
 from node.data.corpus import load_corpus, stream_seed
 from node.simulator import Simulation, SimulationError, SimulationSettings
 from node.simulator.exchange import InMemoryExchange, ring_allreduce_bytes
+from node.rounds.dilocox.payload import encode_message
+from node.rounds.noloco.payload import encode_snapshot
 from node.simulator.replica import weight_spread
 from node.train.trainer import InnerTrainer
-from protocol.codecs import description_size
+from protocol.dilocox import winning_digest
 from protocol.tensors import weights_digest
 
 VERY_SMALL = ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "model.ffn_hidden=64",
@@ -107,17 +110,24 @@ def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):
     assert [r.val_loss_mean for r in diloco_result.records] == [r.val_loss_mean for r in dilocox_result.records]
 
 
+def message_bytes(policy, trainer) -> int:
+    """What one of a replica's DiLoCoX messages weighs on the wire (its round's payload)."""
+    outer = policy.outer
+    message = outer.compress(outer.pseudo_gradient(trainer.named_parameters()), 99)
+    return sum(t.data.nbytes for t in encode_message(message))
+
+
 def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus):
     simulation, result = simulate(config, corpus, "dilocox", codec="lowrank", rank=2, delay=1,
                                   outer_momentum=0.3)
     method = simulation.method
-    node = method.nodes["replica-0"]
-    message = node.compress(node.pseudo_gradient(method.replicas[0].trainer.named_parameters()), 99)
+    phis = {weights_digest(p.outer.slow_weights) for p in method.rounds.values()}
+    size = message_bytes(method.rounds["replica-0"], method.replicas[0].trainer)
     digests_per_round = 16 * 3
-    expected = 3 * (3 * message.size_bytes + digests_per_round) + digests_per_round  # + final flush
+    expected = 3 * (3 * size + digests_per_round) + digests_per_round  # + the final flush's
     assert result.final.bytes_sent_per_replica == expected
-    assert 3 * message.size_bytes < model_elements(simulation) * 4 / 3  # well under fp32 broadcast
-    assert len({weights_digest(n.slow_weights) for n in method.nodes.values()}) == 1  # one φ
+    assert 3 * size < model_elements(simulation) * 4 / 3  # well under an fp32 broadcast
+    assert len(phis) == 1  # one φ
     assert result.final.resyncs == 0
     # each replica trains φ minus its own compression residual (protocol/dilocox.py)
     assert result.final.weight_spread > 0
@@ -125,19 +135,23 @@ def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus):
 
 
 def test_dilocox_lost_messages_are_counted_and_phi_is_resynchronised(config, corpus):
-    settings = SimulationSettings("dilocox", workers=4, inner_steps=8, rounds=4, drop_probability=0.3,
+    """A replica that missed a message ends its round on another φ; the consensus check gives
+    it the majority's φ and m, which it adopts before its next outer step (as in the daemon)."""
+    settings = SimulationSettings("dilocox", workers=4, inner_steps=8, rounds=5, drop_probability=0.3,
                                   codec="bf16", outer_momentum=0.3)
     simulation = Simulation(settings, config, corpus)
-    phi_digests = []  # after each round: the distinct φ among the replicas
-    result = simulation.run(lambda record: phi_digests.append(
-        {weights_digest(node.slow_weights) for node in simulation.method.nodes.values()}))
+    rounds = simulation.method.rounds
+    after = []  # after each round: each replica's (φ digest, resyncs so far)
+    result = simulation.run(lambda record: after.append(
+        {name: (p.phi_digest, p.resyncs) for name, p in rounds.items()}))
     assert result.final.messages_dropped > 0
     assert result.final.messages_dropped == simulation.method.exchange.counters.messages_dropped
     assert result.final.resyncs > 0                 # some replica missed a message and diverged
-    assert len(phi_digests) >= 4 and all(len(d) == 1 for d in phi_digests)  # and was brought back
-    # θ differs from φ by each replica's own round in flight until the final flush, then only
-    # by its bf16 rounding residual
-    assert result.records[1].weight_spread > 0.01 and result.final.weight_spread < 1e-3
+    for previous, now in zip(after, after[1:-1]):   # (the last record holds the final flush)
+        majority = winning_digest(Counter(digest for digest, _ in previous.values()))
+        for name, (digest, resyncs) in previous.items():
+            # a replica off the majority's φ adopts it in the next round, and only then
+            assert now[name][1] == resyncs + (digest != majority), (name, after)
 
 
 def test_dilocox_messages_slower_than_a_round_are_late(config, corpus):
@@ -151,9 +165,10 @@ def test_noloco_pairs_vary_losses_fall_and_snapshot_bytes_are_exact(config, corp
     pairings = {tuple(map(tuple, r.pairs)) for r in result.records}
     assert len(pairings) >= 2                                  # partners vary over rounds
     assert all(len(r.pairs) == 2 for r in result.records)      # 4 replicas: 2 pairs a round
-    shapes = [t.shape for t in simulation.method.replicas[0].trainer.named_parameters().values()]
-    snapshot = 2 * sum(2 * s.numel() + description_size({"codec": "bf16", "shape": list(s)})
-                       for s in shapes)                        # φ and Δ in bf16
+    policy = simulation.method.rounds["replica-0"]
+    snapshot = sum(t.data.nbytes for t in encode_snapshot(policy.outer.snapshot(
+        simulation.method.replicas[0].trainer.named_parameters()), "bf16"))
+    assert snapshot == 2 * 2 * model_elements(simulation)      # φ and Δ in bf16
     assert result.final.bytes_sent_per_replica == 6 * snapshot
     assert result.final.local_updates == 0 and result.final.idle_steps == 0
     assert 0 < result.final.weight_spread < 0.5                # own φ each, kept close
@@ -170,15 +185,28 @@ def test_noloco_overlap_uses_last_rounds_snapshots_and_never_waits(config, corpu
 
 
 def test_noloco_overlap_without_latency_computes_what_blocking_does(config, corpus):
-    """The pair's update, applied as a correction before the next round's first step, lands
-    where blocking's update does (up to rounding), with the same pairs."""
-    overlap, overlapped = simulate(config, corpus, "noloco", timing="overlap", rounds=4)
-    blocking, blocked = simulate(config, corpus, "noloco", timing="blocking", rounds=4)
-    assert overlap.method.pair_history[1:] == blocking.method.pair_history
-    for ours, theirs in zip(overlap.method.replica_weights(), blocking.method.replica_weights()):
-        for name in ours:
-            torch.testing.assert_close(ours[name], theirs[name], atol=1e-4, rtol=1e-3)
-    assert overlapped.final_val_loss == pytest.approx(blocked.final_val_loss, abs=1e-4)
+    """The pair's update, applied as a correction at the next round's first step boundary,
+    lands where blocking's update does, up to rounding; and the pairs are the same.
+
+    Compared after one pair update, where rounding is not amplified: the two paths compute the
+    same fp32 sums in another order (overlap: φ + local step, then + the correction; blocking: φ
+    + the pair's step), each ending in an addition rounded at the scale of the weights, so they
+    may differ by a few units in the last place of the largest weight (measured: one, with
+    torch's AVX512, AVX2 and default kernels, ATEN_CPU_CAPABILITY). Training on from there is
+    not compared: AdamW's normalised steps amplify that one ulp to 9e-5 (default), 1.7e-4 (AVX2)
+    or 3.4e-4 (AVX512) within three more rounds, which compares the CPUs, not the timings."""
+    overlap, _ = simulate(config, corpus, "noloco", timing="overlap", rounds=1)
+    blocking, _ = simulate(config, corpus, "noloco", timing="blocking", rounds=1)
+    ours, theirs = overlap.method.replica_weights(), blocking.method.replica_weights()
+    largest = max(float(t.abs().max()) for weights in theirs for t in weights.values())
+    few_ulps = 4 * torch.finfo(torch.float32).eps * largest
+    for our_weights, their_weights in zip(ours, theirs):
+        for name, tensor in our_weights.items():
+            torch.testing.assert_close(tensor, their_weights[name], atol=few_ulps, rtol=0)
+    assert overlap.method.network.pair_history == blocking.method.network.pair_history
+    overlap, _ = simulate(config, corpus, "noloco", timing="overlap", rounds=4)
+    blocking, _ = simulate(config, corpus, "noloco", timing="blocking", rounds=4)
+    assert overlap.method.network.pair_history == blocking.method.network.pair_history
 
 
 def test_noloco_blocking_waits_up_to_the_deadline_and_counts_losses(config, corpus):
@@ -212,7 +240,7 @@ def test_bad_settings_are_refused_in_one_sentence(settings, sentence):
 
 
 def test_shared_decoding_gives_the_codecs_numbers_and_a_private_copy_each():
-    from node.simulator.methods.dilocox import DecodingCache, SharedDecoding
+    from node.simulator.decoding import DecodingCache, SharedDecoding
     from protocol.codecs import get_codec
 
     cache = DecodingCache()

@@ -1,0 +1,274 @@
+"""NoLoCoRound and DiLoCoXRound (node/rounds/) with real trainers over scripted links.
+
+A scripted link (a fake, named as such: the real links are the daemon's exchanges, tested in
+tests/integration, and the simulator's, tested in test_simulator.py) hands the round exactly
+the partner snapshot or group messages a test chooses, and records what the round sent,
+announced and refused. Messages are encoded by the rounds' own payload modules.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from node.config.manifest import ContributionSection, ProtocolSection
+from node.config.schema import load_config
+from node.data.corpus import load_corpus
+from node.events import PairCorrected
+from node.rounds.dilocox import payload as dilocox_payload
+from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
+from node.rounds.noloco import payload as noloco_payload
+from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot
+from node.simulator.exchange import InMemoryMessage
+from node.train.trainer import InnerTrainer
+from protocol.noloco import NoLoCoHyperParameters, NoLoCoSnapshot, noloco_update
+from protocol.tensors import weights_digest
+
+TINY = ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "model.ffn_hidden=64",
+        "data.seq_len=32", "train.micro_batch_size=2", "train.tokens_per_step=64",
+        "train.warmup_steps=1", "train.eval_batches=1", "train.lr=1e-2", "train.steps=40"]
+H = 3
+
+
+@pytest.fixture(scope="module")
+def config():
+    return load_config(overrides=TINY)
+
+
+@pytest.fixture(scope="module")
+def corpus(config):
+    return load_corpus(config.data)
+
+
+def trainer(config, corpus, stream: int) -> InnerTrainer:
+    return InnerTrainer(config.model, config.train, corpus, config.data.seq_len, stream,
+                        torch.device("cpu"))
+
+
+def train_round(trainer: InnerTrainer, policy, round_index: int) -> list:
+    """What the worker does within a round: between_steps before each step; the events."""
+    events = []
+    for _ in range(H):
+        events.append(policy.between_steps(round_index))
+        trainer.train_step()
+    return [e for e in events if e is not None]
+
+
+def received(round_index: int, tensors: list) -> InMemoryMessage:
+    return InMemoryMessage(round_index, tensors)
+
+
+class ScriptedNoLoCoLink:
+    """A fake NoLoCoLink: a partner snapshot lands when the test says so."""
+
+    def __init__(self):
+        self.waiting: dict[int, PartnerSnapshot] = {}
+        self.offered: list[tuple[int, list, float]] = []
+        self.refusals: list[tuple[str, str]] = []
+        self.catch_up: int | None = None
+
+    def partner_landed(self) -> bool:
+        return bool(self.waiting)
+
+    def take_partner(self, round_index: int) -> PartnerSnapshot | None:
+        return self.waiting.pop(round_index, None)
+
+    def finish_round(self, round_index, snapshot, wait_s, next_round=None):
+        self.offered.append((round_index, snapshot, wait_s))
+        return self.waiting.pop(round_index, None) if wait_s else None
+
+    def catch_up_round(self, round_index: int) -> int | None:
+        return self.catch_up
+
+    def refused(self, peer: str, reason: str, sentence: str) -> None:
+        self.refusals.append((peer, reason))
+
+
+def noloco(config, corpus, timing: str, stream: int = 1):
+    section = ProtocolSection(timing=timing, inner_steps=H, pair_deadline_s=5.0)
+    link = ScriptedNoLoCoLink()
+    model = trainer(config, corpus, stream)
+    return NoLoCoRound(section, ContributionSection(), model, link), link, model
+
+
+def partner_of(config, corpus, round_index: int, wire_dtype: str = "fp32") -> tuple:
+    """Another node's round: its snapshot as it would arrive, and as it was."""
+    policy, _, model = noloco(config, corpus, "blocking", stream=2)
+    for r in range(round_index + 1):
+        train_round(model, policy, r)
+        snapshot = policy.outer.snapshot(model.named_parameters())
+        if r < round_index:
+            policy.end_round(r)
+    message = received(round_index, noloco_payload.encode_snapshot(snapshot, wire_dtype))
+    return PartnerSnapshot("partner", round_index, message), snapshot
+
+
+def test_blocking_applies_the_partners_snapshot_with_the_pair_formula(config, corpus):
+    policy, link, model = noloco(config, corpus, "blocking")
+    partner, theirs = partner_of(config, corpus, 0)
+    train_round(model, policy, 0)
+    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+    own = policy.outer.snapshot(model.named_parameters())
+    link.waiting[0] = partner
+    outcome = policy.end_round(0)
+    expected, _ = noloco_update(phi, momentum, [own, theirs], NoLoCoHyperParameters())
+    assert outcome.partner == "partner" and outcome.partners == ["partner"]
+    assert not outcome.local_update and outcome.partner_updates == 1 and outcome.refused == []
+    assert outcome.phi_digest == weights_digest(expected) == weights_digest(policy.outer.slow_weights)
+    for name, tensor in model.named_parameters().items():  # θ starts the next round at φ
+        assert torch.equal(tensor.detach(), expected[name])
+    assert link.offered[0][0] == 0 and link.offered[0][2] == 5.0  # it waited the deadline
+
+
+def test_overlap_corrects_at_the_step_boundary_after_the_partner_lands(config, corpus):
+    """The pair's update arrives one round late, mid-round: θ and φ move by the correction,
+    the event carries φ's new digest, and the round ends with the local update on top."""
+    policy, link, model = noloco(config, corpus, "overlap")
+    partner, _ = partner_of(config, corpus, 0)
+    train_round(model, policy, 0)
+    first = policy.end_round(0)
+    assert first.local_update and first.partner is None and first.pair_shift is None
+    assert link.offered[0][2] == 0.0  # overlap never waits
+    link.waiting[1] = partner  # the pair of round 1 swapped our S_0 for the partner's
+    before = {n: t.detach().clone() for n, t in model.named_parameters().items()}
+    phi_before = policy.phi_digest
+    events = train_round(model, policy, 1)
+    assert len(events) == 1 and isinstance(events[0], PairCorrected)
+    corrected = events[0]
+    assert corrected.partner == "partner" and corrected.round == 0
+    assert corrected.phi_before == phi_before != corrected.phi_digest
+    assert corrected.shift > 0 and not any(torch.equal(before[n], t) for n, t in
+                                           model.named_parameters().items())
+    outcome = policy.end_round(1)
+    assert outcome.partner == "partner" and outcome.partner_round == 0
+    assert outcome.pair_shift == corrected.shift and outcome.partner_updates == 1
+
+
+def test_a_poisoned_snapshot_is_refused_counted_and_never_applied(config, corpus):
+    policy, link, model = noloco(config, corpus, "blocking")
+    partner, theirs = partner_of(config, corpus, 0)
+    poisoned = NoLoCoSnapshot(theirs.slow_weights, {n: torch.full_like(t, math.nan)
+                                                    for n, t in theirs.local_progress.items()})
+    link.waiting[0] = PartnerSnapshot("bad", 0, received(0, noloco_payload.encode_snapshot(
+        poisoned, "fp32")))
+    train_round(model, policy, 0)
+    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+    own = policy.outer.snapshot(model.named_parameters())
+    outcome = policy.end_round(0)
+    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
+    assert outcome.local_update and outcome.partner is None
+    assert len(outcome.refused) == 1 and "NaN" in outcome.refused[0] and "bad" in outcome.refused[0]
+    assert link.refusals == [("bad", "not_finite")]
+    assert outcome.phi_digest == weights_digest(local)
+
+
+def test_a_node_too_far_behind_jumps_to_the_swarms_round(config, corpus):
+    policy, link, model = noloco(config, corpus, "overlap")
+    train_round(model, policy, 0)
+    link.catch_up = 7
+    outcome = policy.end_round(0)
+    assert outcome.caught_up_to == 7 and model.step == 7 * H
+    assert link.offered[0][0] == 0
+
+
+def test_a_late_joiner_adopts_the_exported_state(config, corpus):
+    member, _, member_model = noloco(config, corpus, "overlap", stream=3)
+    train_round(member_model, member, 0)
+    member.end_round(0)
+    state_round, groups, digest = member.export_state()
+    joiner, _, joiner_model = noloco(config, corpus, "overlap", stream=4)
+    joiner.adopt(groups)
+    assert state_round == 0 and joiner.phi_digest == digest == weights_digest(joiner.outer.slow_weights)
+    assert weights_digest(joiner_model.named_parameters()) == digest  # θ = φ
+    restored, _, _ = noloco(config, corpus, "overlap", stream=5)
+    restored.load_state_dict(member.state_dict())
+    assert weights_digest(restored.outer.slow_weights) == digest
+
+
+# ---------------------------------------------------------------------------- DiLoCoX
+class ScriptedDiLoCoXLink:
+    """A fake DiLoCoXLink: the group's messages and a resync state are what the test gives."""
+
+    def __init__(self):
+        self.sent: list[tuple[int, list]] = []
+        self.inbox: dict[int, list[GroupMessage]] = {}
+        self.digests: list[tuple[int, str]] = []
+        self.resync: dict[int, dict] = {}
+        self.refusals: list[tuple[str, str]] = []
+
+    def send_round(self, round_index: int, tensors: list) -> None:
+        self.sent.append((round_index, tensors))
+
+    def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        return self.inbox.pop(round_index, [])
+
+    def publish_digest(self, round_index: int, digest: str) -> None:
+        self.digests.append((round_index, digest))
+
+    def take_resync(self, round_index: int) -> dict | None:
+        return self.resync.pop(round_index, None)
+
+    def refused(self, peer: str, reason: str, sentence: str) -> None:
+        self.refusals.append((peer, reason))
+
+
+def dilocox(config, corpus, name: str, stream: int, delay: int = 1):
+    section = ProtocolSection(name="dilocox", inner_steps=H, codec="bf16", delay=delay)
+    link = ScriptedDiLoCoXLink()
+    model = trainer(config, corpus, stream)
+    return DiLoCoXRound(section, ContributionSection(), model, name, link), link, model
+
+
+def test_dilocox_applies_the_groups_messages_a_round_late_and_all_agree(config, corpus):
+    """Two nodes, each handed the other's message: after round 1 (which applies round 0) they
+    hold the same φ, announced by digest; round 0 applied nothing yet (delay 1)."""
+    a, a_link, a_model = dilocox(config, corpus, "a", 1)
+    b, b_link, b_model = dilocox(config, corpus, "b", 2)
+    for r in range(2):
+        for policy, model in ((a, a_model), (b, b_model)):
+            train_round(model, policy, r)
+        a_out = a.end_round(r)
+        b_out = b.end_round(r)
+        a_link.inbox[r] = [GroupMessage("b", r, received(r, b_link.sent[-1][1]))]
+        b_link.inbox[r] = [GroupMessage("a", r, received(r, a_link.sent[-1][1]))]
+        if r == 0:
+            assert a_out.applied_round is None and a_out.group == []
+    assert a_out.applied_round == 0 and a_out.group == ["a", "b"] == b_out.group
+    assert a_out.phi_digest == b_out.phi_digest == a_link.digests[-1][1] == b_link.digests[-1][1]
+    assert a_out.refused == [] and a_out.sent_bytes > 0 and a_out.partners == ["a", "b"]
+
+
+def test_dilocox_refuses_a_poisoned_message_and_adopts_a_resync(config, corpus):
+    a, link, model = dilocox(config, corpus, "a", 1, delay=0)
+    other, other_link, other_model = dilocox(config, corpus, "c", 3, delay=0)
+    train_round(other_model, other, 0)
+    other.end_round(0)
+    tensors = other_link.sent[-1][1]
+    poisoned = dilocox_payload.decode_message("c", 0, received(0, tensors))
+    for name, encoded in poisoned.tensors.items():
+        values = torch.full((len(encoded.payload) // 2,), math.nan, dtype=torch.bfloat16)
+        poisoned.tensors[name] = type(encoded)(encoded.description, values.view(torch.uint8).numpy().tobytes())
+    link.inbox[0] = [GroupMessage("c", 0, received(0, dilocox_payload.encode_message(poisoned)))]
+    train_round(model, a, 0)
+    outcome = a.end_round(0)
+    assert outcome.group == ["a"] and len(outcome.refused) == 1 and "c" in outcome.refused[0]
+    assert link.refusals and link.refusals[0][0] == "c"
+    # a resync: the majority's φ and m after round 0, adopted before the next outer step
+    _, majority, digest = other.export_state(0)
+    link.resync[0] = {"slow_weights": majority["phi"], "momentum": majority["momentum"]}
+    train_round(model, a, 1)
+    outcome = a.end_round(1)
+    assert outcome.resyncs == 1
+
+
+def test_dilocox_finish_applies_the_last_rounds_messages_without_training(config, corpus):
+    a, link, model = dilocox(config, corpus, "a", 1)
+    train_round(model, a, 0)
+    a.end_round(0)
+    link.inbox[0] = []
+    before = a.phi_digest
+    a.finish(1)
+    assert link.digests[-1] == (1, a.phi_digest) and a.phi_digest != before  # own message applied
+    assert len(link.sent) == 1  # nothing more sent

@@ -30,7 +30,7 @@ from node.daemon.members import MemberCache
 from node.events import CheckpointSkipped, LateJoined, MinPeersTimeout, Resumed
 from node.rounds.contributions import BanList
 from node.rounds.policy import RoundPolicy
-from node.rounds.state import STATE_KIND, decode_state
+from node.rounds.state import STATE_KIND, announced_phi, decode_state
 from node.rounds.swarm import Swarm
 from node.train.trainer import InnerTrainer
 from p2p.errors import P2PError, Reason, RemoteRefused
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("lowcomm.join")
 CHECKPOINT_FORMAT = 2
+ANNOUNCEMENT_POLL_S = 0.1  # a joiner looks up a member's announcement this often, while waiting
 
 
 @dataclass
@@ -156,20 +157,21 @@ def swarm_round(members) -> int:
     return max((r.round for r in members), default=0)
 
 
-def expected_digest(members, source, protocol: str) -> tuple[str | None, int | None]:
-    """The digest a joiner must find in the downloaded φ, and the round it belongs to.
+def expected_digests(members, source, protocol: str, state_round: Any) -> set[str]:
+    """The digests a joiner may find in a downloaded φ of `state_round`.
 
-    NoLoCo members each hold their own φ: trust the serving member's signed announcement.
-    DiLoCoX members share φ: trust what the eligible majority announced for the newest round.
+    NoLoCo members each hold their own φ: trust the serving member's signed announcements of
+    that round (its latest and the one before: a mid-round correction announces a second φ of
+    the same round, and a fast member may have ended another round since it served us).
+    DiLoCoX members share φ: trust what the eligible majority announced for that round.
     """
     if protocol == "noloco":
-        return source.extra.get("phi"), source.extra.get("phi_round")
-    announced = [(r.extra.get("phi_round"), r.extra["phi"]) for r in members
-                 if r.extra.get("phi") and isinstance(r.extra.get("phi_round"), int)]
-    if not announced:
-        return None, None
-    newest = max(rnd for rnd, _ in announced)
-    return winning_digest(Counter(digest for rnd, digest in announced if rnd == newest)), newest
+        extra = source.extra
+        return {extra[digest] for digest, announced in (("phi", "phi_round"),
+                                                        ("phi_prev", "phi_prev_round"))
+                if extra.get(announced) == state_round and isinstance(extra.get(digest), str)}
+    votes = Counter(vote for r in members if (vote := announced_phi(r.extra, state_round)))
+    return {winning_digest(votes)} if votes else set()
 
 
 async def download_state(transport, cache: MemberCache, manifest: Manifest,
@@ -199,20 +201,19 @@ async def download_state(transport, cache: MemberCache, manifest: Manifest,
         deadline = time.monotonic() + timeouts.state_announce_wait_s
         while True:
             fresh = {r.peer_id: r for r in cache.eligible()}
-            if source.peer_id not in fresh:
-                digest, digest_round = None, None
+            expected = set() if source.peer_id not in fresh else expected_digests(
+                fresh.values(), fresh[source.peer_id], manifest.protocol.name, state_round)
+            # an announcement may lag the state it describes: look again soon, not at the cache's
+            # pace (a member whose rounds are short shows a round's announcement only that long)
+            if got in expected or source.peer_id not in fresh or time.monotonic() > deadline:
                 break
-            digest, digest_round = expected_digest(fresh.values(), fresh[source.peer_id],
-                                                   manifest.protocol.name)
-            # NoLoCo's overlap correction changes φ within a round: wait for its announcement
-            if (digest_round == state_round and digest == got) or time.monotonic() > deadline:
-                break
-            cache.refreshed.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(cache.refreshed.wait(), timeout=2.0)
-        if digest is None or digest_round != state_round or got != digest:
+            await asyncio.sleep(ANNOUNCEMENT_POLL_S)
+            with contextlib.suppress(P2PError):
+                await cache.refresh()
+        if got not in expected:
+            shown = ", ".join(sorted(d[:12] for d in expected)) or "none"
             errors.append(f"{source.peer_id}: state of round {state_round} has digest {got[:12]}, "
-                          f"the announced digest is {str(digest)[:12]} for round {digest_round}")
+                          f"the digests announced for that round are: {shown}")
             continue
         return JoinState(int(received.meta.get("round", source.round)), groups,
                          dict(received.meta), source.peer_id)

@@ -108,8 +108,8 @@ class NoLoCoExchange:
     def catch_up_round(self, round_index: int) -> int | None:
         """The swarm's round, if this node (ending `round_index`) fell too far behind it to
         pair (protocol/matching.py catch_up_round); None otherwise."""
-        def decide() -> int | None:
-            rounds = [rec.round for rec in self.membership.eligible()]
+        def decide() -> int | None:  # a member still joining has no round yet
+            rounds = [rec.round for rec in self.membership.eligible() if rec.status != "joining"]
             return catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
         return self.swarm.bridge.call("the swarm's round", decide)
 

@@ -14,43 +14,26 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 from node.events import Event
 
 
-@dataclass(frozen=True)
 class DataDir:
-    root: Path
+    """The paths of one data directory (nothing is created here)."""
 
     def __init__(self, root: str | os.PathLike):
-        object.__setattr__(self, "root", Path(root))
+        self.root = Path(root)
+        self.checkpoints = self.root / "checkpoints"
+        self.metrics = self.root / "metrics.jsonl"
+        self.address = self.root / "address"
+        self.control_socket = self.root / "control.sock"
+        self.log = self.root / "node.log"
 
     @property
     def identity(self) -> Path:
         from p2p.identity import identity_path  # hivemind loads slowly: only for who needs it
         return identity_path(self.root)
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def metrics(self) -> Path:
-        return self.root / "metrics.jsonl"
-
-    @property
-    def address(self) -> Path:
-        return self.root / "address"
-
-    @property
-    def control_socket(self) -> Path:
-        return self.root / "control.sock"
-
-    @property
-    def log(self) -> Path:
-        return self.root / "node.log"
 
 
 class MetricsLog:

@@ -89,6 +89,9 @@ case "${1:-}" in
 esac
 
 # join: the options given win over the environment's
+if has --help "$@" || has -h "$@"; then
+  exec "$LOWCOMM" join "$@"
+fi
 if [ -n "${LOWCOMM_DEVICE:-}" ]; then
   set -- --set "train.device=$LOWCOMM_DEVICE" "$@"
 fi

@@ -42,8 +42,8 @@ def problem() -> str | None:
     built = torch.version.cuda  # e.g. "13.0"; None for a CPU build
     cpu_ok = "or set LOWCOMM_DEVICE=cpu to train on the CPU on purpose"
     if built is None:
-        return (f"this GPU image holds torch {torch.__version__}, a CPU-only build: rebuild it "
-                f"without overriding TORCH_INDEX_URL, {cpu_ok}")
+        return (f"this GPU image holds torch {torch.__version__}, a CPU-only build: build it "
+                f"with --build-arg TORCH=cuda, {cpu_ok}")
     major = int(built.split(".")[0])
     need = f"NVIDIA driver >= {MIN_DRIVER.get(major, '?')}"
     driver = driver_cuda_version()

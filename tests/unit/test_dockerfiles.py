@@ -41,7 +41,8 @@ def test_hadolint_passes():
 def test_dockerfile_essentials():
     text = DOCKERFILE.read_text()
     assert 'VOLUME ["/data"]' in text and "USER 10001" in text and "HEALTHCHECK" in text
-    assert 'ENTRYPOINT ["dumb-init", "--", "/opt/lowcomm-node/docker/entrypoint.sh"]' in text
+    assert ('ENTRYPOINT ["dumb-init", "--single-child", "--", '
+            '"/opt/lowcomm-node/docker/entrypoint.sh"]') in text
     # one base for both variants: one Python, so one stdlib corpus; pinned to a patch release
     froms = re.findall(r"^FROM (\S+)", text, re.M)
     assert froms == ["${PYTHON_IMAGE}", "base", "base", "torch-${TORCH}"], froms
@@ -142,6 +143,8 @@ def test_entrypoint_help_subcommands_and_programs(stub_lowcomm):
         assert "LOWCOMM_SWARM" in shown.stdout and "LOWCOMM_ANNOUNCE_HOST" in shown.stdout
         assert shown.stdout.rstrip().endswith("--help")  # then the CLI's own help
     assert argv(run_entrypoint(stub_lowcomm, {}, "status", "--json")) == ["status", "--json"]
+    for spelled in (["join", "--help"], ["lowcomm-node", "join", "-h"], ["--max-steps", "3", "--help"]):
+        assert argv(run_entrypoint(stub_lowcomm, {}, *spelled))[0] == "join"  # no swarm needed
     assert argv(run_entrypoint(stub_lowcomm, {}, "lowcomm-node", "config", "--keys")) == [
         "config", "--keys"]
     assert argv(run_entrypoint(stub_lowcomm, {}, "echo", "a program")) == ["a program"]

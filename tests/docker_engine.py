@@ -112,7 +112,7 @@ class PrivateEngine:
         for link in set(host_state()["links"]) - set(self.before["links"]):
             if link.startswith(TAG):
                 subprocess.run(["ip", "link", "delete", link], capture_output=True)
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
         self.stop_phases["files_s"] = round(time.monotonic() - started, 1)
 
     def leftovers(self) -> list[str]:
@@ -176,7 +176,7 @@ def standin_rootfs_tar(timeout_s: float = 600) -> Path:
         raise EngineError(f"debootstrap failed: {exc.stderr.decode(errors='replace')[-2000:]}")
     finally:
         unmount_under(rootfs)  # debootstrap mounts /proc and /sys inside while it installs
-        shutil.rmtree(rootfs, ignore_errors=True)
+        remove_tree(rootfs)
     return tar
 
 
@@ -184,6 +184,12 @@ def mounts_under(root: Path) -> list[str]:
     prefix = str(root)
     return [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
             if line.split()[1] == prefix or line.split()[1].startswith(prefix + "/")]
+
+
+def remove_tree(root: Path) -> None:
+    """rm -rf, never across a mount point (a mount left inside is not ours to empty)."""
+    subprocess.run(["rm", "-rf", "--one-file-system", str(root)], capture_output=True,
+                   timeout=600)
 
 
 def unmount_under(root: Path) -> None:

@@ -26,7 +26,8 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 WHEELHOUSE = ROOT / "docker" / "wheelhouse"
 IMAGE = "lowcomm-node:cpu"
 SUBNET, IP_A, IP_B = "10.231.7.0/24", "10.231.7.11", "10.231.7.12"
-NODE_ARGS = ["--set", "train.threads=1"]  # two nodes share this machine's two cores
+# two nodes share this machine's two cores; rounds of 10 steps make the first swap come sooner
+NODE_ARGS = ["--set", "train.threads=1", "--set", "protocol.inner_steps=10"]
 RESULTS = ROOT / "runs" / "docker-smoke.json"
 
 
@@ -73,6 +74,10 @@ def image(engine, measured):
     measured["build_s"] = round(time.monotonic() - started, 1)
     measured["base"] = f"stand-in for {base} (debootstrap bookworm, Debian python3)"
     measured["image_bytes"] = engine.inspect(IMAGE)["Size"]
+    layers = engine.docker("history", "--no-trunc", "--format", "{{.Size}}\t{{.CreatedBy}}",
+                           IMAGE).stdout.splitlines()
+    measured["largest_layers"] = [line[:100] for line in layers if line.split("\t")[0][-2:]
+                                  in ("MB", "GB")]
     engine.docker("network", "create", "--driver", "bridge", "--subnet", SUBNET, "-o",
                   f"com.docker.network.bridge.name={TAG}-br0", f"{TAG}-net")
     return IMAGE

@@ -58,13 +58,26 @@ class Membership:
         return self._record
 
     async def start(self) -> None:
-        """Publish our record and keep refreshing it every `heartbeat_s`."""
+        """Publish our record and keep refreshing it every `heartbeat_s`.
+
+        A DHT that has just bootstrapped can refuse the first store (its routing table is still
+        filling, or the bootstrap peer is busy), so the first publish is retried with backoff
+        for up to one TTL before the node gives up with one sentence.
+        """
         if self._heartbeat is not None:
             return
         if not self._record.addrs:
             self._record = replace(self._record, addrs=tuple(await self.host.maddrs()))
-        if not await self._publish():
-            raise HostError(f"could not store our membership record for swarm {self.swarm!r} in the DHT.")
+        deadline, backoff = time.monotonic() + self.ttl_s, 0.25
+        while not await self._publish():
+            if time.monotonic() + backoff > deadline:
+                raise HostError(f"could not store our membership record for swarm {self.swarm!r} "
+                                f"in the DHT within {self.ttl_s:.0f} s: check that the bootstrap "
+                                f"peers are reachable and running.")
+            logger.warning("the DHT did not store our membership record of swarm %r; retrying in "
+                           "%.2f s", self.swarm, backoff)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, 4.0)
         self._heartbeat = asyncio.create_task(self._beat(), name=f"membership-heartbeat-{self.swarm}")
 
     async def update(self, **fields: Any) -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from hivemind.dht.validation import DHTRecord
 
+from p2p.errors import HostError
 from p2p.membership import Membership, members_key
 from p2p.records import SIGNED_MARKER, _record_signing_input
 from tests.p2p_helpers import MANIFEST, run, wait_until
@@ -66,6 +67,41 @@ def test_graceful_leave_is_seen_at_once(tmp_path, p2p_cleanup):
             await member_b.leave()
             assert b.peer_id.to_base58() not in await member_a.peers()  # one read, no polling
             print(f"\nleave visible after {(time.monotonic() - started) * 1000:.0f} ms")
+            await member_a.stop()
+    run(scenario(), timeout_s=60)
+
+
+def refusing_store(host, refusals: int):
+    """Fault injection: the host's DHT answers its next `refusals` stores with False, as a DHT
+    whose routing table is still filling does; later stores reach the real DHT."""
+    real, left = host.dht.store, [refusals]
+
+    async def store(*args, **kwargs):
+        if left[0] > 0:
+            left[0] -= 1
+            return False
+        return await real(*args, **kwargs)
+    host.dht.store = store
+    return left
+
+
+def test_a_refused_first_store_is_retried_and_a_dead_dht_named(tmp_path, p2p_cleanup):
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            member_a = membership(a)
+            await member_a.start()
+            left = refusing_store(b, 2)
+            member_b = membership(b)
+            await member_b.start()  # two refusals, then stored
+            assert left == [0]
+            await wait_until(lambda: _has(member_a, b), 2.0, what="b visible to a after retries")
+            await member_b.stop()
+            refusing_store(b, 10**6)
+            doomed = Membership(b, "swarm-b", protocol="noloco", manifest=MANIFEST, ttl_s=1.5)
+            started = time.monotonic()
+            with pytest.raises(HostError, match="within 2 s: check that the bootstrap peers"):
+                await doomed.start()
+            assert time.monotonic() - started <= 1.5 + 0.5  # bounded by one TTL
             await member_a.stop()
     run(scenario(), timeout_s=60)
 

@@ -167,8 +167,8 @@ def test_noloco_pairs_vary_losses_fall_and_snapshot_bytes_are_exact(config, corp
     assert all(len(r.pairs) == 2 for r in result.records)      # 4 replicas: 2 pairs a round
     policy = simulation.method.rounds["replica-0"]
     snapshot = sum(t.data.nbytes for t in encode_snapshot(policy.outer.snapshot(
-        simulation.method.replicas[0].trainer.named_parameters()), "bf16"))
-    assert snapshot == 2 * 2 * model_elements(simulation)      # φ and Δ in bf16
+        simulation.method.replicas[0].trainer.named_parameters()), "bf16", "theta"))
+    assert snapshot == 2 * model_elements(simulation)          # θ alone in bf16 (β = γ)
     assert result.final.bytes_sent_per_replica == 6 * snapshot
     assert result.final.local_updates == 0 and result.final.idle_steps == 0
     assert 0 < result.final.weight_spread < 0.5                # own φ each, kept close

@@ -82,10 +82,12 @@ class Daemon:
                                    pick_device(train_config.device))
             from node.ops.services import NodeOps
             from node.ops.status import NodeStatus
+            from node.rounds.noloco.payload import tensor_sets
             status = NodeStatus(peer_id=identity.peer_id.to_base58(), swarm=m.swarm.id,
                                 protocol=m.protocol.name, device=str(trainer.device))
             self.status_feed = StatusFeed(
                 status, param_bytes=4 * sum(p.numel() for p in trainer.model.parameters()),
+                snapshot_sets=tensor_sets(m.protocol.snapshot),
                 traffic=self._traffic,
                 peers_known=lambda: len(self.network.cache.records) if self.network.cache else 0)
             self.status_feed.subscribe(self.events)

@@ -3,17 +3,22 @@
 
     sudo .venv/bin/python benchmarks/sync_time.py                 # N = 2,4,8; two links; 25M
     sudo .venv/bin/python benchmarks/sync_time.py --sizes 2 --links 20mbit:50 --params 1e6
+    sudo .venv/bin/python benchmarks/sync_time.py --methods noloco --snapshot phi_delta --resume
 
 Each node sits in its own namespace of a ShapedSwarm (benchmarks/netns.py: tbf on both ends of
 its access link, a delaying relay in front of its listener) and exchanges a synthetic payload of
-`--params` parameters (square fp32 matrices of `--dim`), with no training, `--rounds` times:
-- `noloco`: our NoLoCo swap, the daemon's own NoLoCoExchange in blocking timing: (φ, Δ) in the
-  manifest's default wire dtype (bf16), paired by the random matching, one swap per pair; a
-  node left unpaired ends its round at the daemon's pair deadline (60 s): such rounds are left
-  out of the median and counted apart (`paired`);
-- `dilocox`: our DiLoCoX exchange, the daemon's own DiLoCoXExchange: the low-rank codec (rank
-  4, 8-bit, the manifest defaults) message pushed to every other member; the round ends when
-  this node has sent its message and received all of theirs;
+`--params` parameters (square fp32 matrices of `--dim`), with no training, `--rounds` times.
+Our two protocols run as a daemon does (node/daemon/join.py connect, leave.py leave, the
+exchange of build_exchange) on the default manifest (node/config/manifest.py), changed only to
+blocking timing, and send what the daemon's round encodes (node/rounds/<protocol>/payload.py):
+- `noloco`: our NoLoCo swap, NoLoCoExchange in blocking timing: the snapshot protocol.snapshot
+  names (`--snapshot`: θ alone by default, or φ and Δ, twice the bytes; results say
+  noloco-theta or noloco-phi_delta) in the manifest's wire dtype (bf16), paired by the random
+  matching, one swap per pair; a node left unpaired ends its round at the manifest's pair
+  deadline (60 s): such rounds are left out of the median and counted apart (`paired`);
+- `dilocox`: our DiLoCoX exchange, DiLoCoXExchange: the message of the manifest's codec (low-rank,
+  rank 4, 8-bit) pushed to every other member; the round ends when this node has sent its
+  message and received all of theirs;
 - `hivemind`: hivemind's DecentralizedAverager all-reduce of the fp32 payload (fp16 with
   `hivemind-fp16`), matchmaking scheduled ahead so that only the all-reduce is timed;
 - `gloo`: torch.distributed all_reduce (gloo) of the fp32 payload. gloo opens its own
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import glob
 import json
 import os
 import statistics
@@ -42,7 +48,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from node.config.manifest import Manifest  # noqa: E402
 P2P_PORT, RELAY_PORT, GLOO_PORT = 4100, 4101, 29500
+SOCKETS = "/tmp/hivemind-*.sock"  # p2pd's and its clients' (the namespaces share /tmp)
 METHODS = ("noloco", "dilocox", "hivemind", "hivemind-fp16", "gloo")
 ROUND_TIMEOUT_S = 600.0
 START_LEAD_S = {"hivemind": 8.0, "hivemind-fp16": 8.0}  # matchmaking happens in the lead
@@ -76,59 +84,63 @@ async def until(start: float) -> None:
 
 # ---------------------------------------------------------------------------- our protocols
 
-async def run_ours(args: argparse.Namespace) -> None:
-    import random
+def bench_manifest(method: str, snapshot: str):
+    """The default manifest, changed only where this benchmark must: its own swarm, the method's
+    protocol, NoLoCo's snapshot layout, and blocking timing (the round waits for its swap, so
+    the swap is what gets timed)."""
+    from node.config.manifest import check_snapshot
+    m = Manifest()
+    m.swarm.id = "sync-time"
+    m.protocol.name, m.protocol.timing, m.protocol.snapshot = method, "blocking", snapshot
+    check_snapshot(m.protocol, m.contributions)
+    return m
 
-    from node.rounds.contributions import BanList
-    from node.daemon.members import MemberCache
-    from p2p.host import P2PHost
+
+def encode_round(manifest, peer_id: str, tensors: dict[str, torch.Tensor]) -> list:
+    """What a daemon's round hands its exchange, by its payload module, for `tensors` as the
+    round's weights (NoLoCo: φ = Δ = them; DiLoCoX: the pseudo-gradient)."""
+    config = manifest.protocol
+    if config.name == "noloco":
+        from node.rounds.noloco.payload import encode_snapshot
+        from protocol.noloco import NoLoCoSnapshot
+        return encode_snapshot(NoLoCoSnapshot(slow_weights=tensors, local_progress=tensors),
+                               config.wire_dtype, config.snapshot)
+    from node.rounds.dilocox.payload import encode_message
+    from node.rounds.dilocox.round import codec_for
+    from protocol.dilocox import DiLoCoX
+    outer = DiLoCoX({k: torch.zeros_like(v) for k, v in tensors.items()}, codec_for(config), peer_id)
+    return encode_message(outer.compress(tensors, 0))
+
+
+async def run_ours(args: argparse.Namespace) -> None:
+    """One node as a daemon runs it (node/daemon/join.py connect, leave.py leave), timing its
+    exchange alone: NoLoCo's `finish_round`, DiLoCoX's send to the group and the group's arrival."""
+    from node.config.settings import NodeSettings
+    from node.daemon.daemon import Daemon, build_exchange
+    from node.daemon.join import connect
+    from node.daemon.leave import leave
     from p2p.identity import NodeIdentity
-    from p2p.membership import Membership
-    from p2p.streams import Transport
 
     loop = asyncio.get_running_loop()
-    key_dir = tempfile.TemporaryDirectory(prefix="lowcomm-sync-")
-    identity = NodeIdentity.load_or_create(Path(key_dir.name) / "identity.key")
-    host = await P2PHost.start(identity, host_maddrs=[f"/ip4/127.0.0.1/tcp/{P2P_PORT}"],
-                               announce_maddrs=[f"/ip4/{args.address}/tcp/{RELAY_PORT}"],
-                               initial_peers=args.peer, nat_port_map=False)
-    transport = Transport(host.p2p, identity, swarm="sync-time", manifest="bench")
-    await transport.start()
-    protocol = "dilocox" if args.method == "dilocox" else "noloco"
-    membership = Membership(host, "sync-time", protocol=protocol, manifest="bench")
-    await membership.start()
-    cache = MemberCache(membership)
-    await cache.start()
-    say(event="address", address=(await host.maddrs())[0])
-    while len(cache.peers()) < args.n - 1:  # the cache refreshes every 0.5 s
-        cache.refreshed.clear()
-        await asyncio.wait_for(cache.refreshed.wait(), 60)
-    peer_id = host.peer_id.to_base58()
-    bans = BanList(3, 60.0)
-    report = lambda kind, fields: say(event=kind, **{k: str(v) for k, v in fields.items()})  # noqa: E731
-    tensors = payload(args.params, args.dim)
-    if args.method == "noloco":
-        from node.rounds.noloco.exchange import NoLoCoExchange
-        from node.rounds.noloco.round import encode_snapshot
-        from protocol.noloco import NoLoCoSnapshot
-        from node.config.manifest import Manifest
-        deadline = Manifest().protocol.pair_deadline_s  # what a daemon waits for a partner
-        exchange = NoLoCoExchange(loop, transport, cache, peer_id, "bench", "blocking", 1, bans, 60.0,
-                                  deadline, random.Random(peer_id), report)
-        message = encode_snapshot(NoLoCoSnapshot(slow_weights=tensors, local_progress=tensors), "bf16")
-    else:
-        from node.rounds.dilocox.exchange import DiLoCoXExchange
-        from protocol.codecs import get_codec
-        exchange = DiLoCoXExchange(loop, transport, cache, peer_id, "bench", 32, ROUND_TIMEOUT_S,
-                                   bans, 60.0, random.Random(peer_id), report)
-        from node.rounds.dilocox.round import encode_message
-        from protocol.dilocox import DiLoCoX
-        outer = DiLoCoX({k: torch.zeros_like(v) for k, v in tensors.items()},
-                        get_codec("lowrank", rank=4, bits=8), peer_id)
-        message = encode_message(outer.compress(tensors, 0))
-    exchange.start(0)
-    say(event="ready", message_bytes=sum(memoryview(t.data).nbytes for t in message))
+    manifest = bench_manifest(args.method, args.snapshot)
+    data_dir = tempfile.TemporaryDirectory(prefix="lowcomm-sync-")
+    settings = NodeSettings(Path(data_dir.name), listen=[f"/ip4/127.0.0.1/tcp/{P2P_PORT}"],
+                            announce=[f"/ip4/{args.address}/tcp/{RELAY_PORT}"], peers=args.peer)
+    node = Daemon(manifest, settings)  # holds what connect starts, for leave to stop
+    node.bind_loop()
+    node.events.subscribe(lambda event: print(json.dumps(event.record(), default=str),
+                                              file=sys.stderr, flush=True))  # the worker's log
     try:
+        swarm = await connect(node, NodeIdentity.load_or_create(node.data_dir.identity))
+        say(event="address", address=(await node.network.host.maddrs())[0])
+        while len(swarm.members.eligible()) < args.n - 1:
+            swarm.members.refreshed.clear()
+            await asyncio.wait_for(swarm.members.refreshed.wait(), 60)
+        exchange = node.network.exchange = build_exchange(manifest.protocol, swarm, settings.seed)
+        message = encode_round(manifest, swarm.peer_id, payload(args.params, args.dim))
+        exchange.start(0)
+        say(event="ready", message_bytes=sum(memoryview(t.data).nbytes for t in message))
+        deadline = manifest.protocol.pair_deadline_s  # what a daemon waits for a partner
         while (order := await next_round()) is not None:
             index, start = order
             await until(start)
@@ -137,7 +149,7 @@ async def run_ours(args: argparse.Namespace) -> None:
                 partner = await loop.run_in_executor(None, exchange.finish_round, index, message,
                                                      deadline)
                 done = {"paired": partner is not None}
-            else:
+            else:  # what send_round starts in the background, awaited here
                 await exchange._send_all(index, message)
                 while len(exchange.inbox.get(index, {})) < args.n - 1:
                     exchange.arrived.clear()
@@ -146,11 +158,8 @@ async def run_ours(args: argparse.Namespace) -> None:
             say(event="round", round=index, seconds=time.monotonic() - began,
                 tx_bytes=tx_bytes() - sent_before, **done)
     finally:
-        await exchange.stop()
-        await cache.stop()
-        await membership.stop()
-        await host.shutdown()
-        key_dir.cleanup()
+        await leave(node)
+        data_dir.cleanup()
 
 
 # ---------------------------------------------------------------------------- baselines
@@ -230,12 +239,13 @@ def measure(swarm, method: str, args: argparse.Namespace) -> list[list[dict]]:
     for i in range(swarm.n):
         command = [sys.executable, __file__, "worker", "--method", method, "--index", str(i),
                    "--n", str(swarm.n), "--address", swarm.address(i), "--master", swarm.address(0),
-                   "--params", str(args.params), "--dim", str(args.dim)]
+                   "--params", str(args.params), "--dim", str(args.dim), "--snapshot", args.snapshot]
         if method != "gloo":
             swarm.relay(i, RELAY_PORT, ("127.0.0.1", P2P_PORT))
             command += ["--peer", first] if first else []
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "eth0", "OMP_NUM_THREADS": "1"}
-        log = open(logs / f"{swarm.rate}-n{swarm.n}-{method}-{i}.log", "w", buffering=1)
+        log = open(logs / f"{swarm.rate}-n{swarm.n}-{label(method, args.snapshot)}-{i}.log", "w",
+                   buffering=1)
         process = swarm.popen(i, command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
                               text=True, bufsize=1, cwd=REPO, env=env)
         workers.append(Worker(process, log))
@@ -260,7 +270,7 @@ def measure(swarm, method: str, args: argparse.Namespace) -> list[list[dict]]:
 
 def must_send(method: str, n: int, message_bytes: int) -> float:
     """Bytes a node must put on its link per round, by the method's own algorithm."""
-    if method == "noloco":
+    if method.startswith("noloco"):
         return message_bytes                       # its snapshot, to its one partner
     if method == "dilocox":
         return message_bytes * (n - 1)             # its message, to every other member
@@ -275,18 +285,25 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"a rate like 100mbit or 1gbit, not {rate!r}")
 
 
-def summarize(method: str, n: int, rate: str, delay_ms: float, rows: list[list[dict]]) -> dict:
+def label(method: str, snapshot: str | None) -> str:
+    """A method as results name it: NoLoCo with its snapshot layout (noloco-theta, ...)."""
+    return f"{method}-{snapshot}" if method == "noloco" else method
+
+
+def summarize(method: str, n: int, rate: str, delay_ms: float, rows: list[list[dict]],
+              snapshot: str) -> dict:
     message = rows[0][0]["message_bytes"]
     bound = must_send(method, n, message) * 8 / rate_bits(rate) + 2 * delay_ms / 1000
     times = [r["seconds"] for row in rows for r in row if r.get("paired", True)]
     sync = statistics.median(times) if times else float("nan")
-    summary = {"method": method, "n": n, "rate": rate, "delay_ms": delay_ms,
+    summary = {"method": label(method, snapshot), "n": n, "rate": rate, "delay_ms": delay_ms,
                "sync_seconds": sync, "sync_seconds_max": max(times, default=float("nan")),
                "sync_seconds_all": [[r["seconds"] for r in row] for row in rows],
                "tx_bytes_per_node": statistics.median(r["tx_bytes"] for row in rows for r in row),
                "message_bytes": message, "bound_seconds": bound, "ratio_to_bound": sync / bound,
                "load_average": os.getloadavg()[0]}
     if method == "noloco":
+        summary["snapshot"] = snapshot
         summary["paired_fraction"] = len(times) / sum(len(row) for row in rows)
     return summary
 
@@ -324,19 +341,24 @@ def table(results: list[dict]) -> str:
 
 def orchestrate(args: argparse.Namespace) -> None:
     from benchmarks.netns import ShapedSwarm
+    from p2p.host import remove_dead_sockets
     results = json.loads(args.out.read_text())["results"] if args.resume and args.out.exists() else []
     done = {(r["rate"], r["delay_ms"], r["n"], r["method"]) for r in results}
     for link in args.links.split(","):
         rate, delay = link.split(":")
         for n in (int(x) for x in args.sizes.split(",")):
             for method in args.methods.split(","):
-                if (rate, float(delay), n, method) in done:
+                if (rate, float(delay), n, label(method, args.snapshot)) in done:
                     continue
-                with ShapedSwarm(n=n, rate=rate, delay_ms=float(delay)) as swarm:
-                    rows = measure(swarm, method, args)
-                results.append(summarize(method, n, rate, float(delay), rows))
+                sockets = set(glob.glob(SOCKETS))
+                try:
+                    with ShapedSwarm(n=n, rate=rate, delay_ms=float(delay)) as swarm:
+                        rows = measure(swarm, method, args)
+                finally:  # hivemind's DHT leaves its client sockets behind; only ours, and dead
+                    remove_dead_sockets(set(glob.glob(SOCKETS)) - sockets)
+                results.append(summarize(method, n, rate, float(delay), rows, args.snapshot))
                 r = results[-1]
-                print(f"{rate} {delay} ms N={n} {method}: {r['sync_seconds']:.2f} s "
+                print(f"{rate} {delay} ms N={n} {r['method']}: {r['sync_seconds']:.2f} s "
                       f"(bound {r['bound_seconds']:.2f}, x{r['ratio_to_bound']:.2f})", flush=True)
                 args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                 "results": results}, indent=1))
@@ -352,8 +374,13 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--params", type=float, default=25e6, help="payload parameters (default 25M)")
     parser.add_argument("--dim", type=int, default=1024, help="the payload's matrices are dim x dim")
+    parser.add_argument("--snapshot", choices=("theta", "phi_delta"),
+                        default=Manifest().protocol.snapshot,
+                        help="what a NoLoCo snapshot sends (protocol.snapshot; default: the "
+                             "manifest's, %(default)s)")
     parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up")
-    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "sync_time.json")
+    parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "sync_time.json",
+                        help="the results' JSON; the plot goes next to it (.png)")
     parser.add_argument("--resume", action="store_true", help="keep the results in --out, run the rest")
     worker = parser.add_argument_group("worker (internal)")
     worker.add_argument("--method", choices=METHODS)

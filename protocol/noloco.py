@@ -16,6 +16,11 @@ With G = {i} alone the γ term is zero and the update is local. With G = every r
 A node publishes a `NoLoCoSnapshot` (φ_i, Δ_i) at the end of a round; snapshots carry their own φ
 because a partner's may be of another round.
 
+What the update really needs (PROTOCOLS.md §1): with β = γ (the default) a partner j enters
+both formulas only through β·θ_j, so its fast weights θ_j = φ_j + Δ_j alone suffice, one tensor
+instead of two. `theta_only_snapshot` turns such a θ_j into a snapshot the formulas below take
+unchanged (the proof is in its docstring); with β ≠ γ it refuses, and both tensors must travel.
+
 Overlap timing, where this differs from PROTOCOLS.md §1 and why: §1 has a node use, at the end of
 round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that ended +5.85%
 above DiLoCo and above local-only training (benchmarks/RESULTS.md): the consensus term pulls
@@ -90,6 +95,38 @@ class NoLoCoSnapshot:
 
     def __post_init__(self) -> None:
         check_same_layout(self.slow_weights, self.local_progress, what="snapshot local_progress")
+
+    def fast_weights(self) -> NamedTensors:
+        """θ = φ + Δ in fp32 (what a snapshot sends when β = γ)."""
+        return {name: phi.to(torch.float32) + self.local_progress[name].to(torch.float32)
+                for name, phi in self.slow_weights.items()}
+
+
+def theta_only_snapshot(fast_weights: Mapping[str, torch.Tensor],
+                        hyper: NoLoCoHyperParameters) -> NoLoCoSnapshot:
+    """A partner j known only by its fast weights θ_j, as the snapshot (φ = θ_j, Δ = 0).
+
+    Valid only when β = γ: then, for `noloco_update` and `late_pair_correction` alike, this
+    snapshot changes φ_i and δ_i exactly as the partner's true (φ_j, Δ_j) would.
+
+    Proof. In G of size n, partner j appears in both formulas only through the group means,
+    i.e. through the terms β·Δ_j/n (in β·mean Δ) and γ·φ_j/n (in −γ·(φ_i − mean φ)); nothing
+    else reads it. Their sum is (β·Δ_j + γ·φ_j)/n. With β = γ that is β·(φ_j + Δ_j)/n = β·θ_j/n,
+    and the snapshot (θ_j, 0) gives (β·0 + γ·θ_j)/n = β·θ_j/n: the same. The node's own snapshot
+    stays exact, so the outer step reads, as PROTOCOLS.md §1 writes it,
+
+        δ_i ← α·δ_i + β·(mean_{j∈G} θ_j − φ_i)
+
+    and the late correction is c = β·(mean_G θ − θ_i). With β ≠ γ the sum needs φ_j and Δ_j
+    apart, so this raises ConfigurationError.
+    """
+    beta, gamma = hyper.progress_weight, hyper.consensus_weight
+    if beta != gamma:
+        raise ConfigurationError(
+            f"a partner known only by its fast weights θ needs progress_weight β = consensus_weight "
+            f"γ, but β = {beta} and γ = {gamma}: send both φ and Δ (protocol.snapshot = 'phi_delta').")
+    slow = fp32_clone(fast_weights, what="partner fast weights θ")
+    return NoLoCoSnapshot(slow_weights=slow, local_progress=zeros_like(slow))
 
 
 def noloco_update(slow_weights: Mapping[str, torch.Tensor], outer_momentum: Mapping[str, torch.Tensor],
@@ -175,7 +212,8 @@ class NoLoCo:
 
             c = β·(mean_G Δ − Δ_i) − γ·(φ_i − mean_G φ)      (G = {own_previous} ∪ partners)
 
-        (the formula's difference between G and {i}; the α·δ term is the same in both). This
+        (the formula's difference between G and {i}; the α·δ term is the same in both; with
+        partners from `theta_only_snapshot`, β = γ, it is c = β·(mean_G θ − θ_i)). This
         adds c to φ and δ; the caller adds it to θ, so the round in progress keeps its own
         progress (θ − φ is unchanged) and from then on the node is where NoLoCo with that pair
         would have put it, up to the inner optimizer's nonlinearity.

@@ -33,10 +33,12 @@ REPO = Path(__file__).resolve().parents[1]
 def adversary_manifest(swarm: str, protocol: str = "noloco", ban_after: int = 2,
                        **protocol_values) -> Manifest:
     """small_manifest with a quick ban, so that repeat offences show within a few rounds, and
-    the alignment check on (off by default), as in a swarm that expects noise senders."""
+    the alignment check on (off by default), as in a swarm that expects noise senders: it
+    compares progress Δ, so NoLoCo snapshots send φ and Δ."""
     m = small_manifest(swarm, protocol, **protocol_values)
     m.contributions.ban_after = ban_after
     m.contributions.min_alignment_sigmas = 5.0
+    m.protocol.snapshot = "phi_delta"
     return m
 
 

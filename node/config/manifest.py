@@ -47,6 +47,11 @@ class ProtocolSection:
                                   min=0.0, max=3600.0, min_exclusive=True)
     wire_dtype: str = spec("bf16", "dtype of NoLoCo snapshots on the wire",
                            choices=("bf16", "fp16", "fp32"))
+    # θ alone is exact only when β = γ (protocol/noloco.py theta_only_snapshot); half the bytes
+    snapshot: str = spec("theta", "what a NoLoCo snapshot sends: theta, the fast weights alone "
+                         "(needs progress_weight = consensus_weight), or phi_delta, φ and Δ "
+                         "(twice the bytes; needed when they differ)",
+                         choices=("theta", "phi_delta"))
     # DiLoCoX (PROTOCOLS.md §3)
     outer_lr: float = spec(0.7, "DiLoCoX outer learning rate η", min=0.0, max=10.0,
                            min_exclusive=True)
@@ -81,10 +86,13 @@ class ContributionSection:
     max_norm_ratio: float = spec(10.0, "refuse a contribution whose norm exceeds this multiple "
                                  "of the node's own", min=1.0, max=1e6)
     # Off by default: it refuses honest peers once training plateaus (node/rounds/contributions.py).
-    min_alignment_sigmas: float = spec(0.0, "NoLoCo: refuse a snapshot whose cosine with the "
-                                       "node's own is below this many standard deviations of "
-                                       "random noise (0: off; refuses honest peers at a "
-                                       "plateau)", min=0.0, max=1e4)
+    # It compares a partner's progress Δ with the node's own, so it needs protocol.snapshot =
+    # "phi_delta": a θ-only snapshot carries no Δ, and a manifest asking for both is refused.
+    min_alignment_sigmas: float = spec(0.0, "NoLoCo: refuse a snapshot whose progress Δ has a "
+                                       "cosine with the node's own below this many standard "
+                                       "deviations of random noise (0: off; refuses honest "
+                                       "peers at a plateau; needs protocol.snapshot = "
+                                       "phi_delta)", min=0.0, max=1e4)
     ban_after: int = spec(3, "refused contributions before a peer is banned", min=1, max=1000)
     ban_seconds: float = spec(600.0, "how long a ban lasts", min=0.0, max=1e7)
 
@@ -125,7 +133,26 @@ def digest_of(agreed: dict[str, Any]) -> str:
     return hashlib.blake2b(canonical_json(agreed).encode(), digest_size=16).hexdigest()
 
 
+def check_snapshot(protocol: ProtocolSection, contributions: ContributionSection) -> None:
+    """NoLoCo's protocol.snapshot against the keys it depends on; ConfigError in one sentence.
+
+    "theta" sends θ alone, which is exact only with β = γ, and carries no progress Δ for the
+    alignment check to compare; "phi_delta" fits every setting.
+    """
+    if protocol.name != "noloco" or protocol.snapshot != "theta":
+        return
+    if protocol.progress_weight != protocol.consensus_weight:
+        raise ConfigError(f"manifest key 'protocol.snapshot' = 'theta' needs progress_weight = "
+                          f"consensus_weight, but they are {protocol.progress_weight} and "
+                          f"{protocol.consensus_weight}: set protocol.snapshot = 'phi_delta'")
+    if contributions.min_alignment_sigmas > 0:
+        raise ConfigError("manifest key 'contributions.min_alignment_sigmas' > 0 compares a "
+                          "partner's progress Δ, which protocol.snapshot = 'theta' does not send: "
+                          "set protocol.snapshot = 'phi_delta' or min_alignment_sigmas = 0")
+
+
 def _validate(manifest: Manifest) -> Manifest:
+    check_snapshot(manifest.protocol, manifest.contributions)
     if not SWARM_ID.match(manifest.swarm.id):
         raise ConfigError(f"manifest key 'swarm.id' = {manifest.swarm.id!r} is not a valid "
                           f"swarm id: use lowercase letters, digits, '-' and '_' (1-63 chars)")

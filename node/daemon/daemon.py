@@ -27,7 +27,7 @@ import signal
 
 import torch
 
-from node.config.manifest import Manifest
+from node.config.manifest import Manifest, ProtocolSection
 from node.config.settings import NodeSettings
 from node.daemon.admission import check_admission
 from node.daemon.join import CHECKPOINT_FORMAT, Network, connect, resume_or_join
@@ -61,9 +61,15 @@ class Daemon:
         self.status_feed: StatusFeed | None = None
         self.not_admitted = False  # a member refused us NOT_ADMITTED: we stop with exit 1
 
-    async def run(self) -> int:
+    def bind_loop(self) -> None:
+        """Takes the running event loop, and the bridge the training thread calls it through.
+        `run` does it first; a benchmark that drives join.connect and leave.leave itself
+        (benchmarks/sync_time.py) does it instead."""
         self.loop = asyncio.get_running_loop()
         self.bridge = LoopBridge(self.loop, self.tasks, self.settings.timeouts.loop_call_s)
+
+    async def run(self) -> int:
+        self.bind_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             self.loop.add_signal_handler(sig, self._on_signal, sig)
         self.data_dir.root.mkdir(parents=True, exist_ok=True)
@@ -82,10 +88,12 @@ class Daemon:
                                    pick_device(train_config.device))
             from node.ops.services import NodeOps
             from node.ops.status import NodeStatus
+            from node.rounds.noloco.payload import tensor_sets
             status = NodeStatus(peer_id=identity.peer_id.to_base58(), swarm=m.swarm.id,
                                 protocol=m.protocol.name, device=str(trainer.device))
             self.status_feed = StatusFeed(
                 status, param_bytes=4 * sum(p.numel() for p in trainer.model.parameters()),
+                snapshot_sets=tensor_sets(m.protocol.snapshot),
                 traffic=self._traffic,
                 peers_known=lambda: len(self.network.cache.records) if self.network.cache else 0)
             self.status_feed.subscribe(self.events)
@@ -121,17 +129,12 @@ class Daemon:
     def _protocol(self, trainer: InnerTrainer, swarm: Swarm) -> RoundPolicy:
         """The manifest's protocol: its round (training thread) and exchange (event loop)."""
         m = self.manifest
-        rng = random.Random(f"{self.settings.seed}:{swarm.peer_id}")
+        self.network.exchange = exchange = build_exchange(m.protocol, swarm, self.settings.seed)
         if m.protocol.name == "noloco":
-            from node.rounds.noloco.exchange import NoLoCoExchange
             from node.rounds.noloco.round import NoLoCoRound
-            self.network.exchange = NoLoCoExchange(m.protocol, swarm, rng)
-            return NoLoCoRound(m.protocol, m.contributions, trainer, self.network.exchange)
-        from node.rounds.dilocox.exchange import DiLoCoXExchange
+            return NoLoCoRound(m.protocol, m.contributions, trainer, exchange)
         from node.rounds.dilocox.round import DiLoCoXRound
-        self.network.exchange = DiLoCoXExchange(m.protocol, swarm, rng)
-        return DiLoCoXRound(m.protocol, m.contributions, trainer, swarm.peer_id,
-                            self.network.exchange)
+        return DiLoCoXRound(m.protocol, m.contributions, trainer, swarm.peer_id, exchange)
 
     def checkpoint(self, trainer: InnerTrainer, policy: RoundPolicy, corpus_digest: str) -> None:
         """Runs in the training thread, between steps."""
@@ -153,3 +156,15 @@ class Daemon:
             raise SystemExit(130)  # a second signal: the user insists
         self.events.publish(Stopping(signal=signal.Signals(sig).name))
         self.stop_event.set()
+
+
+def build_exchange(config: ProtocolSection, swarm: Swarm, seed: int):
+    """The exchange of the manifest's protocol (NoLoCoExchange or DiLoCoXExchange), drawing this
+    node's choices (partners, groups) from `seed` and its peer id: the daemon's, and the one
+    benchmarks/sync_time.py times."""
+    rng = random.Random(f"{seed}:{swarm.peer_id}")
+    if config.name == "noloco":
+        from node.rounds.noloco.exchange import NoLoCoExchange
+        return NoLoCoExchange(config, swarm, rng)
+    from node.rounds.dilocox.exchange import DiLoCoXExchange
+    return DiLoCoXExchange(config, swarm, rng)

@@ -14,8 +14,9 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
     refused["contribution"]                        RoundEnded: the outcome's refusals
     refused[<transport reason>]                    `transport_refusals`, called by the daemon's
                                                    watch loop with the transport's counters
-    compression_ratio                              Swapped (NoLoCo: φ and Δ) or Sent (DiLoCoX):
-                                                   fp32 bytes of the payload over its wire bytes
+    compression_ratio                              Swapped (NoLoCo: θ, or φ and Δ) or Sent
+                                                   (DiLoCoX): fp32 bytes of the payload's
+                                                   tensors over its wire bytes
     checkpoint_at, checkpoint_step                 Checkpointed
     state=stopping                                 Stopping
 CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).
@@ -32,11 +33,12 @@ from node.ops.status import NodeStatus
 
 
 class StatusFeed:
-    def __init__(self, status: NodeStatus, *, param_bytes: int,
+    def __init__(self, status: NodeStatus, *, param_bytes: int, snapshot_sets: int,
                  traffic: Callable[[], tuple[int, int]], peers_known: Callable[[], int]):
-        """`param_bytes`: the model's fp32 size; `traffic`: the transport's (bytes sent, bytes
-        received) so far; `peers_known`: members in the member cache."""
-        self.status, self.param_bytes = status, param_bytes
+        """`param_bytes`: the model's fp32 size; `snapshot_sets`: model-sized tensor sets in one
+        NoLoCo snapshot (node/rounds/noloco/payload.py tensor_sets); `traffic`: the transport's
+        (bytes sent, bytes received) so far; `peers_known`: members in the member cache."""
+        self.status, self.param_bytes, self.snapshot_sets = status, param_bytes, snapshot_sets
         self.traffic, self.peers_known = traffic, peers_known
         self._started = time.monotonic()
         self._first_round = 0
@@ -75,10 +77,10 @@ class StatusFeed:
             status.count_refused("contribution", len(outcome.refused))
 
     def _payload(self, event: Swapped | Sent) -> None:
-        # fp32 size over wire size of one payload: NoLoCo's (φ, Δ), DiLoCoX's coded Δ (per
-        # payload, since a swap may finish after its round's bytes were counted)
+        # fp32 size over wire size of one payload: NoLoCo's θ or (φ, Δ), DiLoCoX's coded Δ
+        # (per payload, since a swap may finish after its round's bytes were counted)
         if event.bytes:
-            copies = 2 if isinstance(event, Swapped) else 1
+            copies = self.snapshot_sets if isinstance(event, Swapped) else 1
             self.status.update(compression_ratio=copies * self.param_bytes / event.bytes)
 
     def _checkpoint(self, event: Checkpointed) -> None:

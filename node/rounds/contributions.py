@@ -6,7 +6,8 @@ matching tensor set (a poisoned or scaled update), or, where the caller asks for
 direction is no closer to the node's own than random noise is (`min_alignment_sigmas`: noise of
 any norm has a cosine of about N(0, 1/d) with a fixed d-element tensor set, while honest
 replicas' updates of the same round measured cosines of 0.5-0.9; a sign-flipped update is
-refused too). The alignment check is off by default: it holds only while training makes
+refused too). NoLoCo applies it to a partner's progress Δ only, so only to snapshots that send
+Δ (protocol.snapshot = "phi_delta"). The alignment check is off by default: it holds only while training makes
 progress. At a plateau honest NoLoCo updates point anywhere relative to a node's own (three
 20-minute soaks refused honest cosines of -0.05 to +0.014 from round ~110 on, floor 0.015),
 and honest nodes struck and banned each other; a gate that used the check
@@ -70,7 +71,7 @@ def check_contribution(sender: str, received: Mapping[str, torch.Tensor],
     """Raises ContributionRefused naming the first problem; returns quietly when usable.
 
     `reference` is the node's own tensors of the same meaning (its φ for a peer's φ, its Δ for a
-    peer's Δ), `reference_norm` their global norm (computed once per round by the caller).
+    peer's Δ, its θ for a peer's θ), `reference_norm` their global norm (computed by the caller).
     `min_alignment_sigmas` > 0 also refuses a contribution whose cosine with `reference` is
     below that many standard deviations of noise, 1/sqrt(elements) each.
     """

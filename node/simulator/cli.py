@@ -14,6 +14,7 @@ from pathlib import Path
 # protocol is refused, since it would silently do nothing.
 APPLIES_TO = {
     "timing": ("noloco",), "deadline_steps": ("noloco", "dilocox"), "wire_dtype": ("noloco",),
+    "snapshot": ("noloco",),
     "max_staleness": ("noloco",), "alpha": ("noloco",), "beta": ("noloco",), "gamma": ("noloco",),
     "delay": ("dilocox",), "codec": ("dilocox",), "rank": ("dilocox",), "bits": ("dilocox",),
     "outer_lr": ("diloco", "dilocox"), "outer_momentum": ("diloco", "dilocox"),
@@ -63,6 +64,9 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     noloco.add_argument("--gamma", type=float, help="consensus weight γ (default 0.7)")
     noloco.add_argument("--wire-dtype", choices=("bf16", "fp16", "fp32"),
                         help="dtype of the snapshots sent (default bf16)")
+    noloco.add_argument("--snapshot", choices=("theta", "phi_delta"),
+                        help="what a snapshot sends: the fast weights θ alone (default when "
+                        "β = γ; half the bytes) or φ and Δ (default, and needed, when β ≠ γ)")
     noloco.add_argument("--max-staleness", type=int, help="largest round difference of a pair (default 2)")
     dilocox = p.add_argument_group("DiLoCoX")
     dilocox.add_argument("--delay", type=int, choices=(0, 1), help="rounds between sending and "

@@ -14,12 +14,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.config.manifest import ContributionSection, ProtocolSection
+from node.config.manifest import ContributionSection, ProtocolSection, check_snapshot
 from node.config.schema import ConfigError, build_section
 
 PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
 TIMINGS = ("overlap", "blocking")
 WIRE_DTYPES = ("bf16", "fp16", "fp32")
+SNAPSHOTS = ("theta", "phi_delta")
 # H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (PROTOCOLS.md §1, §2); for
 # data-parallel and local training a "round" is only the interval between evaluations.
 DEFAULT_INNER_STEPS = {"data-parallel": 100, "diloco": 100, "noloco": 50, "dilocox": 100, "local": 100}
@@ -53,6 +54,8 @@ class SimulationSettings:
     noloco_progress_weight: float = 0.7    # β
     noloco_consensus_weight: float = 0.7   # γ
     wire_dtype: str = "bf16"               # of the snapshots sent
+    # what a snapshot sends: "theta" or "phi_delta"; None: theta when β = γ, else phi_delta
+    snapshot: str | None = None
     max_staleness: int = 2
     # DiLoCoX (PROTOCOLS.md §3)
     delay: int = 1
@@ -96,6 +99,8 @@ class SimulationSettings:
         if s.wire_dtype not in WIRE_DTYPES:
             raise SimulationError(f"wire dtype {s.wire_dtype!r} is unknown: choose one of "
                                   f"{', '.join(WIRE_DTYPES)}.")
+        if s.snapshot is not None and s.snapshot not in SNAPSHOTS:
+            raise SimulationError(f"snapshot {s.snapshot!r} is unknown: choose theta or phi_delta.")
         if s.delay not in (0, 1):
             raise SimulationError(f"DiLoCoX delay must be 0 or 1 rounds, got {s.delay!r}.")
         unused = [name for name in ("rank", "bits") if getattr(s, name) is not None
@@ -121,8 +126,16 @@ class SimulationSettings:
             wire_dtype=self.wire_dtype, outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum, delay=self.delay, codec=self.codec,
             message_deadline_s=float(self.deadline_steps), **self.codec_parameters())
+        if self.snapshot is not None:
+            protocol.snapshot = self.snapshot
         build_section(ProtocolSection, self.protocol_values, "protocol.", protocol)
-        return protocol, ContributionSection()
+        if self.snapshot is None and "snapshot" not in self.protocol_values:
+            # the documented default: θ alone where it is exact, both tensors where it is not
+            equal = protocol.progress_weight == protocol.consensus_weight
+            protocol.snapshot = "theta" if equal else "phi_delta"
+        contributions = ContributionSection()
+        check_snapshot(protocol, contributions)
+        return protocol, contributions
 
     def describe(self) -> str:
         """One line naming the method as the results table shows it."""

@@ -41,7 +41,21 @@ def test_unknown_swarm_lists_the_known_ones():
     ({"protocol": {"inner_steps": 0}}, "config key 'protocol.inner_steps' = 0 is out of range"),
     ({"network": {"bootstrap_peers": "one"}}, "expected a list of strings"),
     ([1, 2], "a manifest must be a table of sections"),
+    ({"protocol": {"snapshot": "phi"}}, "config key 'protocol.snapshot' = 'phi' is not allowed"),
+    ({"protocol": {"progress_weight": 0.6}}, "needs progress_weight = consensus_weight, but they "
+     "are 0.6 and 0.7: set protocol.snapshot = 'phi_delta'"),
+    ({"contributions": {"min_alignment_sigmas": 2.0}}, "which protocol.snapshot = 'theta' does "
+     "not send: set protocol.snapshot = 'phi_delta' or min_alignment_sigmas = 0"),
 ])
 def test_bad_manifests_are_refused(values, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         manifest_from_dict(values)
+
+
+@pytest.mark.parametrize("values", [
+    {"protocol": {"snapshot": "phi_delta", "progress_weight": 0.6}},
+    {"protocol": {"snapshot": "phi_delta"}, "contributions": {"min_alignment_sigmas": 2.0}},
+    {"protocol": {"name": "dilocox", "progress_weight": 0.6}},  # NoLoCo's keys unused there
+])
+def test_snapshot_phi_delta_fits_what_theta_does_not(values):
+    assert manifest_from_dict(values).protocol.snapshot == values["protocol"].get("snapshot", "theta")

@@ -9,7 +9,8 @@ import torch
 
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters
 from protocol.errors import ConfigurationError, LayoutError
-from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, noloco_update
+from protocol.noloco import (NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, noloco_update,
+                             theta_only_snapshot)
 
 
 def _node(phi: list[float], delta: list[float]) -> NoLoCo:
@@ -54,6 +55,37 @@ def test_late_pair_correction_after_a_local_update_equals_the_pair_update() -> N
     torch.testing.assert_close(local0["w"] + shift0["w"], rank0.slow_weights["w"])
     torch.testing.assert_close(local1["w"] + shift1["w"], rank1.slow_weights["w"])
     assert not any(rank0.late_pair_correction(snap0, [])["w"])  # no partner: nothing to correct
+
+
+VECTOR_AFTER = {0: ([0.45, 0.675, -0.475], [1.45, -1.325, 0.025]),
+                1: ([-1.2, -0.225, 0.775], [1.8, -0.225, -0.725])}
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["outer_step", "late_pair_correction"])
+def test_a_partner_known_by_theta_alone_gives_the_test_vector(late: bool) -> None:
+    """β = γ: each rank applies the other's θ only (as (θ, 0)) and lands on the (φ, Δ) path's
+    δ and φ to fp32 rounding, with the pair update taken at once or as the late correction."""
+    ranks = [_node([1, -2, 0.5], [0.2, -0.4, 0.1]), _node([3, 0, -1.5], [-0.3, 0.6, -0.2])]
+    thetas = [torch.tensor([0.6, -1, 0.25]), torch.tensor([2.4, -0.5, -0.75])]
+    snaps = [node.snapshot({"w": theta}) for node, theta in zip(ranks, thetas)]
+    for index, node in enumerate(ranks):
+        other = snaps[1 - index]
+        partner = theta_only_snapshot(other.fast_weights(), node.hyper)
+        torch.testing.assert_close(partner.slow_weights["w"], thetas[1 - index], atol=1e-6, rtol=0)
+        if late:
+            node.outer_step(snaps[index])
+            node.late_pair_correction(snaps[index], [partner])
+        else:
+            node.outer_step(snaps[index], [partner])
+        delta, phi = VECTOR_AFTER[index]
+        torch.testing.assert_close(node.outer_momentum["w"], torch.tensor(delta), atol=1e-6, rtol=0)
+        torch.testing.assert_close(node.slow_weights["w"], torch.tensor(phi), atol=1e-6, rtol=0)
+
+
+def test_theta_alone_is_refused_when_beta_differs_from_gamma() -> None:
+    hyper = NoLoCoHyperParameters(progress_weight=0.6, consensus_weight=0.7)
+    with pytest.raises(ConfigurationError, match="protocol.snapshot = 'phi_delta'"):
+        theta_only_snapshot({"w": torch.ones(3)}, hyper)
 
 
 def test_alone_the_consensus_term_vanishes() -> None:

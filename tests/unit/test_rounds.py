@@ -21,6 +21,7 @@ from node.rounds.dilocox import payload as dilocox_payload
 from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
 from node.rounds.noloco import payload as noloco_payload
 from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot
+from node.rounds.wire_tensors import WIRE_DTYPES, to_wire
 from node.simulator.exchange import InMemoryMessage
 from node.train.trainer import InnerTrainer
 from protocol.noloco import NoLoCoHyperParameters, NoLoCoSnapshot, noloco_update
@@ -86,28 +87,29 @@ class ScriptedNoLoCoLink:
         self.refusals.append((peer, reason))
 
 
-def noloco(config, corpus, timing: str, stream: int = 1):
-    section = ProtocolSection(timing=timing, inner_steps=H, pair_deadline_s=5.0)
+def noloco(config, corpus, timing: str, stream: int = 1, snapshot: str = "theta"):
+    section = ProtocolSection(timing=timing, inner_steps=H, pair_deadline_s=5.0, snapshot=snapshot)
     link = ScriptedNoLoCoLink()
     model = trainer(config, corpus, stream)
     return NoLoCoRound(section, ContributionSection(), model, link), link, model
 
 
-def partner_of(config, corpus, round_index: int, wire_dtype: str = "fp32") -> tuple:
-    """Another node's round: its snapshot as it would arrive, and as it was."""
+def partner_of(config, corpus, round_index: int, wire_dtype: str = "fp32",
+               layout: str = "theta") -> tuple:
+    """Another node's round: its snapshot as it would arrive (in `layout`), and as it was."""
     policy, _, model = noloco(config, corpus, "blocking", stream=2)
     for r in range(round_index + 1):
         train_round(model, policy, r)
         snapshot = policy.outer.snapshot(model.named_parameters())
         if r < round_index:
             policy.end_round(r)
-    message = received(round_index, noloco_payload.encode_snapshot(snapshot, wire_dtype))
+    message = received(round_index, noloco_payload.encode_snapshot(snapshot, wire_dtype, layout))
     return PartnerSnapshot("partner", round_index, message), snapshot
 
 
 def test_blocking_applies_the_partners_snapshot_with_the_pair_formula(config, corpus):
-    policy, link, model = noloco(config, corpus, "blocking")
-    partner, theirs = partner_of(config, corpus, 0)
+    policy, link, model = noloco(config, corpus, "blocking", snapshot="phi_delta")
+    partner, theirs = partner_of(config, corpus, 0, layout="phi_delta")
     train_round(model, policy, 0)
     phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
     own = policy.outer.snapshot(model.named_parameters())
@@ -152,7 +154,7 @@ def test_a_poisoned_snapshot_is_refused_counted_and_never_applied(config, corpus
     poisoned = NoLoCoSnapshot(theirs.slow_weights, {n: torch.full_like(t, math.nan)
                                                     for n, t in theirs.local_progress.items()})
     link.waiting[0] = PartnerSnapshot("bad", 0, received(0, noloco_payload.encode_snapshot(
-        poisoned, "fp32")))
+        poisoned, "fp32", "theta")))
     train_round(model, policy, 0)
     phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
     own = policy.outer.snapshot(model.named_parameters())
@@ -162,6 +164,93 @@ def test_a_poisoned_snapshot_is_refused_counted_and_never_applied(config, corpus
     assert len(outcome.refused) == 1 and "NaN" in outcome.refused[0] and "bad" in outcome.refused[0]
     assert link.refusals == [("bad", "not_finite")]
     assert outcome.phi_digest == weights_digest(local)
+
+
+@pytest.mark.parametrize("wire_dtype", ["fp32", "bf16"])
+def test_payload_round_trips_both_layouts_and_theta_is_half_the_bytes(wire_dtype):
+    torch.manual_seed(0)
+    phi = {"a": torch.randn(4, 3), "b": torch.randn(5)}
+    snapshot = NoLoCoSnapshot(phi, {n: 0.01 * torch.randn_like(t) for n, t in phi.items()})
+    wire = lambda t: t.to(WIRE_DTYPES[wire_dtype]).float()
+    sizes = {}
+    for layout, sent in (("theta", {"theta": snapshot.fast_weights()}),
+                         ("phi_delta", {"phi": phi, "delta": snapshot.local_progress})):
+        tensors = noloco_payload.encode_snapshot(snapshot, wire_dtype, layout)
+        groups = noloco_payload.decode_snapshot(received(0, tensors), layout, "peer")
+        assert set(groups) == set(sent) and all(set(groups[g]) == set(phi) for g in groups)
+        for group, values in sent.items():
+            for name, tensor in values.items():
+                assert torch.equal(groups[group][name], wire(tensor))
+        sizes[layout] = sum(t.data.nbytes for t in tensors)
+    element_bytes = torch.empty(0, dtype=WIRE_DTYPES[wire_dtype]).element_size()
+    for layout, size in sizes.items():  # 17 elements a set: theta sends one set, phi_delta two
+        assert size == noloco_payload.tensor_sets(layout) * 17 * element_bytes
+    assert 2 * sizes["theta"] == sizes["phi_delta"]
+
+
+def test_a_theta_only_partner_gives_the_phi_delta_paths_phi_within_bf16_rounding(config, corpus):
+    """Two identical nodes take the same partner's round-0 snapshot in bf16, one as θ alone and
+    one as φ and Δ. Rounding to bf16 moves each value by at most u = 2^-8 of its magnitude, and
+    the partner enters φ_i only as β/2·θ_j (θ path) or β/2·(φ_j + Δ_j) (φ, Δ path), so against
+    the exact fp32 update the θ path errs by at most β/2·u·|θ_j|, the other by β/2·u·(|φ_j| +
+    |Δ_j|), and each from the other by the sum (elementwise, plus fp32 slack)."""
+    beta, u, slack = NoLoCoHyperParameters().progress_weight, 2.0 ** -8, 1e-6
+    nodes = {layout: noloco(config, corpus, "blocking", snapshot=layout)
+             for layout in ("theta", "phi_delta")}
+    owns = {}
+    for layout, (policy, link, model) in nodes.items():
+        link.waiting[0], theirs = partner_of(config, corpus, 0, "bf16", layout)
+        train_round(model, policy, 0)
+        phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+        owns[layout] = own = policy.outer.snapshot(model.named_parameters())
+        assert not policy.end_round(0).local_update and link.refusals == []
+    assert weights_digest(owns["theta"].fast_weights()) == weights_digest(own.fast_weights())
+    exact, _ = noloco_update(phi, momentum, [own, theirs], NoLoCoHyperParameters())
+    theta_phi, pair_phi = (nodes[k][0].outer.slow_weights for k in ("theta", "phi_delta"))
+    for name, want in exact.items():
+        theta_j = theirs.fast_weights()[name].abs()
+        phi_delta_j = theirs.slow_weights[name].abs() + theirs.local_progress[name].abs()
+        assert ((theta_phi[name] - want).abs() <= beta / 2 * u * theta_j + slack).all()
+        assert ((pair_phi[name] - want).abs() <= beta / 2 * u * phi_delta_j + slack).all()
+        assert ((theta_phi[name] - pair_phi[name]).abs()
+                <= beta / 2 * u * (theta_j + phi_delta_j) + 2 * slack).all()
+
+
+def _bad_theta(theirs, case: str) -> list:
+    theta = theirs.fast_weights()
+    if case == "layout":  # φ and Δ where θ is expected
+        return noloco_payload.encode_snapshot(theirs, "bf16", "phi_delta")
+    if case == "not_finite":
+        theta = {n: t.clone().fill_(math.inf) if i == 0 else t for i, (n, t) in enumerate(theta.items())}
+    if case == "norm":
+        theta = {n: 11.0 * t for n, t in theta.items()}  # max_norm_ratio is 10
+    return to_wire(theta, "bf16", "theta/")
+
+
+@pytest.mark.parametrize("snapshot, case, sentence", [
+    ("theta", "layout", "carries the groups ['delta', 'phi'], but protocol.snapshot = 'theta'"),
+    ("phi_delta", "layout", "carries the groups ['theta'], but protocol.snapshot = 'phi_delta'"),
+    ("theta", "not_finite", "NoLoCo fast weights from bad holds NaN or Inf"),
+    ("theta", "norm", "NoLoCo fast weights from bad has norm"),
+])
+def test_a_wrong_layout_or_bad_theta_is_refused_and_the_round_goes_on_locally(
+        config, corpus, snapshot, case, sentence):
+    policy, link, model = noloco(config, corpus, "blocking", snapshot=snapshot)
+    _, theirs = partner_of(config, corpus, 0)
+    if snapshot == "theta":
+        tensors = _bad_theta(theirs, case)
+    else:  # θ where φ and Δ are expected
+        tensors = noloco_payload.encode_snapshot(theirs, "bf16", "theta")
+    link.waiting[0] = PartnerSnapshot("bad", 0, received(0, tensors))
+    train_round(model, policy, 0)
+    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+    own = policy.outer.snapshot(model.named_parameters())
+    outcome = policy.end_round(0)
+    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
+    assert outcome.local_update and outcome.partner is None and outcome.partner_updates == 0
+    assert link.refusals == [("bad", case)] and len(outcome.refused) == 1
+    assert sentence in outcome.refused[0] and outcome.refused[0].endswith("dropped")
+    assert outcome.phi_digest == weights_digest(local) == weights_digest(model.named_parameters())
 
 
 def test_a_node_too_far_behind_jumps_to_the_swarms_round(config, corpus):

@@ -167,8 +167,8 @@ def test_noloco_pairs_vary_losses_fall_and_snapshot_bytes_are_exact(config, corp
     assert all(len(r.pairs) == 2 for r in result.records)      # 4 replicas: 2 pairs a round
     policy = simulation.method.rounds["replica-0"]
     snapshot = sum(t.data.nbytes for t in encode_snapshot(policy.outer.snapshot(
-        simulation.method.replicas[0].trainer.named_parameters()), "bf16"))
-    assert snapshot == 2 * 2 * model_elements(simulation)      # φ and Δ in bf16
+        simulation.method.replicas[0].trainer.named_parameters()), "bf16", "theta"))
+    assert snapshot == 2 * model_elements(simulation)          # θ alone in bf16 (β = γ)
     assert result.final.bytes_sent_per_replica == 6 * snapshot
     assert result.final.local_updates == 0 and result.final.idle_steps == 0
     assert 0 < result.final.weight_spread < 0.5                # own φ each, kept close
@@ -233,10 +233,30 @@ def test_weight_spread_is_relative_rms_distance():
     ({"protocol": "noloco", "timing": "eager"}, "overlap or blocking"),
     ({"protocol": "gossip"}, "unknown"),
     ({"protocol": "local", "workers": 0}, "workers must be"),
+    ({"protocol": "noloco", "snapshot": "delta"}, "choose theta or phi_delta"),
 ])
 def test_bad_settings_are_refused_in_one_sentence(settings, sentence):
     with pytest.raises(SimulationError, match=sentence):
         SimulationSettings(**settings).validated()
+
+
+def test_snapshot_defaults_to_theta_only_where_it_is_exact_and_is_refused_elsewhere():
+    import argparse
+
+    from node.simulator.cli import add_simulate_command, settings_from_args
+    sections = lambda **kw: SimulationSettings("noloco", **kw).validated().sections()[0].snapshot
+    assert sections() == "theta"
+    assert sections(noloco_progress_weight=0.6) == "phi_delta"
+    assert sections(protocol_values={"progress_weight": 0.6}) == "phi_delta"
+    assert sections(snapshot="phi_delta") == "phi_delta"
+    with pytest.raises(SimulationError, match="set protocol.snapshot = 'phi_delta'"):
+        SimulationSettings("noloco", noloco_progress_weight=0.6, snapshot="theta").validated()
+    parser = argparse.ArgumentParser().add_subparsers()
+    add_simulate_command(parser)
+    for argv, protocol_values in ((["--snapshot", "phi_delta"], {}),
+                                  ([], {"snapshot": "phi_delta"})):  # --set protocol.snapshot=
+        args = parser.choices["simulate"].parse_args(["--protocol", "noloco", "--rounds", "1", *argv])
+        assert settings_from_args(args, 100, protocol_values).sections()[0].snapshot == "phi_delta"
 
 
 def test_shared_decoding_gives_the_codecs_numbers_and_a_private_copy_each():

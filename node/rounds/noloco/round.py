@@ -1,15 +1,20 @@
 """NoLoCo's end of a round in the training thread (PROTOCOLS.md §1; the math is protocol/noloco.py).
 
-At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), hands it to its link
-(the daemon's exchange on the event loop, or the simulator's in-memory link), and gets back at
-most one partner snapshot:
+At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), encodes it as the
+manifest's protocol.snapshot says (θ alone, the default, exact when β = γ; or φ and Δ: see
+payload.py), hands it to its link (the daemon's exchange on the event loop, or the simulator's
+in-memory link), and gets back at most one partner snapshot:
 - `overlap` (default): the round ends with the local update, and the snapshot a partner swapped
   with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ at the first
   step boundary after it lands, as if that pair's update had been taken in time
   (protocol/noloco.py late_pair_correction); nothing waits on the network;
 - `blocking`: the link pairs and swaps S_r now, waiting at most `pair_deadline_s`.
-Whatever arrives is checked (names, shapes, finite, norm) before use; no partner, or a refused
-one, gives the local update of G = {self}, counted.
+Whatever arrives is checked before use: its layout (a snapshot of the other layout is refused),
+names, shapes, finite values, and a norm within max_norm_ratio of the node's own matching
+tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignment check
+(min_alignment_sigmas) compares progress Δ only, so it needs "phi_delta"; the manifest refuses
+it with "theta". A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
+theta_only_snapshot). No partner, or a refused one, gives the local update of G = {self}, counted.
 
 A node more than max_staleness rounds behind its swarm (it started late, or stalled) could pair
 with nobody; at a round's end it jumps to the swarm's round (protocol/matching.py
@@ -26,13 +31,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from node.config.manifest import ContributionSection, ProtocolSection
+from node.config.manifest import ContributionSection, ProtocolSection, check_snapshot
 from node.events import PairCorrected
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
-from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot
+from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, theta_only_snapshot
 from protocol.tensors import shift_in_place, weights_digest
 
 
@@ -93,6 +98,7 @@ class _Pair:
 class NoLoCoRound:
     def __init__(self, config: ProtocolSection, contributions: ContributionSection,
                  trainer: InnerTrainer, link: NoLoCoLink):
+        check_snapshot(config, contributions)  # a manifest's rule, for sections built in code too
         self.config, self.contributions = config, contributions
         self.trainer, self.link = trainer, link
         hyper = NoLoCoHyperParameters(config.momentum, config.progress_weight,
@@ -162,7 +168,7 @@ class NoLoCoRound:
             partner_updates=self.partner_updates, caught_up_to=next_round, pair_shift=pair.shift)
 
     def _encoded(self, own: NoLoCoSnapshot) -> list:
-        return payload.encode_snapshot(own, self.config.wire_dtype)
+        return payload.encode_snapshot(own, self.config.wire_dtype, self.config.snapshot)
 
     def _overlap_correction(self, round_index: int, mid_round: bool = False) -> _Pair:
         """The pair formed during this round swapped our previous snapshot for the partner's:
@@ -187,12 +193,20 @@ class NoLoCoRound:
         if partner is None:
             return _Pair(None, [], [])
         try:
-            snapshot = payload.decode_snapshot(partner.message)
-            for what, theirs, mine in (("slow weights", snapshot.slow_weights, reference.slow_weights),
-                                       ("progress", snapshot.local_progress, reference.local_progress)):
+            groups = payload.decode_snapshot(partner.message, self.config.snapshot, partner.peer)
+            if self.config.snapshot == "theta":
+                checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
+            else:  # the alignment check compares progress only (node/rounds/contributions.py)
+                checks = [("slow weights", groups["phi"], reference.slow_weights, 0.0),
+                          ("progress", groups["delta"], reference.local_progress,
+                           self.contributions.min_alignment_sigmas)]
+            for what, theirs, mine, sigmas in checks:
                 check_contribution(partner.peer, theirs, mine, global_norm(mine),
-                                   self.contributions.max_norm_ratio, f"NoLoCo {what}",
-                                   self.contributions.min_alignment_sigmas)
+                                   self.contributions.max_norm_ratio, f"NoLoCo {what}", sigmas)
+            if self.config.snapshot == "theta":
+                snapshot = theta_only_snapshot(groups["theta"], self.outer.hyper)
+            else:
+                snapshot = NoLoCoSnapshot(groups["phi"], groups["delta"])
             return _Pair(partner, [snapshot], [])
         except (ContributionRefused, ValueError) as exc:
             reason = getattr(exc, "reason", "malformed")

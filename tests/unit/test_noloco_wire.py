@@ -241,3 +241,16 @@ def test_decoding_allocates_nothing_beyond_the_expected_size(dtype, hostile):
         _decode_or_refuse(message, "theta", dtype)
     torch_peak = max((event.cpu_memory_usage for event in profiler.events()), default=0)
     assert python_peak < bound and torch_peak < bound, (python_peak, torch_peak, bound)
+
+
+@pytest.mark.parametrize("dtype, ratio", [("bf16", 2.0), ("int8", 4 / 1.0625), ("int4", 4 / 0.5625)])
+def test_the_status_views_compression_ratio_follows_the_bytes_received(dtype, ratio):
+    from node.events import Swapped
+    from node.ops.status import NodeStatus
+    from node.ops.status_feed import StatusFeed
+    shapes = {"w": (4096, 64)}
+    feed = StatusFeed(NodeStatus(), param_bytes=4 * 4096 * 64, snapshot_sets=payload.tensor_sets(
+        "theta"), traffic=lambda: (0, 0), peers_known=lambda: 0)
+    feed._payload(Swapped(round=0, partner="p", partner_round=0,
+                          bytes=payload.snapshot_bytes(shapes, dtype, "theta")))
+    assert feed.status.compression_ratio == pytest.approx(ratio)

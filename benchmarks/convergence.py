@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from node.config.manifest import WIRE_DTYPE_CHOICES
 from node.config.schema import load_config
 from node.data.corpus import load_corpus
 from node.simulator import SimulationSettings, run_simulation
@@ -58,6 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=2, help="DiLoCoX low-rank rank (default 2: the "
                    "largest whose 8-bit messages to 7 peers cost 50x less than DiLoCo's ring)")
     p.add_argument("--bits", type=int, default=8, choices=(4, 8), help="DiLoCoX bits (default 8)")
+    p.add_argument("--wire-dtype", default="bf16", choices=WIRE_DTYPE_CHOICES,
+                   help="how NoLoCo snapshots travel (default bf16; int8, int4: quantized)")
     p.add_argument("--methods", help="comma-separated subset of the method keys, for pilots")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared "
                    "2-core machine two threads ran slower and far more erratically than one)")
@@ -85,12 +88,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
     """The methods, by key. Rounds follow from equal steps; seeds are the same everywhere."""
     common = {"workers": args.workers, "seed": args.seed}
+    noloco = {"wire_dtype": args.wire_dtype, **common}
     outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     dilocox = {"codec": "lowrank", "rank": args.rank, "bits": args.bits, "delay": 1, **outer}
     if args.scale:
         return {
             "noloco-overlap": SimulationSettings("noloco", inner_steps=50, rounds=args.steps // 50,
-                                                 timing="overlap", **common),
+                                                 timing="overlap", **noloco),
             # H = 50 here too: the spread is read round by round, and 64 replicas leave
             # time for few rounds on 2 cores.
             "dilocox": SimulationSettings("dilocox", inner_steps=50, rounds=args.steps // 50,
@@ -116,12 +120,12 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
         "data-parallel": SimulationSettings("data-parallel", inner_steps=50, rounds=every_50, **common),
         "diloco": SimulationSettings("diloco", inner_steps=100, rounds=args.steps // 100, **outer, **common),
         "noloco-blocking": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
-                                              timing="blocking", **common),
+                                              timing="blocking", **noloco),
         "noloco-overlap": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
-                                             timing="overlap", **common),
+                                             timing="overlap", **noloco),
         # the same with a swap that takes a fifth of a round: the correction lands at step 10
         "noloco-overlap-slow-swap": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
-                                                       timing="overlap", latency_steps=10, **common),
+                                                       timing="overlap", latency_steps=10, **noloco),
         "dilocox": SimulationSettings("dilocox", inner_steps=100, rounds=args.steps // 100,
                                       **dilocox, **common),
         "local": SimulationSettings("local", inner_steps=50, rounds=every_50, **common),
@@ -183,7 +187,7 @@ def scale_line(results: dict, args, seconds: float) -> str:
 
 def outer_line(args) -> str:
     return (f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} "
-            "(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots in bf16; DiLoCoX low-rank rank "
+            f"(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots in {args.wire_dtype}; DiLoCoX low-rank rank "
             f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, group = all "
             "replicas. NoLoCo and DiLoCoX run the daemon's round classes (node/rounds/) over the "
             "simulator's in-memory links. Bytes are the payloads those rounds encode (no wire "

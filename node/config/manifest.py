@@ -22,6 +22,8 @@ from node.config.schema import (CONFIG_DIR, ConfigError, DataConfig, ModelConfig
 SWARM_DIR = CONFIG_DIR / "swarms"
 SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # How one machine runs, not what the swarm computes: members may differ in these.
+# protocol.wire_dtype; the quantized ones are node/rounds/wire_tensors.py QUANTIZED_BITS
+WIRE_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
 NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
                          "eval_batches", "min_step_seconds")
 
@@ -45,8 +47,11 @@ class ProtocolSection:
     max_staleness: int = spec(2, "largest round difference between partners", min=0, max=1000)
     pair_deadline_s: float = spec(60.0, "blocking timing: longest wait for a partner",
                                   min=0.0, max=3600.0, min_exclusive=True)
-    wire_dtype: str = spec("bf16", "dtype of NoLoCo snapshots on the wire",
-                           choices=("bf16", "fp16", "fp32"))
+    # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py)
+    wire_dtype: str = spec("bf16", "how NoLoCo snapshots travel: bf16, fp16 or fp32 (2, 2 or 4 "
+                           "bytes a parameter), or int8 or int4, quantized in blocks of 64 with "
+                           "one fp32 scale each (1.0625 or 0.5625 bytes a parameter, lossy)",
+                           choices=WIRE_DTYPE_CHOICES)
     # θ alone is exact only when β = γ (protocol/noloco.py theta_only_snapshot); half the bytes
     snapshot: str = spec("theta", "what a NoLoCo snapshot sends: theta, the fast weights alone "
                          "(needs progress_weight = consensus_weight), or phi_delta, φ and Δ "

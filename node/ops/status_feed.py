@@ -16,7 +16,9 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
                                                    watch loop with the transport's counters
     compression_ratio                              Swapped (NoLoCo: θ, or φ and Δ) or Sent
                                                    (DiLoCoX): fp32 bytes of the payload's
-                                                   tensors over its wire bytes
+                                                   tensors over the bytes received (so a
+                                                   quantized wire_dtype shows its real ratio:
+                                                   int8 3.76x, int4 7.1x, bf16 2x)
     checkpoint_at, checkpoint_step                 Checkpointed
     state=stopping                                 Stopping
 CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).

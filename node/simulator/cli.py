@@ -25,7 +25,7 @@ SETTING_OF_FLAG = {"alpha": "noloco_momentum", "beta": "noloco_progress_weight",
 
 
 def add_simulate_command(subparsers) -> argparse.ArgumentParser:
-    from node.simulator.settings import PROTOCOLS, TIMINGS
+    from node.simulator.settings import PROTOCOLS, TIMINGS, WIRE_DTYPES
 
     p = subparsers.add_parser(
         "simulate", help="train N replicas in this process with one protocol (no network)",
@@ -62,8 +62,9 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     noloco.add_argument("--alpha", type=float, help="outer momentum α (default 0.5)")
     noloco.add_argument("--beta", type=float, help="progress weight β (default 0.7)")
     noloco.add_argument("--gamma", type=float, help="consensus weight γ (default 0.7)")
-    noloco.add_argument("--wire-dtype", choices=("bf16", "fp16", "fp32"),
-                        help="dtype of the snapshots sent (default bf16)")
+    noloco.add_argument("--wire-dtype", choices=WIRE_DTYPES,
+                        help="how the snapshots travel (default bf16; int8 and int4: quantized "
+                        "in blocks of 64, about 1 and 0.5 bytes a parameter)")
     noloco.add_argument("--snapshot", choices=("theta", "phi_delta"),
                         help="what a snapshot sends: the fast weights θ alone (default when "
                         "β = γ; half the bytes) or φ and Δ (default, and needed, when β ≠ γ)")

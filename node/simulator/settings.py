@@ -14,12 +14,13 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from node.config.manifest import ContributionSection, ProtocolSection, check_snapshot
+from node.config.manifest import WIRE_DTYPE_CHOICES, ContributionSection, ProtocolSection, \
+    check_snapshot
 from node.config.schema import ConfigError, build_section
 
 PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
 TIMINGS = ("overlap", "blocking")
-WIRE_DTYPES = ("bf16", "fp16", "fp32")
+WIRE_DTYPES = WIRE_DTYPE_CHOICES  # bf16, fp16, fp32; int8, int4 quantized
 SNAPSHOTS = ("theta", "phi_delta")
 # H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (PROTOCOLS.md §1, §2); for
 # data-parallel and local training a "round" is only the interval between evaluations.
@@ -53,7 +54,7 @@ class SimulationSettings:
     noloco_momentum: float = 0.5           # α
     noloco_progress_weight: float = 0.7    # β
     noloco_consensus_weight: float = 0.7   # γ
-    wire_dtype: str = "bf16"               # of the snapshots sent
+    wire_dtype: str = "bf16"               # of the snapshots sent (int8, int4: quantized)
     # what a snapshot sends: "theta" or "phi_delta"; None: theta when β = γ, else phi_delta
     snapshot: str | None = None
     max_staleness: int = 2
@@ -141,7 +142,9 @@ class SimulationSettings:
         """One line naming the method as the results table shows it."""
         if self.protocol == "noloco":
             latency = f", swap takes {self.latency_steps} steps" if self.latency_steps else ""
-            return f"NoLoCo H={self.inner_steps} {self.timing}{latency}"
+            wire = self.protocol_values.get("wire_dtype", self.wire_dtype)
+            wire = f", {wire} snapshots" if wire != "bf16" else ""
+            return f"NoLoCo H={self.inner_steps} {self.timing}{latency}{wire}"
         if self.protocol == "dilocox":
             params = ", ".join(f"{k}={v}" for k, v in self.codec_parameters().items())
             codec = f"{self.codec}({params})" if params else self.codec

@@ -234,3 +234,27 @@ def test_blocking_timing_pairs_from_the_first_round_without_waiting_the_deadline
         assert [r["round"] for r in rounds] == [0, 1, 2]
         assert all(r["partner"] for r in rounds), [r["partner"] for r in rounds]
         assert max(r["network_wait_seconds"] for r in rounds) < 20, rounds
+
+
+def test_int8_snapshots_swap_at_their_exact_size_and_are_applied(harness_factory):
+    """protocol.wire_dtype = "int8" on real daemons: each blocking round applies the partner's
+    quantized θ, nothing is refused, and each swap carries exactly the bytes that the manifest
+    and the model's shapes imply (about 1.06 a parameter, against bf16's 2)."""
+    from node.rounds.noloco.payload import snapshot_bytes
+    from node.train.model import build_model
+    m = small_manifest("t-int8", "noloco", timing="blocking", pair_deadline_s=60.0,
+                       wire_dtype="int8")
+    harness = harness_factory(m)
+    nodes = harness.start(2, extra=["--max-steps", "60"])
+    for node in nodes:
+        node.wait_for(left, 150, "the node to finish and leave")
+        assert node.process.wait(timeout=30) == 0
+    model = build_model(m.model, 256)  # the default corpus: bytes
+    expected = snapshot_bytes({n: tuple(p.shape) for n, p in model.named_parameters()},
+                              "int8", "theta")
+    assert expected < 1.1 * sum(p.numel() for p in model.parameters())
+    for node in nodes:
+        rounds = node.events("round")
+        assert [r["round"] for r in rounds] == [0, 1, 2]
+        assert all(r["partner"] for r in rounds) and not [r for r in rounds if r.get("refused")]
+        assert {e["bytes"] for e in node.events("swapped")} == {expected}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,8 +25,10 @@ from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot
 from node.rounds.wire_tensors import WIRE_DTYPES, to_wire
 from node.simulator.exchange import InMemoryMessage
 from node.train.trainer import InnerTrainer
+from p2p.messages import OutgoingTensor
 from protocol.noloco import NoLoCoHyperParameters, NoLoCoSnapshot, noloco_update
 from protocol.tensors import weights_digest
+from tests.unit.test_noloco_wire import block_scales
 
 TINY = ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "model.ffn_hidden=64",
         "data.seq_len=32", "train.micro_batch_size=2", "train.tokens_per_step=64",
@@ -87,8 +90,10 @@ class ScriptedNoLoCoLink:
         self.refusals.append((peer, reason))
 
 
-def noloco(config, corpus, timing: str, stream: int = 1, snapshot: str = "theta"):
-    section = ProtocolSection(timing=timing, inner_steps=H, pair_deadline_s=5.0, snapshot=snapshot)
+def noloco(config, corpus, timing: str, stream: int = 1, snapshot: str = "theta",
+           wire_dtype: str = "bf16"):
+    section = ProtocolSection(timing=timing, inner_steps=H, pair_deadline_s=5.0, snapshot=snapshot,
+                              wire_dtype=wire_dtype)
     link = ScriptedNoLoCoLink()
     model = trainer(config, corpus, stream)
     return NoLoCoRound(section, ContributionSection(), model, link), link, model
@@ -250,6 +255,61 @@ def test_a_wrong_layout_or_bad_theta_is_refused_and_the_round_goes_on_locally(
     assert outcome.local_update and outcome.partner is None and outcome.partner_updates == 0
     assert link.refusals == [("bad", case)] and len(outcome.refused) == 1
     assert sentence in outcome.refused[0] and outcome.refused[0].endswith("dropped")
+    assert outcome.phi_digest == weights_digest(local) == weights_digest(model.named_parameters())
+
+
+@pytest.mark.parametrize("wire_dtype, levels", [("int8", 127), ("int4", 7)])
+@pytest.mark.parametrize("layout", ["theta", "phi_delta"])
+def test_a_quantized_snapshot_is_applied_within_beta_half_of_its_rounding(
+        config, corpus, wire_dtype, levels, layout):
+    """Each sent tensor is off by at most s/(2L) per element (s its block's absmax; see
+    node/rounds/wire_tensors.py), and the partner enters φ_i as β/2·θ_j (or β/2·(φ_j + Δ_j)), so
+    φ is off the exact fp32 update by at most β/2·Σ s/(2L) over the tensors sent, plus slack."""
+    beta, slack = NoLoCoHyperParameters().progress_weight, 1e-6
+    policy, link, model = noloco(config, corpus, "blocking", snapshot=layout, wire_dtype=wire_dtype)
+    link.waiting[0], theirs = partner_of(config, corpus, 0, wire_dtype, layout)
+    train_round(model, policy, 0)
+    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+    own = policy.outer.snapshot(model.named_parameters())
+    outcome = policy.end_round(0)
+    assert not outcome.local_update and outcome.partner == "partner" and link.refusals == []
+    exact, _ = noloco_update(phi, momentum, [own, theirs], NoLoCoHyperParameters())
+    sent = [theirs.fast_weights()] if layout == "theta" else [theirs.slow_weights,
+                                                              theirs.local_progress]
+    for name, want in exact.items():
+        bound = beta / 2 * sum(block_scales(group[name]) for group in sent) / (2 * levels)
+        assert ((policy.outer.slow_weights[name] - want).abs() <= bound + slack).all()
+
+
+@pytest.mark.parametrize("case", ["length", "scale", "code"])
+def test_a_malformed_quantized_snapshot_is_refused_and_the_round_goes_on_locally(config, corpus,
+                                                                                 case):
+    policy, link, model = noloco(config, corpus, "blocking", wire_dtype="int8")
+    partner, _ = partner_of(config, corpus, 0, "int8")
+    tensors = list(partner.message.tensors)
+    views = partner.message.tensor_views()
+    broken = []
+    for entry in tensors:
+        data = bytearray(views[entry.name][1])
+        if entry.name == tensors[0].name:
+            if case == "length":
+                data = data[:-1]
+            elif case == "scale":
+                data[0:4] = bytes([0, 0, 0x80, 0x7F])  # +inf as the first block's fp32 scale
+            else:
+                data[-1] = 0x80  # the 8-bit code −128, never produced
+        broken.append(OutgoingTensor(entry.name, "uint8", (len(data),),
+                                     np.frombuffer(bytes(data), np.uint8)))
+    link.waiting[0] = PartnerSnapshot("bad", 0, received(0, broken))
+    train_round(model, policy, 0)
+    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+    own = policy.outer.snapshot(model.named_parameters())
+    outcome = policy.end_round(0)
+    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
+    assert outcome.local_update and outcome.partner is None and outcome.partner_updates == 0
+    assert link.refusals == [("bad", "malformed")] and len(outcome.refused) == 1
+    assert outcome.refused[0].startswith("NoLoCo snapshot from bad is malformed: tensor "
+                                         f"{tensors[0].name}")
     assert outcome.phi_digest == weights_digest(local) == weights_digest(model.named_parameters())
 
 

@@ -12,7 +12,7 @@ from node.data.corpus import load_corpus, stream_seed
 from node.simulator import Simulation, SimulationError, SimulationSettings
 from node.simulator.exchange import InMemoryExchange, ring_allreduce_bytes
 from node.rounds.dilocox.payload import encode_message
-from node.rounds.noloco.payload import encode_snapshot
+from node.rounds.noloco.payload import encode_snapshot, snapshot_bytes
 from node.simulator.replica import weight_spread
 from node.train.trainer import InnerTrainer
 from protocol.dilocox import winning_digest
@@ -173,6 +173,34 @@ def test_noloco_pairs_vary_losses_fall_and_snapshot_bytes_are_exact(config, corp
     assert result.final.local_updates == 0 and result.final.idle_steps == 0
     assert 0 < result.final.weight_spread < 0.5                # own φ each, kept close
     assert result.final_val_loss < result.records[0].val_loss_mean < INITIAL_LOSS
+
+
+@pytest.mark.parametrize("wire_dtype", ["int8", "int4"])
+def test_noloco_quantized_snapshots_count_their_real_bytes_and_train(config, corpus, wire_dtype):
+    simulation, result = simulate(config, corpus, "noloco", rounds=3, timing="blocking",
+                                  wire_dtype=wire_dtype)
+    shapes = {n: tuple(t.shape) for n, t in
+              simulation.method.replicas[0].trainer.named_parameters().items()}
+    snapshot = snapshot_bytes(shapes, wire_dtype, "theta")
+    per_parameter = {"int8": 1.0625, "int4": 0.5625}[wire_dtype]  # + 4 bytes a short block
+    assert per_parameter <= snapshot / model_elements(simulation) < per_parameter + 0.01
+    assert result.final.bytes_sent_per_replica == 3 * snapshot
+    assert result.final.local_updates == 0 and simulation.method.network.refused == Counter()
+    assert result.final_val_loss < result.records[0].val_loss_mean < INITIAL_LOSS
+
+
+def test_quantized_wire_dtypes_reach_the_simulator_by_flag_and_by_set():
+    import argparse
+
+    from node.simulator.cli import add_simulate_command, settings_from_args
+    parser = argparse.ArgumentParser().add_subparsers()
+    add_simulate_command(parser)
+    for argv, protocol_values in ((["--wire-dtype", "int4"], {}),
+                                  ([], {"wire_dtype": "int4"})):  # --set protocol.wire_dtype=
+        args = parser.choices["simulate"].parse_args(["--protocol", "noloco", "--rounds", "1", *argv])
+        assert settings_from_args(args, 100, protocol_values).sections()[0].wire_dtype == "int4"
+    with pytest.raises(SimulationError, match="choose one of bf16, fp16, fp32, int8, int4"):
+        SimulationSettings("noloco", wire_dtype="int2").validated()
 
 
 def test_noloco_overlap_uses_last_rounds_snapshots_and_never_waits(config, corpus):

@@ -10,6 +10,7 @@ in-memory link), and gets back at most one partner snapshot:
   (protocol/noloco.py late_pair_correction); nothing waits on the network;
 - `blocking`: the link pairs and swaps S_r now, waiting at most `pair_deadline_s`.
 Whatever arrives is checked before use: its layout (a snapshot of the other layout is refused),
+its encoding (a quantized wire_dtype: exact tensors and byte lengths, valid scales and codes),
 names, shapes, finite values, and a norm within max_norm_ratio of the node's own matching
 tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignment check
 (min_alignment_sigmas) compares progress Δ only, so it needs "phi_delta"; the manifest refuses
@@ -193,7 +194,9 @@ class NoLoCoRound:
         if partner is None:
             return _Pair(None, [], [])
         try:
-            groups = payload.decode_snapshot(partner.message, self.config.snapshot, partner.peer)
+            shapes = {name: tuple(t.shape) for name, t in reference.slow_weights.items()}
+            groups = payload.decode_snapshot(partner.message, self.config.snapshot, partner.peer,
+                                             self.config.wire_dtype, shapes)
             if self.config.snapshot == "theta":
                 checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
             else:  # the alignment check compares progress only (node/rounds/contributions.py)

@@ -5,10 +5,14 @@ the inbox as the transport's handler would after its checks.
 """
 
 import asyncio
+import dataclasses
 import random
 
 from node.config.manifest import ProtocolSection
+from node.config.settings import NodeTimeouts
+from node.events import Diverged
 from node.rounds.dilocox.exchange import DiLoCoXExchange
+from p2p.errors import P2PError
 from p2p.records import MemberRecord
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
@@ -94,4 +98,49 @@ def test_beyond_the_fan_out_a_finished_member_is_waited_for_one_of_our_rounds():
         began = loop.time()
         assert await ex._collect(5, 30.0) == []
         assert 0.4 < loop.time() - began < 0.9
+    asyncio.run(main())
+
+
+class NoStateServer:
+    """A transport whose state requests all fail, as when the majority's holder just left."""
+
+    class limits:
+        parallel_streams = 1
+
+    async def request(self, *args, **kwargs):
+        raise P2PError("the holder left")
+
+
+def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
+    """Two survivors split 1:1 while a third member finished the rounds but its votes never
+    arrive: the first tied round waits for that vote, a second tied round in a row is broken
+    with the votes that came (the larger digest resyncs to the smaller, as its peer picks too)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+
+        def view(round_index: int) -> list[MemberRecord]:
+            other = live_member("other", round_index + 1, "dilocox", "training", since=0,
+                                phi="0" * 32, phi_round=round_index)
+            return [other, member("silent", round_index + 1)]  # finished, never votes
+
+        swarm = unit_swarm(loop, view(5), transport=NoStateServer(), events=events)
+        swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+
+        def diverged() -> list[int]:
+            return [e.round for e in events if isinstance(e, Diverged)]
+
+        await ex._check_consensus(5, "f" * 32)  # 1:1, a vote missing: wait for it
+        assert diverged() == []
+        ex.members.records = {r.peer_id: r for r in view(7)}
+        await ex._check_consensus(7, "f" * 32)  # a tie again, but not in the next round
+        assert diverged() == []
+        ex.members.records = {r.peer_id: r for r in view(8)}
+        await ex._check_consensus(8, "f" * 32)  # the tie lasted: broken toward the smaller digest
+        assert diverged() == [8]
+        ex.members.records = {r.peer_id: r for r in view(9)}
+        events.clear()
+        await ex._check_consensus(9, "0" * 32)  # we hold the winner: nothing to do
+        assert diverged() == []
     asyncio.run(main())

@@ -22,7 +22,8 @@ Invariants:
   that large should raise `fan_out`);
 - a resync state is used only if its digest equals the majority's digest for that round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
-  smallest digest), so a split of two survivors is healed, not kept.
+  smallest digest), so a split of two survivors is healed, not kept; a tie waits for missing
+  votes one round at most (`tied_round`), so a vote that never comes cannot keep it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ class DiLoCoXExchange:
         self.first_round = 0  # the round this node (re)started at: see _collect
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
+        self.tied_round: int | None = None  # the last round whose tie we left for missing votes
 
     def start(self, round_index: int) -> None:
         self.oldest_wanted = max(0, round_index - 1)
@@ -197,8 +199,15 @@ class DiLoCoXExchange:
             await asyncio.sleep(self.members.refresh_s)  # votes arrive with the member cache
         majority = winning_digest(votes)
         complete = sum(votes.values()) > len(self._finished(round_index - 1))
-        if majority == digest or (not complete and votes[majority] <= votes[digest]):
-            return  # a tie is broken only once every vote is in: a missing one may decide it
+        if majority == digest:
+            return
+        if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:
+            # A tie is broken only once every vote is in: a missing one may decide it. But a
+            # vote missing round after round (a member whose announcements run ahead or lag)
+            # would keep two survivors split forever, so a tie that lasts a second round is
+            # broken with the votes that came; both sides see the same ones and pick alike.
+            self.tied_round = round_index
+            return
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
         for peer in holders.get(majority, []):

@@ -232,6 +232,18 @@ def _bad_theta(theirs, case: str) -> list:
     return to_wire(theta, "bf16", "theta/")
 
 
+def end_round_locally(policy, model):
+    """Trains round 0 and ends it; asserts the outcome is the local update of G = {self}."""
+    train_round(model, policy, 0)
+    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
+    own = policy.outer.snapshot(model.named_parameters())
+    outcome = policy.end_round(0)
+    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
+    assert outcome.local_update and outcome.partner is None and outcome.partner_updates == 0
+    assert outcome.phi_digest == weights_digest(local) == weights_digest(model.named_parameters())
+    return outcome
+
+
 @pytest.mark.parametrize("snapshot, case, sentence", [
     ("theta", "layout", "carries the groups ['delta', 'phi'], but protocol.snapshot = 'theta'"),
     ("phi_delta", "layout", "carries the groups ['theta'], but protocol.snapshot = 'phi_delta'"),
@@ -247,15 +259,9 @@ def test_a_wrong_layout_or_bad_theta_is_refused_and_the_round_goes_on_locally(
     else:  # θ where φ and Δ are expected
         tensors = noloco_payload.encode_snapshot(theirs, "bf16", "theta")
     link.waiting[0] = PartnerSnapshot("bad", 0, received(0, tensors))
-    train_round(model, policy, 0)
-    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
-    own = policy.outer.snapshot(model.named_parameters())
-    outcome = policy.end_round(0)
-    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
-    assert outcome.local_update and outcome.partner is None and outcome.partner_updates == 0
+    outcome = end_round_locally(policy, model)
     assert link.refusals == [("bad", case)] and len(outcome.refused) == 1
     assert sentence in outcome.refused[0] and outcome.refused[0].endswith("dropped")
-    assert outcome.phi_digest == weights_digest(local) == weights_digest(model.named_parameters())
 
 
 @pytest.mark.parametrize("wire_dtype, levels", [("int8", 127), ("int4", 7)])
@@ -301,16 +307,10 @@ def test_a_malformed_quantized_snapshot_is_refused_and_the_round_goes_on_locally
         broken.append(OutgoingTensor(entry.name, "uint8", (len(data),),
                                      np.frombuffer(bytes(data), np.uint8)))
     link.waiting[0] = PartnerSnapshot("bad", 0, received(0, broken))
-    train_round(model, policy, 0)
-    phi, momentum = policy.outer.slow_weights, policy.outer.outer_momentum
-    own = policy.outer.snapshot(model.named_parameters())
-    outcome = policy.end_round(0)
-    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
-    assert outcome.local_update and outcome.partner is None and outcome.partner_updates == 0
+    outcome = end_round_locally(policy, model)
     assert link.refusals == [("bad", "malformed")] and len(outcome.refused) == 1
     assert outcome.refused[0].startswith("NoLoCo snapshot from bad is malformed: tensor "
                                          f"{tensors[0].name}")
-    assert outcome.phi_digest == weights_digest(local) == weights_digest(model.named_parameters())
 
 
 def test_a_node_too_far_behind_jumps_to_the_swarms_round(config, corpus):

@@ -61,6 +61,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bits", type=int, default=8, choices=(4, 8), help="DiLoCoX bits (default 8)")
     p.add_argument("--wire-dtype", default="bf16", choices=WIRE_DTYPE_CHOICES,
                    help="how NoLoCo snapshots travel (default bf16; int8, int4: quantized)")
+    p.add_argument("--snapshot", choices=("theta", "phi_delta"), default="theta",
+                   help="what a NoLoCo snapshot sends: θ alone (default; exact as β = γ) or φ and Δ")
     p.add_argument("--methods", help="comma-separated subset of the method keys, for pilots")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: on a shared "
                    "2-core machine two threads ran slower and far more erratically than one)")
@@ -85,10 +87,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+SNAPSHOT_WORDS = {"theta": "(θ alone)", "phi_delta": "(φ and Δ)"}
+
+
 def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
     """The methods, by key. Rounds follow from equal steps; seeds are the same everywhere."""
     common = {"workers": args.workers, "seed": args.seed}
-    noloco = {"wire_dtype": args.wire_dtype, **common}
+    noloco = {"wire_dtype": args.wire_dtype, "snapshot": args.snapshot, **common}
     outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     dilocox = {"codec": "lowrank", "rank": args.rank, "bits": args.bits, "delay": 1, **outer}
     if args.scale:
@@ -187,7 +192,8 @@ def scale_line(results: dict, args, seconds: float) -> str:
 
 def outer_line(args) -> str:
     return (f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} "
-            f"(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots in {args.wire_dtype}; DiLoCoX low-rank rank "
+            f"(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots {SNAPSHOT_WORDS[args.snapshot]} "
+            f"in {args.wire_dtype}; DiLoCoX low-rank rank "
             f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, group = all "
             "replicas. NoLoCo and DiLoCoX run the daemon's round classes (node/rounds/) over the "
             "simulator's in-memory links. Bytes are the payloads those rounds encode (no wire "

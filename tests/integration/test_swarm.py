@@ -225,7 +225,8 @@ def test_blocking_timing_pairs_from_the_first_round_without_waiting_the_deadline
     wait the whole pair deadline."""
     m = small_manifest("t-blocking", "noloco", timing="blocking", pair_deadline_s=60.0)
     harness = harness_factory(m)
-    nodes = harness.start(2, extra=["--max-steps", "60"])
+    # each waits for the other before round 0: a node started first would end it alone
+    nodes = harness.start(2, extra=["--max-steps", "60", "--min-peers", "1"])
     for node in nodes:
         node.wait_for(left, 150, "the node to finish and leave")
         assert node.process.wait(timeout=30) == 0

@@ -189,16 +189,21 @@ def test_noloco_quantized_snapshots_count_their_real_bytes_and_train(config, cor
     assert result.final_val_loss < result.records[0].val_loss_mean < INITIAL_LOSS
 
 
-def test_quantized_wire_dtypes_reach_the_simulator_by_flag_and_by_set():
+def simulated_protocol(argv: list[str], protocol_values: dict | None = None):
+    """The [protocol] section `lowcomm-node simulate --protocol noloco ARGV` builds, with
+    `protocol_values` as `--set protocol.KEY=VALUE` would give them."""
     import argparse
 
     from node.simulator.cli import add_simulate_command, settings_from_args
     parser = argparse.ArgumentParser().add_subparsers()
     add_simulate_command(parser)
-    for argv, protocol_values in ((["--wire-dtype", "int4"], {}),
-                                  ([], {"wire_dtype": "int4"})):  # --set protocol.wire_dtype=
-        args = parser.choices["simulate"].parse_args(["--protocol", "noloco", "--rounds", "1", *argv])
-        assert settings_from_args(args, 100, protocol_values).sections()[0].wire_dtype == "int4"
+    args = parser.choices["simulate"].parse_args(["--protocol", "noloco", "--rounds", "1", *argv])
+    return settings_from_args(args, 100, protocol_values or {}).sections()[0]
+
+
+def test_quantized_wire_dtypes_reach_the_simulator_by_flag_and_by_set():
+    assert simulated_protocol(["--wire-dtype", "int4"]).wire_dtype == "int4"
+    assert simulated_protocol([], {"wire_dtype": "int4"}).wire_dtype == "int4"  # --set protocol.
     with pytest.raises(SimulationError, match="choose one of bf16, fp16, fp32, int8, int4"):
         SimulationSettings("noloco", wire_dtype="int2").validated()
 
@@ -269,9 +274,6 @@ def test_bad_settings_are_refused_in_one_sentence(settings, sentence):
 
 
 def test_snapshot_defaults_to_theta_only_where_it_is_exact_and_is_refused_elsewhere():
-    import argparse
-
-    from node.simulator.cli import add_simulate_command, settings_from_args
     sections = lambda **kw: SimulationSettings("noloco", **kw).validated().sections()[0].snapshot
     assert sections() == "theta"
     assert sections(noloco_progress_weight=0.6) == "phi_delta"
@@ -279,12 +281,8 @@ def test_snapshot_defaults_to_theta_only_where_it_is_exact_and_is_refused_elsewh
     assert sections(snapshot="phi_delta") == "phi_delta"
     with pytest.raises(SimulationError, match="set protocol.snapshot = 'phi_delta'"):
         SimulationSettings("noloco", noloco_progress_weight=0.6, snapshot="theta").validated()
-    parser = argparse.ArgumentParser().add_subparsers()
-    add_simulate_command(parser)
-    for argv, protocol_values in ((["--snapshot", "phi_delta"], {}),
-                                  ([], {"snapshot": "phi_delta"})):  # --set protocol.snapshot=
-        args = parser.choices["simulate"].parse_args(["--protocol", "noloco", "--rounds", "1", *argv])
-        assert settings_from_args(args, 100, protocol_values).sections()[0].snapshot == "phi_delta"
+    assert simulated_protocol(["--snapshot", "phi_delta"]).snapshot == "phi_delta"
+    assert simulated_protocol([], {"snapshot": "phi_delta"}).snapshot == "phi_delta"  # --set
 
 
 def test_shared_decoding_gives_the_codecs_numbers_and_a_private_copy_each():

@@ -278,9 +278,20 @@ class SwapLate(Event, kind="swap_late"):
 
 
 @dataclass(frozen=True)
-class LatePartner(Event, kind="late_partner"):
+class PairingPaced(Event, kind="pairing_paced", logged=True):
+    """How often this node pairs changed (node/rounds/noloco/pacing.py): once every `interval`
+    rounds, from its swaps' and rounds' measured seconds (medians of the last few)."""
     round: int
-    peer: str
+    interval: int
+    swap_seconds: float
+    round_seconds: float
+
+
+@dataclass(frozen=True)
+class Rested(Event, kind="rested"):
+    """This round the node does not pair: its swaps take longer than its rounds."""
+    round: int
+    interval: int
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,11 @@ class ProtocolSection:
     max_staleness: int = spec(2, "largest round difference between partners", min=0, max=1000)
     pair_deadline_s: float = spec(60.0, "blocking timing: longest wait for a partner",
                                   min=0.0, max=3600.0, min_exclusive=True)
+    # a node whose swaps outlast its rounds pairs less often (node/rounds/noloco/pacing.py)
+    max_swap_rounds: int = spec(4, "overlap timing: the most rounds a swap may take; a node whose "
+                                "swaps take longer than a round pairs once every few rounds, at "
+                                "most this many, and a snapshot landing later is dropped",
+                                min=1, max=64)
     # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py)
     wire_dtype: str = spec("bf16", "how NoLoCo snapshots travel: bf16, fp16 or fp32 (2, 2 or 4 "
                            "bytes a parameter), or int8 or int4, quantized in blocks of 64 with "

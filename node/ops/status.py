@@ -43,6 +43,8 @@ Fields, units and meaning (None = not known yet):
     compression_ratio        float  raw fp32 bytes / wire bytes of the last exchanged payload
     refused                  {str: int} refused incoming messages by reason, since start
     last_exchange_at         float  unix time (s) of the last successful exchange
+    pair_interval            int    NoLoCo: pairs once every this many rounds (1: every round;
+                                    more where its swaps outlast its rounds)
     checkpoint_at            float  unix time (s) the newest checkpoint was written
     checkpoint_step          int    inner step of that checkpoint
 
@@ -107,6 +109,7 @@ class NodeStatus:
     compression_ratio: float | None = None
     refused: dict[str, int] = field(default_factory=dict)
     last_exchange_at: float | None = None
+    pair_interval: int | None = None
     checkpoint_at: float | None = None
     checkpoint_step: int | None = None
 

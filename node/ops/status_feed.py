@@ -20,6 +20,7 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
                                                    quantized wire_dtype shows its real ratio:
                                                    int8 3.76x, int4 7.1x, bf16 2x)
     checkpoint_at, checkpoint_step                 Checkpointed
+    pair_interval                                  PairingPaced (NoLoCo: how often it pairs)
     state=stopping                                 Stopping
 CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).
 """
@@ -29,8 +30,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from node.events import (Checkpointed, EventBus, RoundEnded, Sent, Started, StepDone, Stopping,
-                         Swapped)
+from node.events import (Checkpointed, EventBus, PairingPaced, RoundEnded, Sent, Started,
+                         StepDone, Stopping, Swapped)
 from node.ops.status import NodeStatus
 
 
@@ -54,6 +55,7 @@ class StatusFeed:
         bus.subscribe(self._payload, Swapped, Sent)
         bus.subscribe(self._checkpoint, Checkpointed)
         bus.subscribe(self._stopping, Stopping)
+        bus.subscribe(self._paced, PairingPaced)
 
     def _step(self, event: StepDone) -> None:
         self.status.update(step=event.step, round=event.round, state="training",
@@ -87,6 +89,9 @@ class StatusFeed:
 
     def _checkpoint(self, event: Checkpointed) -> None:
         self.status.update(checkpoint_at=event.time, checkpoint_step=event.step)
+
+    def _paced(self, event: PairingPaced) -> None:
+        self.status.update(pair_interval=event.interval)
 
     def _stopping(self, event: Stopping) -> None:
         self.status.update(state="stopping")

@@ -137,6 +137,8 @@ def sections(doc: dict, *, narrow: bool = False,
             ("peers", f"{doc.get('peers_alive', 0)} alive / {doc.get('peers_known', 0)} known"),
             ("partner" if len(partners) <= 1 else "group", partner_text),
             ("last exchange", _ago(doc.get("last_exchange_age_s"))),
+            *([("pairs", f"every {doc['pair_interval']} rounds: swaps outlast rounds")]
+              if (doc.get("pair_interval") or 1) > 1 else []),
         ]),
         ("Traffic", [
             ("sent/round", human_bytes(doc.get("bytes_sent_round"))),

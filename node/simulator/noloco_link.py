@@ -93,6 +93,9 @@ class NoLoCoMemoryLink:
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
         return self._take(round_index)
 
+    def pending_pair_rounds(self) -> set[int]:
+        return set()  # lockstep: a swap not landed by its round's end is late (round_ended)
+
     def finish_round(self, round_index: int, snapshot: list, wait_s: float,
                      next_round: int | None = None) -> PartnerSnapshot | None:
         self.network.offers[self.name] = (round_index, InMemoryMessage(round_index, snapshot))
@@ -110,4 +113,5 @@ class NoLoCoMemoryLink:
         if not arrived:
             return None
         envelope = arrived[0]  # one pair a round
-        return PartnerSnapshot(envelope.sender, envelope.payload.round, envelope.payload)
+        return PartnerSnapshot(envelope.sender, envelope.payload.round, envelope.payload,
+                               pair_round=round_index)

@@ -151,3 +151,53 @@ def test_a_snapshot_delivered_after_our_round_ended_is_counted_late_not_dropped_
         await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0))
         assert events == ["paired", "swap_late"] and ex.partners == {}
     asyncio.run(main())
+
+
+def overlap_exchange(loop, max_swap_rounds: int = 2):
+    events = Kinds()
+    section = ProtocolSection(timing="overlap", max_swap_rounds=max_swap_rounds)
+    swarm = unit_swarm(loop, peer_id=ME, transport=RefusingTransport(), events=events)
+    ex = NoLoCoExchange(section, swarm, random.Random(0))
+    ex.offered = OutgoingMessage("noloco.snapshot", 0)
+    return ex, events
+
+
+def test_overlap_keeps_a_snapshot_landing_rounds_after_its_pair_and_drops_an_older_one():
+    """A swap may outlast its round: its snapshot is kept for the round to apply, up to
+    max_swap_rounds rounds after the pair's round; later it is counted late."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex, events = overlap_exchange(loop, max_swap_rounds=2)
+        ex._handle(MatchMessage(MessageKind.PROPOSE, PEER, ME, 0, 0, "m"))  # PEER initiates
+        ex._next_round(1)
+        ex._next_round(2)
+        await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0, payload=b"theta"))
+        assert events[-1] == "swapped" and ex.partners[0].pair_round == 0 and ex.landed.is_set()
+        ex._handle(MatchMessage(MessageKind.PROPOSE, STRANGER, ME, 2, 2, "m"))
+        for r in (3, 4, 5):
+            ex._next_round(r)
+        await ex._snapshot_delivered(SimpleNamespace(sender=STRANGER, round=2, payload=b"theta"))
+        assert events[-1] == "swap_late" and set(ex.partners) == set()  # round 0's aged out too
+    asyncio.run(main())
+
+
+def test_a_node_whose_swaps_outlast_its_rounds_rests_then_pairs_again():
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex, events = overlap_exchange(loop, max_swap_rounds=4)
+        ex.pacer.record_swap(25.0)
+        ex.pacer.paired(0)
+
+        def next_round(r):  # after a 10 s round: swaps take 2.5 rounds
+            ex._round_started = loop.time() - 10.0
+            ex._next_round(r)
+        next_round(1)
+        assert ex.pacer.interval == 3 and not ex.accepting
+        assert events[-2:] == ["pairing_paced", "rested"]
+        await asyncio.sleep(0)  # the member record's update runs as a task
+        assert ex.membership.membership.updates[-1]["status"] == "training"  # nobody proposes
+        next_round(2)
+        assert not ex.accepting and events[-1] == "rested"
+        next_round(3)  # three rounds after it last paired: it pairs again
+        assert ex.accepting and events.count("rested") == 2
+    asyncio.run(main())

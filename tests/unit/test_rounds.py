@@ -8,6 +8,7 @@ announced and refused. Messages are encoded by the rounds' own payload modules.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -74,10 +75,18 @@ class ScriptedNoLoCoLink:
         self.catch_up: int | None = None
 
     def partner_landed(self) -> bool:
-        return bool(self.waiting)
+        return any(self.waiting.values())  # None: a pair formed, its snapshot not landed yet
 
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
-        return self.waiting.pop(round_index, None)
+        """The oldest snapshot waiting for a pair of `round_index` or before (one landing late)."""
+        landed = [r for r, snapshot in self.waiting.items() if r <= round_index and snapshot]
+        if not landed:
+            return None
+        pair_round = min(landed)
+        return dataclasses.replace(self.waiting.pop(pair_round), pair_round=pair_round)
+
+    def pending_pair_rounds(self) -> set[int]:
+        return set(self.waiting)
 
     def finish_round(self, round_index, snapshot, wait_s, next_round=None):
         self.offered.append((round_index, snapshot, wait_s))
@@ -151,6 +160,28 @@ def test_overlap_corrects_at_the_step_boundary_after_the_partner_lands(config, c
     outcome = policy.end_round(1)
     assert outcome.partner == "partner" and outcome.partner_round == 0
     assert outcome.pair_shift == corrected.shift and outcome.partner_updates == 1
+
+
+def test_overlap_applies_a_swap_that_outlasted_its_round_against_the_snapshot_it_swapped(config, corpus):
+    """A slow link: the pair of round 1 (our S_0 for the partner's) lands during round 3. Its
+    correction is β·(mean θ − θ_i) with our θ of S_0, not of a later round (PROTOCOLS.md §1)."""
+    policy, link, model = noloco(config, corpus, "overlap")
+    partner, theirs = partner_of(config, corpus, 0)
+    train_round(model, policy, 0)
+    ours = policy.outer.snapshot(model.named_parameters()).fast_weights()
+    link.waiting[1] = None  # the pair of round 1 formed; its swap is still in flight
+    for r in range(3):
+        if r:
+            train_round(model, policy, r)
+        assert policy.end_round(r).local_update
+        assert 1 in policy.offered  # S_0 is kept while its pair may land
+    link.waiting[1] = partner
+    events = train_round(model, policy, 3)
+    beta = ProtocolSection().progress_weight
+    expected = math.sqrt(sum(float(((beta / 2) * (theirs.fast_weights()[n] - ours[n])).square().sum())
+                             for n in ours))
+    assert len(events) == 1 and events[0].shift == pytest.approx(expected, rel=1e-5)
+    assert policy.end_round(3).partner == "partner" and 1 not in policy.offered
 
 
 def test_a_poisoned_snapshot_is_refused_counted_and_never_applied(config, corpus):

@@ -12,7 +12,10 @@ Invariants:
   peer the matching paired us with for the current round, anything else is refused;
 - the loop never waits on the training thread, and `finish_round` never waits on the network in
   overlap timing;
-- a failed or late swap leaves the round unpaired: the worker does a local update, counted;
+- a failed swap leaves the round unpaired: the worker does a local update, counted; a swap
+  that outlasts its round is applied when it lands, up to `max_swap_rounds` rounds later
+  (older: dropped, counted), and a node whose swaps outlast its rounds pairs less often
+  (node/rounds/noloco/pacing.py, the `SwapPacer` fed here), resting in between;
 - a pair the partner does not hold (it cancelled our accept, or refused our swap as not paired:
   protocol/matching.py I6) is dropped at once, and the node looks for another partner.
 """
@@ -25,8 +28,9 @@ import random
 import threading
 
 from node.config.manifest import ProtocolSection
-from node.events import (LatePartner, NoPartner, PairCancelled, Paired, SwapFailed, SwapLate,
-                         Swapped)
+from node.events import (NoPartner, PairCancelled, Paired, PairingPaced, Rested, SwapFailed,
+                         SwapLate, Swapped)
+from node.rounds.noloco.pacing import SwapPacer
 from node.rounds.noloco.round import PartnerSnapshot
 from node.rounds.swarm import Swarm, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
@@ -64,7 +68,13 @@ class NoLoCoExchange:
         self.changed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.propose_after = 0.0
-        self.previous_pair = None  # a pair formed late in the last round may still be swapping
+        # how many rounds after its pair's a snapshot is still applied (blocking: none, the
+        # round's end has passed)
+        self.max_late = config.max_swap_rounds if self.timing == "overlap" else 0
+        self.pacer = SwapPacer(config.max_swap_rounds)
+        # pairs whose partner snapshot has not landed yet: (partner, our round) -> when formed
+        self.open_pairs: dict[tuple[str, int], float] = {}
+        self.recent_pairs: list[Pair] = []  # pairs of the last max_late rounds, oldest first
         self.dropped_pair = None  # the last half-formed pair dropped (I6)
         self.last_partner: str | None = None
         self.window_closes = 0.0
@@ -93,11 +103,21 @@ class NoLoCoExchange:
         return self.landed.is_set()
 
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
-        """Overlap: the partner snapshot swapped during `round_index`, if any (taken once)."""
+        """Overlap: the oldest partner snapshot landed for a pair of `round_index` or before
+        (a swap that outlasted its round), if any; each is taken once."""
         def take() -> PartnerSnapshot | None:
-            self.landed.clear()
-            return self.partners.pop(round_index, None)
+            landed = [r for r in self.partners if r <= round_index]
+            snapshot = self.partners.pop(min(landed)) if landed else None
+            if not self.partners:
+                self.landed.clear()
+            return snapshot
         return self.swarm.bridge.call("the partner snapshot", take)
+
+    def pending_pair_rounds(self) -> set[int]:
+        """Overlap: the rounds whose pairs may still land a snapshot (the round keeps our own
+        snapshot of those rounds to apply them against)."""
+        return self.swarm.bridge.call("the pairs in flight", lambda: (
+            {r for _, r in self.open_pairs} | set(self.partners)))
 
     def finish_round(self, round_index: int, snapshot: list, wait_s: float,
                      next_round: int | None = None) -> PartnerSnapshot | None:
@@ -119,9 +139,6 @@ class NoLoCoExchange:
     async def _finish_round(self, round_index: int, snapshot: list, wait_s: float, next_round: int):
         message = OutgoingMessage(SNAPSHOT, round_index, snapshot)
         if self.timing == "overlap":
-            late = self.partners.pop(round_index, None)  # landed after take_partner: unused
-            if late is not None:
-                self.publish(LatePartner(round=round_index, peer=late.peer))
             self.offered = message  # what partners of the next round get
             self._next_round(next_round)
             return None
@@ -152,19 +169,41 @@ class NoLoCoExchange:
             self.propose_after = now + self.rng.uniform(0, PROPOSAL_WINDOW * self.round_seconds)
             self.window_closes = now + PROPOSAL_WINDOW * self.round_seconds
         outcome = self.matching.end_round(next_round)
-        self.previous_pair = outcome.pair
         self.last_partner = outcome.pair.partner if outcome.pair else None
         for message in outcome.outgoing:
             self._send_control(message)
         self._wake_settled()
-        self.partners = {r: p for r, p in self.partners.items() if r >= next_round}
-        if next_round not in self.partners:
-            self.landed.clear()  # nothing waits for the round that starts
-        # overlap: ready all round with the snapshot just offered; blocking: ready only while
-        # waiting at the round's end (a training node cannot accept)
-        ready = self.offered is not None and self.timing == "overlap"
+        oldest = next_round - self.max_late  # a pair older than this can no longer land
+        self.partners = {r: p for r, p in self.partners.items() if r >= oldest}
+        # pairs are remembered one round longer, so that a snapshot landing just too late is
+        # counted late (SwapLate), not dropped unseen
+        self.open_pairs = {key: t for key, t in self.open_pairs.items() if key[1] >= oldest - 1}
+        self.recent_pairs = [p for p in self.recent_pairs if p.round_index >= oldest - 1]
+        if not self.partners:
+            self.landed.clear()
+        if self.timing == "overlap":
+            self.accepting = self._pace(next_round)
+        # overlap: ready all round with the snapshot just offered (unless resting); blocking:
+        # ready only while waiting at the round's end (a training node cannot accept)
+        ready = self.offered is not None and self.timing == "overlap" and self.accepting
         self.membership.update(round=next_round, status="ready" if ready else "training")
         self.changed.set()
+
+    def _pace(self, next_round: int) -> bool:
+        """Whether this node pairs in `next_round` (node/rounds/noloco/pacing.py); says so when
+        its interval changes, and for every round it rests."""
+        self.pacer.record_round(self.round_seconds)
+        before = self.pacer.interval
+        interval = self.pacer.update()
+        if interval != before:
+            swaps, rounds = self.pacer.swap_seconds, self.pacer.round_seconds
+            self.publish(PairingPaced(round=next_round, interval=interval,
+                                      swap_seconds=sorted(swaps)[len(swaps) // 2],
+                                      round_seconds=sorted(rounds)[len(rounds) // 2]))
+        pairs = self.pacer.pairs_in(next_round, swap_in_flight=bool(self.open_pairs))
+        if not pairs:
+            self.publish(Rested(round=next_round, interval=interval))
+        return pairs
 
     # ------------------------------------------------------------------ matching
     def _announcements(self) -> list[ReadyAnnouncement]:
@@ -243,6 +282,9 @@ class NoLoCoExchange:
         if had_pair is not None and pair is None:
             self._pair_dropped(had_pair, "the partner cancelled its proposal")
         elif pair is not None and had_pair is None:
+            self.open_pairs[(pair.partner, pair.round_index)] = self.loop.time()
+            self.recent_pairs.append(pair)
+            self.pacer.paired(pair.round_index)
             self.publish(Paired(round=pair.round_index, partner=pair.partner))
             self.membership.update(status="exchanging")  # no more proposals this round
             if pair.initiator == self.peer_id:
@@ -253,6 +295,8 @@ class NoLoCoExchange:
     def _pair_dropped(self, pair: Pair, why: str) -> None:
         """A half-formed pair is gone (I6): free to pair again in this round."""
         self.dropped_pair = pair
+        self.open_pairs.pop((pair.partner, pair.round_index), None)
+        self.recent_pairs = [p for p in self.recent_pairs if p is not pair]
         self.publish(PairCancelled(round=pair.round_index, partner=pair.partner, why=why))
         self.membership.update(status="ready" if self.accepting and self.offered else "training")
         self.changed.set()
@@ -264,6 +308,7 @@ class NoLoCoExchange:
             received = await self.transport.swap(partner, offered, timeout=self.swap_timeout_s,
                                                  expected_reply_bytes=offered.total_bytes)
         except P2PError as exc:
+            self._swap_ended(partner, round_index)
             if isinstance(exc, RemoteRefused) and exc.reason is Reason.NOT_PAIRED:
                 if self.matching.pair is pair and self.matching.drop_pair(partner):
                     self._pair_dropped(pair, "the partner refused our swap as not paired")
@@ -289,10 +334,10 @@ class NoLoCoExchange:
         return self.offered
 
     def _pair_with(self, peer: str) -> Pair | None:
-        """This round's pair with `peer`, else last round's (formed just before our round ended,
-        it may still be swapping), else None."""
-        return next((p for p in (self.matching.pair, self.previous_pair)
-                     if p is not None and p.partner == peer), None)
+        """Our pair with `peer` whose snapshot is still to come, the oldest first (a swap may
+        outlast its round: the pair of an earlier round may still be swapping), else None."""
+        return next((p for p in self.recent_pairs
+                     if p.partner == peer and (peer, p.round_index) in self.open_pairs), None)
 
     async def _proposal_settled(self, peer: str) -> None:
         """Waits, at most the match message timeout, until our proposal to `peer` is answered."""
@@ -318,11 +363,19 @@ class NoLoCoExchange:
         if pair is not None:
             self._store(sender, pair.round_index, received)
 
+    def _swap_ended(self, partner: str, round_index: int) -> None:
+        """A swap of ours ended, landed or not: how long it took is what the pacer measures."""
+        formed = self.open_pairs.pop((partner, round_index), None)
+        if formed is not None:
+            self.pacer.record_swap(self.loop.time() - formed)
+
     def _store(self, partner: str, round_index: int, received: ReceivedMessage) -> None:
-        if round_index < self.matching.round_index:  # the round ended first: too late to use
+        self._swap_ended(partner, round_index)
+        if round_index < self.matching.round_index - self.max_late:  # too late to use
             self.publish(SwapLate(round=round_index, partner=partner))
             return
-        self.partners[round_index] = PartnerSnapshot(partner, received.round, received)
+        self.partners[round_index] = PartnerSnapshot(partner, received.round, received,
+                                                     pair_round=round_index)
         self.landed.set()
         self.publish(Swapped(round=round_index, partner=partner, partner_round=received.round,
                              bytes=len(received.payload)))

@@ -7,7 +7,9 @@ in-memory link), and gets back at most one partner snapshot:
 - `overlap` (default): the round ends with the local update, and the snapshot a partner swapped
   with us *during* round r (its round r−1, for our S_{r−1}) corrects φ, δ and θ at the first
   step boundary after it lands, as if that pair's update had been taken in time
-  (protocol/noloco.py late_pair_correction); nothing waits on the network;
+  (protocol/noloco.py late_pair_correction); nothing waits on the network. On a slow link the
+  swap may land rounds later (at most protocol.max_swap_rounds: node/rounds/noloco/pacing.py);
+  the correction then uses our snapshot of that pair's round, kept until its swap ends;
 - `blocking`: the link pairs and swaps S_r now, waiting at most `pair_deadline_s`.
 Whatever arrives is checked before use: its layout (a snapshot of the other layout is refused),
 its encoding (a quantized wire_dtype: exact tensors and byte lengths, valid scales and codes),
@@ -47,6 +49,7 @@ class PartnerSnapshot:
     peer: str
     round_index: int
     message: Any  # a received message holding the snapshot (payload.decode_snapshot reads it)
+    pair_round: int | None = None  # overlap: our round the pair formed in (None: blocking)
 
 
 class NoLoCoLink(Protocol):
@@ -56,7 +59,11 @@ class NoLoCoLink(Protocol):
         """Overlap: a partner snapshot is waiting to be taken (cheap, from any thread)."""
 
     def take_partner(self, round_index: int) -> PartnerSnapshot | None:
-        """Overlap: the partner snapshot swapped with us during `round_index`, if any."""
+        """Overlap: a partner snapshot swapped with us during `round_index` or, landing late, up to
+        max_swap_rounds before it (the oldest first), if any; each is taken once."""
+
+    def pending_pair_rounds(self) -> set[int]:
+        """Overlap: the rounds whose pairs may still land a partner snapshot."""
 
     def finish_round(self, round_index: int, snapshot: list, wait_s: float,
                      next_round: int | None = None) -> PartnerSnapshot | None:
@@ -95,6 +102,13 @@ class _Pair:
     refused: list[str]
     shift: float | None = None
 
+    @staticmethod
+    def of_round(pairs: list[_Pair]) -> _Pair:
+        """The round's outcome: the last snapshot applied (if any), with every refusal."""
+        used = [pair for pair in pairs if pair.used]
+        last = used[-1] if used else _Pair(None, [], [])
+        return _Pair(last.partner, last.used, [s for pair in pairs for s in pair.refused], last.shift)
+
 
 class NoLoCoRound:
     def __init__(self, config: ProtocolSection, contributions: ContributionSection,
@@ -109,40 +123,43 @@ class NoLoCoRound:
         self.partner_updates = 0
         self.lock = threading.Lock()  # held while φ changes; late-join exports take it too
         self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
-        self.previous_own: NoLoCoSnapshot | None = None  # overlap: what we offered this round
-        self._corrected: tuple[int, _Pair] | None = None  # overlap: (round, its pair applied)
+        # overlap: what we offered, by the round whose pair swaps it (the next one), kept while
+        # a pair of that round may still land
+        self.offered: dict[int, NoLoCoSnapshot] = {}
+        self._applied: list[_Pair] = []  # overlap: partner snapshots applied in this round
 
     def between_steps(self, round_index: int) -> PairCorrected | None:
         """Overlap: a partner snapshot that landed during the round corrects θ at this step
         boundary rather than at the round's end, so the rest of the round trains from where
         the pair's update puts the node (with a fast swap: exactly where blocking would). φ
         changed, so the event returned carries its new digest for late joiners to verify."""
-        if self.config.timing != "overlap" or not self.link.partner_landed() \
-                or (self._corrected is not None and self._corrected[0] == round_index):
+        if self.config.timing != "overlap" or not self.link.partner_landed():
             return None
         before = self.phi_digest
-        pair = self._overlap_correction(round_index, mid_round=True)
-        self._corrected = (round_index, pair)
-        if not pair.used:
+        pairs = self._overlap_corrections(round_index, mid_round=True)
+        self._applied += pairs
+        used = [pair for pair in pairs if pair.used]
+        if not used:
             return None
         return PairCorrected(round=self.state_round, phi_digest=self.phi_digest,
-                             partner=pair.partner.peer, phi_before=before, shift=pair.shift)
+                             partner=used[-1].partner.peer, phi_before=before, shift=used[-1].shift)
 
     def end_round(self, round_index: int) -> NoLoCoOutcome:
         next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
         if self.config.timing == "overlap":
-            if self._corrected is not None and self._corrected[0] == round_index:
-                pair = self._corrected[1]
-            else:
-                pair = self._overlap_correction(round_index)
+            pairs, self._applied = self._applied + self._overlap_corrections(round_index), []
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
             self.link.finish_round(round_index, self._encoded(own), 0.0, next_round)
             waited = time.monotonic() - waited
+            keep = self.link.pending_pair_rounds()
             with self.lock:
                 phi = self.outer.outer_step(own)  # the local update; the pair's comes next round
                 self.state_round, self.phi_digest = round_index, weights_digest(phi)
-            self.previous_own = own
+            pair_round = round_index + 1 if next_round is None else next_round
+            self.offered = {r: s for r, s in self.offered.items() if r in keep}
+            self.offered[pair_round] = own
+            pair = _Pair.of_round(pairs)
         else:
             own = self.outer.snapshot(self.trainer.named_parameters())
             waited = time.monotonic()
@@ -171,23 +188,28 @@ class NoLoCoRound:
     def _encoded(self, own: NoLoCoSnapshot) -> list:
         return payload.encode_snapshot(own, self.config.wire_dtype, self.config.snapshot)
 
-    def _overlap_correction(self, round_index: int, mid_round: bool = False) -> _Pair:
-        """The pair formed during this round swapped our previous snapshot for the partner's:
-        apply that pair's update now, as a correction of φ, δ and θ (protocol/noloco.py).
-        Mid-round, φ of `state_round` changes: what we serve, and its digest with it (at the
-        round's end the local update follows, and its digest replaces both)."""
-        partner = self.link.take_partner(round_index)
-        if partner is None or self.previous_own is None:
-            return _Pair(partner, [], [])  # nothing swapped, or we restarted since we offered it
-        pair = self._checked(partner, self.previous_own)
-        if pair.used:
-            with self.lock:
-                correction = self.outer.late_pair_correction(self.previous_own, pair.used)
-                if mid_round:
-                    self.phi_digest = weights_digest(self.outer.slow_weights)
-            shift_in_place(self.trainer.named_parameters(), correction)
-            pair.shift = global_norm(correction)
-        return pair
+    def _overlap_corrections(self, round_index: int, mid_round: bool = False) -> list[_Pair]:
+        """Each pair that swapped one of our snapshots for a partner's and landed since the last
+        call: apply that pair's update now, as a correction of φ, δ and θ (protocol/noloco.py),
+        against the snapshot of ours it swapped. Mid-round, φ of `state_round` changes: what we
+        serve, and its digest with it (at the round's end the local update follows, and its
+        digest replaces both)."""
+        pairs = []
+        while (partner := self.link.take_partner(round_index)) is not None:
+            own = self.offered.get(partner.pair_round)
+            if own is None:  # we restarted or adopted a state since we offered it
+                pairs.append(_Pair(partner, [], []))
+                continue
+            pair = self._checked(partner, own)
+            if pair.used:
+                with self.lock:
+                    correction = self.outer.late_pair_correction(own, pair.used)
+                    if mid_round:
+                        self.phi_digest = weights_digest(self.outer.slow_weights)
+                shift_in_place(self.trainer.named_parameters(), correction)
+                pair.shift = global_norm(correction)
+            pairs.append(pair)
+        return pairs
 
     def _checked(self, partner: PartnerSnapshot | None, reference: NoLoCoSnapshot) -> _Pair:
         """The partner's snapshot, used if it passes the contribution checks (else counted)."""
@@ -229,7 +251,7 @@ class NoLoCoRound:
             self.outer.load_state_dict({"slow_weights": groups["phi"],
                                         "outer_momentum": groups["momentum"]})
             self.phi_digest = weights_digest(groups["phi"])
-            self.previous_own = None  # a pair formed on what we offered before cannot correct this
+            self.offered = {}  # a pair formed on what we offered before cannot correct this
         self.trainer.load_parameters(groups["phi"])
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,184 @@
+"""NoLoCo's payload beyond one tuned setting (issue 19): N ∈ {4, 8} × H ∈ {25, 50}.
+
+Every cell runs, on the convergence table's budget (800 inner steps of 3×64 tokens per
+replica, inner lr 1e-3, the tiny model): NoLoCo as it was (φ and Δ in bf16), NoLoCo's new payload
+(θ alone, quantized), DiLoCo at H with outer momentum μ ∈ {0.3, 0.6, 0.9} (its best is the
+reference), and local-only (one run per N: local training does not depend on H). The cell
+N = 8, H = 25 (32 rounds) runs two seeds. Jobs run in parallel processes, each written to
+its own JSON file as it ends, so that an interrupted grid resumes where it stopped.
+
+    .venv/bin/python benchmarks/noloco_grid.py              # the grid, 2 processes
+    .venv/bin/python benchmarks/noloco_grid.py --report     # the table from finished jobs
+
+Writes benchmarks/noloco_grid.json and its block of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from convergence import node_config, parse_args as convergence_args, write_block  # noqa: E402
+from node.data.corpus import load_corpus  # noqa: E402
+from node.simulator import SimulationSettings, run_simulation  # noqa: E402
+from node.simulator.report import human_bytes  # noqa: E402
+
+CELLS = [(8, 25), (8, 50), (4, 25), (4, 50)]
+DILOCO_MOMENTA = (0.3, 0.6, 0.9)
+STEPS = 800
+NEW_PAYLOAD = {"snapshot": "theta", "wire_dtype": "int8"}
+OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
+TWO_SEED_CELL = (8, 25)
+
+
+@dataclass(frozen=True)
+class Job:
+    workers: int
+    inner_steps: int
+    method: str          # "noloco-new", "noloco-old", "diloco-0.3", ..., "local"
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"N{self.workers}-H{self.inner_steps}-{self.method}-s{self.seed}"
+
+    def settings(self) -> SimulationSettings:
+        common = {"workers": self.workers, "seed": self.seed, "inner_steps": self.inner_steps,
+                  "rounds": STEPS // self.inner_steps,
+                  # evaluate every 50 steps in every cell: the same evaluation cost per token
+                  "eval_every": max(1, 50 // self.inner_steps)}
+        if self.method.startswith("noloco"):
+            payload = NEW_PAYLOAD if self.method == "noloco-new" else OLD_PAYLOAD
+            return SimulationSettings("noloco", timing="overlap", **payload, **common)
+        if self.method.startswith("diloco"):
+            return SimulationSettings("diloco", outer_lr=0.7,
+                                      outer_momentum=float(self.method.split("-")[1]), **common)
+        return SimulationSettings("local", **common)
+
+
+def all_jobs() -> list[Job]:
+    jobs = []
+    for seed in (0, 1):
+        for workers, h in CELLS:
+            if seed == 1 and (workers, h) != TWO_SEED_CELL:
+                continue
+            methods = ["noloco-new", "noloco-old", *(f"diloco-{m}" for m in DILOCO_MOMENTA)]
+            jobs += [Job(workers, h, m, seed) for m in methods]
+            if seed == 1 or h == 50:
+                # once per N and seed, keyed H = 50: local-only does not depend on H
+                jobs.append(Job(workers, 50, "local", seed))
+    # the longest first, so that two processes end together
+    return sorted(jobs, key=lambda j: (-j.workers, j.seed))
+
+
+def run_job(job: Job, out_dir: Path) -> str:
+    args = convergence_args([])
+    config = node_config(args)
+    result = run_simulation(job.settings(), config, load_corpus(config.data))
+    data = {"job": job.__dict__, **result.to_dict()}
+    path = out_dir / f"{job.key}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(data) + "\n", encoding="utf-8")
+    path.with_suffix(".tmp").rename(path)
+    return f"{job.key}: {result.final_val_loss:.4f} ({result.final.wall_seconds / 60:.1f} min)"
+
+
+def load_finished(out_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in out_dir.glob("*.json")}
+
+
+def per_round_bytes(run: dict) -> float:
+    last = run["rounds"][-1]
+    return last["bytes_sent_per_replica"] / last["round"]
+
+
+def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
+    """The table of the grid, and its JSON summary."""
+    def loss(workers, h, method, seed=0):
+        run = finished.get(Job(workers, h, method, seed).key)
+        return None if run is None else run["final_val_loss"]
+
+    rows, summary = [], {}
+    for workers, h in CELLS:
+        seeds = (0, 1) if (workers, h) == TWO_SEED_CELL else (0,)
+
+        def mean(method, h_=h):
+            values = [loss(workers, h_, method, s) for s in seeds]
+            return None if None in values else statistics.fmean(values)
+        diloco = {m: mean(f"diloco-{m}") for m in DILOCO_MOMENTA}
+        if None in diloco.values():
+            continue
+        best_mu = min(diloco, key=diloco.get)
+        local = mean("local", 50)
+        new, old = mean("noloco-new"), mean("noloco-old")
+        if None in (local, new, old):
+            continue
+        diloco_run = finished[Job(workers, h, f"diloco-{best_mu}", 0).key]
+        new_run = finished[Job(workers, h, "noloco-new", 0).key]
+        old_run = finished[Job(workers, h, "noloco-old", 0).key]
+        cell = {"workers": workers, "inner_steps": h, "rounds": STEPS // h, "seeds": list(seeds),
+                "diloco_by_momentum": diloco, "diloco_best_momentum": best_mu,
+                "diloco": diloco[best_mu], "local": local, "noloco_new": new, "noloco_old": old,
+                "bytes_per_round": {"diloco_fp32_ring": per_round_bytes(diloco_run),
+                                    "noloco_new": per_round_bytes(new_run),
+                                    "noloco_old": per_round_bytes(old_run)}}
+        summary[f"N{workers}-H{h}"] = cell
+
+        def pct(a, b):
+            return f"{100 * (a / b - 1):+.2f}%"
+        b = cell["bytes_per_round"]
+        rows.append(
+            f"| {workers} | {h} | {STEPS // h} | {len(seeds)} | "
+            + " / ".join(f"{diloco[m]:.4f}" for m in DILOCO_MOMENTA) + f" (μ = {best_mu}) | "
+            f"{old:.4f} | {new:.4f} | {local:.4f} | {pct(new, old)} | {pct(new, diloco[best_mu])} | "
+            f"{pct(old, diloco[best_mu])} | {pct(new, local)} | "
+            f"{human_bytes(b['noloco_new'])} ({b['diloco_fp32_ring'] / b['noloco_new']:.1f}x) |")
+    header = ("| N | H | rounds | seeds | DiLoCo μ = " + " / ".join(map(str, DILOCO_MOMENTA))
+              + " (best) | NoLoCo φ,Δ bf16 | NoLoCo θ int8 | local | θ int8 vs φ,Δ | θ int8 vs DiLoCo"
+              " | φ,Δ vs DiLoCo | θ int8 vs local | θ int8 per round (DiLoCo's / these) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    text = ("### NoLoCo against DiLoCo and local-only: N × H (issue 19)\n\n"
+            f"{STEPS} inner steps of 3×64 tokens per replica in every cell (the convergence table's "
+            "budget), tiny model, inner lr 1e-3; NoLoCo overlap, α = 0.5, β = γ = 0.7; DiLoCo η = 0.7, "
+            "Nesterov, at each μ listed (the best is the reference); final validation loss, the mean "
+            "over replicas (and over seeds where 2). Bytes per node per round: NoLoCo's encoded "
+            "snapshot, DiLoCo's fp32 ring all-reduce.\n\n"
+            + header + "\n" + "\n".join(rows) + "\n\nCommand:\n\n    " + command + "\n")
+    return text, summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--report", action="store_true", help="only the table, from finished jobs")
+    p.add_argument("--jobs-dir", type=Path, default=HERE / "noloco_grid_jobs")
+    p.add_argument("--no-results", action="store_true")
+    args = p.parse_args(argv)
+    args.jobs_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    if not args.report:
+        todo = [j for j in all_jobs() if not (args.jobs_dir / f"{j.key}.json").exists()]
+        print(f"{len(todo)} jobs to run, {args.processes} at a time", flush=True)
+        with ProcessPoolExecutor(args.processes) as pool:
+            futures = [pool.submit(run_job, j, args.jobs_dir) for j in todo]
+            for future in as_completed(futures):
+                print(f"[{(time.perf_counter() - started) / 60:5.1f} min] {future.result()}", flush=True)
+    text, summary = report(load_finished(args.jobs_dir), ".venv/bin/python benchmarks/noloco_grid.py")
+    print(text)
+    (HERE / "noloco_grid.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if not args.no_results:
+        write_block(HERE / "RESULTS.md", "noloco-grid", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -69,9 +69,11 @@ class ShapedSwarm:
     """`n` namespaces on one bridge, each node's access link limited to `rate` both ways."""
 
     def __init__(self, n: int, rate: str = "100mbit", delay_ms: float = 0.0, subnet: str = "10.78.0",
-                 burst: str = "128kb", queue_latency: str = "100ms"):
+                 burst: str = "128kb", queue_latency: str = "100ms", rates: dict[int, str] | None = None):
+        """`rates`: nodes whose access link differs from `rate`, e.g. {3: "1mbit"}."""
         if not 1 <= n <= 200:
             raise ValueError(f"a shaped swarm has 1 to 200 nodes, not {n}")
+        self.rates = [(rates or {}).get(i, rate) for i in range(n)]
         tag = f"{PREFIX}{os.getpid()}"
         self.n, self.rate, self.delay_ms = n, rate, delay_ms
         self.namespaces = [f"{tag}-{i}" for i in range(n)]
@@ -109,9 +111,9 @@ class ShapedSwarm:
         self._created.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
-    def _shape(self, namespace: str, device: str) -> None:
+    def _shape(self, namespace: str, device: str, rate: str) -> None:
         _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
-             "rate", self.rate, "burst", self.burst, "latency", self.queue_latency)
+             "rate", rate, "burst", self.burst, "latency", self.queue_latency)
 
     def _create(self) -> None:
         bridge = self.bridge_namespace
@@ -127,8 +129,8 @@ class ShapedSwarm:
             _run("ip", "-n", namespace, "link", "set", "eth0", "up")
             _run("ip", "-n", bridge, "link", "set", f"port{i}", "master", "br0")
             _run("ip", "-n", bridge, "link", "set", f"port{i}", "up")
-            self._shape(namespace, "eth0")        # the node's upload
-            self._shape(bridge, f"port{i}")       # its download
+            self._shape(namespace, "eth0", self.rates[i])     # the node's upload
+            self._shape(bridge, f"port{i}", self.rates[i])    # its download
 
     def popen(self, i: int | str, argv: list[str], **options) -> subprocess.Popen:
         """Start a process inside node i's namespace (or a namespace by name); it is killed when

@@ -44,6 +44,9 @@ from p2p.wire import Expectations, MessageHeader, Mode, check_head
 logger = logging.getLogger("lowcomm.p2p.streams")
 STREAM_PROTOCOL = "/lowcomm/stream/1"
 RoundPredicate = Callable[[int], bool]
+# the payload bytes a message's header declares, checked before any of it is read: a kind whose
+# size the receiver knows (a NoLoCo snapshot: exactly its own) refuses any other size at once
+SizePredicate = Callable[[int], bool]
 HeadCheck = Callable[[bytes, bytes], MessageHeader]
 
 
@@ -53,6 +56,15 @@ class _Handler:
     accept_round: RoundPredicate
     deliver: Callable[[ReceivedMessage], Awaitable[None]] | None
     reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]] | None
+    accept_bytes: SizePredicate | None = None
+
+
+def _check_size(header: MessageHeader, accept_bytes: SizePredicate | None) -> None:
+    """Refuses, before any payload is read, a message whose declared size its kind rules out."""
+    if accept_bytes is not None and not accept_bytes(header.total):
+        raise Refusal(Reason.TOO_LARGE, f"a {header.kind!r} message declaring {header.total} payload "
+                                        "bytes is not the size this swarm's manifest gives it; send "
+                                        "what the manifest says")
 
 
 def _peer_id(peer: PeerID | str | bytes) -> PeerID:
@@ -98,16 +110,18 @@ class Transport:
     # ------------------------------------------------------------------ registration and life
 
     def on_push(self, kind: str, deliver: Callable[[ReceivedMessage], Awaitable[None]], *,
-                accept_round: RoundPredicate) -> None:
-        """Accept one-way messages of `kind`; `deliver` may raise Refusal to refuse one."""
-        self._handlers[(kind, Mode.PUSH)] = _Handler(Mode.PUSH, accept_round, deliver, None)
+                accept_round: RoundPredicate, accept_bytes: SizePredicate | None = None) -> None:
+        """Accept one-way messages of `kind`; `deliver` may raise Refusal to refuse one.
+        `accept_bytes(declared payload bytes)` false: refused TOO_LARGE before reading."""
+        self._handlers[(kind, Mode.PUSH)] = _Handler(Mode.PUSH, accept_round, deliver, None, accept_bytes)
 
     def on_swap(self, kind: str, reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]], *,
                 accept_round: RoundPredicate,
-                deliver: Callable[[ReceivedMessage], Awaitable[None]] | None = None) -> None:
+                deliver: Callable[[ReceivedMessage], Awaitable[None]] | None = None,
+                accept_bytes: SizePredicate | None = None) -> None:
         """Answer swaps of `kind`: `reply(header)` gives our half as soon as the peer's header is
         checked (both halves then travel at once); `deliver(message)` gets the peer's half."""
-        self._handlers[(kind, Mode.SWAP)] = _Handler(Mode.SWAP, accept_round, deliver, reply)
+        self._handlers[(kind, Mode.SWAP)] = _Handler(Mode.SWAP, accept_round, deliver, reply, accept_bytes)
 
     def on_request(self, kind: str, respond: Callable[[MessageHeader], Awaitable[OutgoingMessage]], *,
                    accept_round: RoundPredicate) -> None:
@@ -155,14 +169,16 @@ class Transport:
 
     async def swap(self, peer: PeerID | str, message: OutgoingMessage, *, streams: int | None = None,
                    timeout: float | None = None, accept_round: RoundPredicate | None = None,
-                   expected_reply_bytes: int = 0) -> ReceivedMessage:
+                   expected_reply_bytes: int = 0, accept_bytes: SizePredicate | None = None
+                   ) -> ReceivedMessage:
         """Send `message` and receive the peer's reply at the same time, on the same streams.
 
         Raises RemoteRefused, ReplyRejected (the reply failed our checks), TransferTimeout or
-        TransferFailed. `expected_reply_bytes` only sizes the default streams and deadline.
+        TransferFailed. `expected_reply_bytes` only sizes the default streams and deadline;
+        `accept_bytes` false for the reply's declared size rejects it before reading it.
         """
         return await self._call(_peer_id(peer), message, Mode.SWAP, streams, timeout, accept_round,
-                                expected_reply_bytes)
+                                expected_reply_bytes, accept_bytes=accept_bytes)
 
     async def request(self, peer: PeerID | str, kind: str, round: int, *, meta: dict | None = None,
                       streams: int | None = None, timeout: float | None = None,
@@ -177,7 +193,8 @@ class Transport:
                                expected_reply_bytes=expected_reply_bytes)
 
     async def _call(self, peer: PeerID, message: OutgoingMessage, mode: int, streams: int | None,
-                    timeout: float | None, accept_round: RoundPredicate | None, expected_reply_bytes: int):
+                    timeout: float | None, accept_round: RoundPredicate | None, expected_reply_bytes: int,
+                    *, accept_bytes: SizePredicate | None = None):
         largest = max(message.total_bytes, expected_reply_bytes)
         streams = streams or choose_streams(largest, self.limits, self.wire_limits)
         plan = SendPlan(self.identity, swarm=self.swarm, manifest=self.manifest, recipient=peer.to_bytes(),
@@ -191,7 +208,8 @@ class Transport:
                 if mode == Mode.PUSH:
                     work = [self._push_stream(peer, io, plan, s) for s, io in enumerate(ios)]
                 else:
-                    work = [self._swap_stream(peer, io, plan, s, reply, accept_round) for s, io in enumerate(ios)]
+                    work = [self._swap_stream(peer, io, plan, s, reply, accept_round, accept_bytes)
+                            for s, io in enumerate(ios)]
                 await _all_or_first_error(work)
         except TimeoutError:
             raise TransferTimeout(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} did not complete "
@@ -265,11 +283,12 @@ class Transport:
             await asyncio.wait({writer, status})
 
     async def _swap_stream(self, peer: PeerID, io: StreamIO, plan: SendPlan, stream: int, reply: "_ReplyState",
-                           accept_round: RoundPredicate | None) -> None:
+                           accept_round: RoundPredicate | None, accept_bytes: SizePredicate | None) -> None:
         stop = asyncio.Event()
         writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor, stop))
         peer_bytes = peer.to_bytes()
-        check = lambda raw, sig: self._check_reply_head(raw, sig, peer_bytes, plan, accept_round)  # noqa: E731
+        check = lambda raw, sig: self._check_reply_head(  # noqa: E731
+            raw, sig, peer_bytes, plan, accept_round, accept_bytes)
         try:
             try:
                 raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
@@ -306,7 +325,8 @@ class Transport:
         raise RemoteRefused(peer.to_base58(), plan.kind, reason, detail)
 
     def _check_reply_head(self, raw: bytes, signature: bytes, peer: bytes, plan: SendPlan,
-                          accept_round: RoundPredicate | None) -> MessageHeader:
+                          accept_round: RoundPredicate | None,
+                          accept_bytes: SizePredicate | None = None) -> MessageHeader:
         header = check_head(raw, signature, peer, self._expect, time.time())
         if header.mode != Mode.REPLY or header.reply_to != plan.nonce:
             raise Refusal(Reason.MALFORMED, "the reply does not answer our message")
@@ -314,6 +334,7 @@ class Transport:
             raise Refusal(Reason.MALFORMED, "the reply's kind or stream count differs from our message's")
         if accept_round is not None and not accept_round(header.round):
             raise Refusal(Reason.STALE_ROUND, f"reply round {header.round} is not acceptable")
+        _check_size(header, accept_bytes)
         self._remember(header)
         return header
 
@@ -401,6 +422,7 @@ class Transport:
                                               f"messages of kind {header.kind!r}")
         if not handler.accept_round(header.round):
             raise Refusal(Reason.STALE_ROUND, f"round {header.round} is not acceptable here")
+        _check_size(header, handler.accept_bytes)
         self._remember(header)
         return header, handler
 

@@ -191,3 +191,32 @@ def test_simultaneous_swaps_both_ways_and_a_rejected_reply(tmp_path, p2p_cleanup
 
 async def _told(transport: Transport, reason: str) -> bool:
     return transport.counters.refused_outgoing[reason] > 0
+
+
+def test_a_declared_size_the_kind_rules_out_is_refused_before_its_payload_is_read(tmp_path, p2p_cleanup):
+    """A NoLoCo snapshot has exactly the receiver's own snapshot's bytes: a header declaring
+    another size is refused (TOO_LARGE, a strike) on either side of a swap before any payload."""
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            ta, tb = transports(a, b)
+
+            async def reply(header):
+                return OutgoingMessage.from_arrays("snapshot", 4, {"x": np.ones(MB, np.float32)})
+            tb.on_swap("snapshot", reply, accept_round=lambda r: True, accept_bytes=lambda n: n == 4 * MB)
+            await ta.start()
+            await tb.start()
+            lying = OutgoingMessage.from_arrays("snapshot", 4, {"x": np.zeros(2 * MB, np.float32)})
+            with pytest.raises(RemoteRefused) as refused:
+                await ta.swap(b.peer_id, lying)
+            assert refused.value.reason == Reason.TOO_LARGE and "declaring 8000000 payload bytes" in str(refused.value)
+            assert tb.counters.refused_incoming["TOO_LARGE"] == 1
+            honest = OutgoingMessage.from_arrays("snapshot", 4, {"x": np.zeros(MB, np.float32)})
+            assert (await ta.swap(b.peer_id, honest, accept_bytes=lambda n: n == 4 * MB)).arrays()["x"][0] == 1.0
+            with pytest.raises(ReplyRejected) as rejected:  # the reply's size is ruled out this time
+                await ta.swap(b.peer_id, honest, accept_bytes=lambda n: n == 2 * MB)
+            assert rejected.value.reason == Reason.TOO_LARGE
+            await wait_until(lambda: settled(ta), 5.0, what="a released the rejected reply")
+            await wait_until(lambda: settled(tb), 5.0, what="b released its buffers")
+            await ta.stop()
+            await tb.stop()
+    run(scenario(), timeout_s=60)

@@ -90,7 +90,7 @@ class NoLoCoExchange:
         accept_any = lambda _round: True  # the matching checks rounds itself (staleness)
         self.transport.on_push(MATCH, self._on_match, accept_round=accept_any)
         self.transport.on_swap(SNAPSHOT, self._snapshot_reply, accept_round=accept_any,
-                               deliver=self._snapshot_delivered)
+                               deliver=self._snapshot_delivered, accept_bytes=self._snapshot_size)
         self._task = self.swarm.tasks.spawn(self._matchmaker(), "noloco matchmaker")
 
     async def stop(self) -> None:
@@ -306,7 +306,8 @@ class NoLoCoExchange:
         offered, partner, round_index = self.offered, pair.partner, pair.round_index
         try:
             received = await self.transport.swap(partner, offered, timeout=self.swap_timeout_s,
-                                                 expected_reply_bytes=offered.total_bytes)
+                                                 expected_reply_bytes=offered.total_bytes,
+                                                 accept_bytes=self._snapshot_size)
         except P2PError as exc:
             self._swap_ended(partner, round_index)
             if isinstance(exc, RemoteRefused) and exc.reason is Reason.NOT_PAIRED:
@@ -332,6 +333,11 @@ class NoLoCoExchange:
         if self._pair_with(sender) is None or self.offered is None:
             raise Refusal(Reason.NOT_PAIRED, "not paired with you this round")
         return self.offered
+
+    def _snapshot_size(self, declared: int) -> bool:
+        """A partner's snapshot has exactly our own's bytes: same manifest (snapshot layout, wire
+        dtype), same model. Any other declared size is refused before a byte of it is read."""
+        return self.offered is None or declared == self.offered.total_bytes  # None: NOT_PAIRED
 
     def _pair_with(self, peer: str) -> Pair | None:
         """Our pair with `peer` whose snapshot is still to come, the oldest first (a swap may

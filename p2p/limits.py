@@ -52,7 +52,9 @@ class TransferLimits:
     max_inflight_bytes: int = 16 * GiB       # incoming payload bytes held for all peers together
     open_timeout_s: float = 10.0             # opening a stream to a peer
     idle_timeout_s: float = 30.0             # no byte moved on a stream for this long: give up
-    min_rate_bytes_per_s: float = 256 * KiB  # deadline = base + size / min_rate (a slow but live link)
+    # deadline = base + size / min_rate: a slow but live link, 1 Mbit/s (a home uplink; a NoLoCo
+    # node on it paces its pairing, node/rounds/noloco/pacing.py)
+    min_rate_bytes_per_s: float = 128 * KiB
     base_timeout_s: float = 30.0
     reply_timeout_s: float = 30.0            # a handler's reply(header) and deliver(message) must return in time
 

@@ -59,8 +59,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rank", type=int, default=2, help="DiLoCoX low-rank rank (default 2: the "
                    "largest whose 8-bit messages to 7 peers cost 50x less than DiLoCo's ring)")
     p.add_argument("--bits", type=int, default=8, choices=(4, 8), help="DiLoCoX bits (default 8)")
-    p.add_argument("--wire-dtype", default="bf16", choices=WIRE_DTYPE_CHOICES,
-                   help="how NoLoCo snapshots travel (default bf16; int8, int4: quantized)")
+    p.add_argument("--wire-dtype", default="int8", choices=WIRE_DTYPE_CHOICES,
+                   help="how NoLoCo snapshots travel (default int8, the manifest's; int4; bf16, fp16, fp32)")
     p.add_argument("--snapshot", choices=("theta", "phi_delta"), default="theta",
                    help="what a NoLoCo snapshot sends: θ alone (default; exact as β = γ) or φ and Δ")
     p.add_argument("--methods", help="comma-separated subset of the method keys, for pilots")

@@ -52,10 +52,13 @@ class ProtocolSection:
                                 "swaps take longer than a round pairs once every few rounds, at "
                                 "most this many, and a snapshot landing later is dropped",
                                 min=1, max=64)
-    # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py)
-    wire_dtype: str = spec("bf16", "how NoLoCo snapshots travel: bf16, fp16 or fp32 (2, 2 or 4 "
-                           "bytes a parameter), or int8 or int4, quantized in blocks of 64 with "
-                           "one fp32 scale each (1.0625 or 0.5625 bytes a parameter, lossy)",
+    # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py).
+    # int8 is the default: θ in int8 ended within 0.3% of φ and Δ in bf16 at 16 and 32 rounds, 2
+    # seeds (benchmarks/RESULTS.md, issue 19), at 1.9x fewer bytes than θ in bf16; a θ is a whole
+    # state, not a delta, so its rounding does not accumulate from round to round
+    wire_dtype: str = spec("int8", "how NoLoCo snapshots travel: int8 (default) or int4, "
+                           "quantized in blocks of 64 with one fp32 scale each (1.0625 or 0.5625 "
+                           "bytes a parameter, lossy), or bf16, fp16 or fp32 (2, 2 or 4)",
                            choices=WIRE_DTYPE_CHOICES)
     # θ alone is exact only when β = γ (protocol/noloco.py theta_only_snapshot); half the bytes
     snapshot: str = spec("theta", "what a NoLoCo snapshot sends: theta, the fast weights alone "

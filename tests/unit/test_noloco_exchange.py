@@ -90,7 +90,7 @@ class RefusingTransport:
     def __init__(self):
         self.pushed: list = []
 
-    async def swap(self, peer, message, timeout, expected_reply_bytes):
+    async def swap(self, peer, message, timeout, expected_reply_bytes, accept_bytes=None):
         raise RemoteRefused(peer, "noloco.snapshot", Reason.NOT_PAIRED, "not paired with you")
 
     async def push(self, peer, message, timeout):

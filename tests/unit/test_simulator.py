@@ -161,7 +161,8 @@ def test_dilocox_messages_slower_than_a_round_are_late(config, corpus):
 
 # ---------------------------------------------------------------------------- NoLoCo
 def test_noloco_pairs_vary_losses_fall_and_snapshot_bytes_are_exact(config, corpus):
-    simulation, result = simulate(config, corpus, "noloco", rounds=6, timing="blocking")
+    simulation, result = simulate(config, corpus, "noloco", rounds=6, timing="blocking",
+                                  wire_dtype="bf16")
     pairings = {tuple(map(tuple, r.pairs)) for r in result.records}
     assert len(pairings) >= 2                                  # partners vary over rounds
     assert all(len(r.pairs) == 2 for r in result.records)      # 4 replicas: 2 pairs a round

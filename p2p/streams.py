@@ -142,13 +142,17 @@ class Transport:
         await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
         self._started = True
 
-    async def stop(self) -> None:
+    async def stop(self, grace_s: float = 0.0) -> None:
         """Stop serving: cancel in-flight exchanges and free every buffer. A stopped transport
-        cannot be started again (its hashing threads are released)."""
+        cannot be started again (its hashing threads are released). `grace_s`: first wait up to
+        this long for exchanges in flight to end (a leaving node's reply to the swap that ended
+        its last round is still on its way: cut, the partner's round fails)."""
         if self._started:
             self._started = False
             with suppress(Exception):  # the daemon may already be gone
                 await self.p2p.remove_binary_stream_handler(self.protocol)
+        if grace_s > 0 and self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=grace_s)
         for assembly in list(self._assemblies.values()):
             assembly.fail(Refusal(Reason.BUSY, "the node is shutting down"))
         for task in list(self._tasks):

@@ -25,7 +25,7 @@ async def leave(node: Daemon) -> None:
     steps = [network.exchange.stop() if network.exchange else None,
              network.cache.stop(step_s) if network.cache else None,
              network.membership.leave() if network.membership else None,
-             network.transport.stop() if network.transport else None,
+             network.transport.stop(grace_s=step_s / 2) if network.transport else None,
              network.host.shutdown() if network.host else None]
     for step in steps:
         if step is not None:

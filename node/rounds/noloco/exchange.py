@@ -341,9 +341,12 @@ class NoLoCoExchange:
 
     def _pair_with(self, peer: str) -> Pair | None:
         """Our pair with `peer` whose snapshot is still to come, the oldest first (a swap may
-        outlast its round: the pair of an earlier round may still be swapping), else None."""
-        return next((p for p in self.recent_pairs
-                     if p.partner == peer and (peer, p.round_index) in self.open_pairs), None)
+        outlast its round: the pair of an earlier round may still be swapping), else our latest
+        pair with it (its snapshot may be delivered before our reply to the same swap is asked
+        for), else None."""
+        pairs = [p for p in self.recent_pairs if p.partner == peer]
+        return next((p for p in pairs if (peer, p.round_index) in self.open_pairs),
+                    pairs[-1] if pairs else None)
 
     async def _proposal_settled(self, peer: str) -> None:
         """Waits, at most the match message timeout, until our proposal to `peer` is answered."""
@@ -362,11 +365,12 @@ class NoLoCoExchange:
                 settled.set_result(None)
 
     async def _snapshot_delivered(self, received: ReceivedMessage) -> None:
-        """The initiator's snapshot, for this round's pair or for last round's (a pair formed
-        just before our round ended: then it is late, and counted so, not dropped unseen)."""
+        """The initiator's snapshot, for our oldest pair with it still waiting for one (formed in
+        an earlier round, it may land late: applied up to max_late rounds after, else counted
+        late, never dropped unseen). A second snapshot for a pair that has one is ignored."""
         sender = peer_name(received.sender)
         pair = self._pair_with(sender)
-        if pair is not None:
+        if pair is not None and (sender, pair.round_index) in self.open_pairs:
             self._store(sender, pair.round_index, received)
 
     def _swap_ended(self, partner: str, round_index: int) -> None:

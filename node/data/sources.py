@@ -1,0 +1,155 @@
+"""The documents `prepare-data` reads: text files, directories of them, JSON lines, or the
+embedded corpus (this interpreter's standard library), in one fixed order.
+
+A document is one text file, or one JSON line's named field. Each has a key (its path relative
+to the input, plus ":<line>" for a JSON line) that decides its split by hash (the same rule as
+node/data/corpus.py): the split is fixed, and does not shift when documents are added elsewhere.
+
+`check_sources` reads everything once before any work starts, so that a bad file is reported
+(in one sentence naming it and the fix) before an hour of tokenization, and digests the content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from node.data.corpus import DataError, is_validation, stdlib_dir, text_files
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    """What to read: files or directories, JSON lines or plain text, or the embedded corpus."""
+    inputs: tuple[Path, ...] = ()
+    json_field: str | None = None  # set: every input file is JSON lines, this field the text
+    stdlib: bool = False           # the embedded corpus instead of inputs (non-UTF-8 files skipped)
+
+
+@dataclass(frozen=True)
+class Document:
+    key: str
+    text: str
+    size: int  # bytes read for it (the progress bar's unit)
+
+
+@dataclass
+class SourceSummary:
+    files: int
+    documents: dict[str, int]  # per split
+    bytes: int
+    digest: str   # BLAKE2b-256 of every (key, text): what the shards were made from
+    skipped: int  # embedded corpus only: files that are not UTF-8
+
+
+def _input_files(spec: SourceSpec) -> list[tuple[Path, str]]:
+    """(file, key prefix) in reading order; an input that holds nothing is refused."""
+    if spec.stdlib:
+        root = stdlib_dir()
+        return [(p, p.relative_to(root).as_posix()) for p in text_files(root, (".py",))]
+    if not spec.inputs:
+        raise DataError("no input was given: name text files, directories or JSON lines files "
+                        "with --input, or use --stdlib for the embedded corpus")
+    found = []
+    for given in spec.inputs:
+        if given.is_dir():
+            files = text_files(given, None)
+            if not files:
+                raise DataError(f"input directory '{given}' holds no files: point --input at a "
+                                f"directory of text files (or at the files themselves)")
+            found.extend((p, f"{given.name}/{p.relative_to(given).as_posix()}") for p in files)
+        elif given.is_file():
+            found.append((given, given.name))
+        else:
+            raise DataError(f"input '{given}' does not exist: check the path given to --input")
+    return found
+
+
+def _decode(raw: bytes, path: Path) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"input file '{path}' is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
+                        f"offset {exc.start}): convert it to UTF-8 (for example iconv -f latin1 "
+                        f"-t utf-8) or remove it from the input") from None
+
+
+def _json_documents(text: str, path: Path, key: str, field: str) -> Iterator[Document]:
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}): fix or "
+                            f"remove that line") from None
+        if not isinstance(record, dict) or field not in record:
+            fields = ", ".join(sorted(record)) if isinstance(record, dict) else "none"
+            raise DataError(f"'{path}' line {number} has no field '{field}' (its fields: "
+                            f"{fields}): name the text's field with --json-field")
+        value = record[field]
+        if not isinstance(value, str):
+            raise DataError(f"'{path}' line {number}: field '{field}' is "
+                            f"{type(value).__name__}, not text: name a text field with "
+                            f"--json-field")
+        yield Document(f"{key}:{number}", value, len(line.encode()) + 1)
+
+
+def iter_documents(spec: SourceSpec, on_file: Callable[[int], None] | None = None
+                   ) -> Iterator[Document]:
+    """Every document in reading order. `on_file(bytes)` is told of each skipped file."""
+    for path, key in _input_files(spec):
+        raw = path.read_bytes()
+        if spec.stdlib:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:  # a few test fixtures of the stdlib are in other codecs
+                if on_file:
+                    on_file(len(raw))
+                continue
+        else:
+            text = _decode(raw, path)
+        if spec.json_field is not None:
+            yield from _json_documents(text, path, key, spec.json_field)
+        else:
+            yield Document(key, text, len(raw))
+
+
+def total_bytes(spec: SourceSpec) -> int:
+    return sum(path.stat().st_size for path, _ in _input_files(spec))
+
+
+def split_of(doc: Document, val_fraction: float) -> str:
+    return "val" if is_validation(doc.key, val_fraction) else "train"
+
+
+def check_sources(spec: SourceSpec, val_fraction: float,
+                  advance: Callable[[int], None] = lambda n: None) -> SourceSummary:
+    """Reads every document once: refuses a bad one, or an empty split, in one sentence, and
+    digests them all."""
+    digest = hashlib.blake2b(digest_size=32)
+    skipped = [0]
+
+    def skip(size: int) -> None:
+        skipped[0] += 1
+        advance(size)
+
+    documents, size = {"train": 0, "val": 0}, 0
+    for doc in iter_documents(spec, on_file=skip):
+        data = doc.text.encode()
+        digest.update(doc.key.encode() + b"\0" + len(data).to_bytes(8, "big") + data)
+        documents[split_of(doc, val_fraction)] += 1
+        size += doc.size
+        advance(doc.size)
+    if not any(documents.values()):
+        raise DataError("the inputs hold no documents (every JSON line is blank): give --input "
+                        "files with text in them")
+    for split, count in documents.items():
+        if count == 0:
+            raise DataError(f"the {sum(documents.values())} input documents gave an empty "
+                            f"{'validation' if split == 'val' else 'training'} split at "
+                            f"--val-fraction {val_fraction}: add documents (files or JSON "
+                            f"lines), or change --val-fraction")
+    return SourceSummary(len(_input_files(spec)), documents, size, digest.hexdigest(), skipped[0])

@@ -25,8 +25,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from node.data.corpus import DataError
-from node.data.shards import (INDEX_FORMAT, SPLITS, TOKENIZER_FILE, read_index, shard_name,
-                              shards_digest, write_atomically, write_index)
+from node.data.shards import (INDEX_FORMAT, SPLITS, TOKENIZER_FILE, read_index, recorded_digest,
+                              shard_name, write_atomically, write_index)
 from node.data.sources import SourceSpec, check_sources, iter_documents, split_of, total_bytes
 from node.data.tokenizer import (UINT16_VOCAB, end_of_text_id, file_digest, load_tokenizer,
                                  shard_dtype, train_bpe)
@@ -239,9 +239,7 @@ def prepare(s: PrepareSettings, progress: ProgressSink | None = None) -> dict[st
     write_index(s.out, index)
     _tokenize(s, index, tokenizer, progress)
     index["complete"] = True
-    index["shards_digest"] = shards_digest(dtype, {split: [e["digest"] for e in
-                                                           index["splits"][split]["shards"]]
-                                                   for split in SPLITS})
+    index["shards_digest"] = recorded_digest(index)
     write_index(s.out, index)
     return index
 

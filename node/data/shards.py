@@ -114,11 +114,14 @@ def _open_shards(root: Path, split: str, entries: list[dict], dtype: str, vocab_
     return arrays[0] if len(arrays) == 1 else ShardedTokens(arrays)
 
 
+def recorded_digest(index: dict[str, Any]) -> str:
+    """The shards' digest from the index (each file is checked against its own when opened)."""
+    return shards_digest(index["dtype"], {s: [e["digest"] for e in index["splits"][s]["shards"]]
+                                          for s in SPLITS})
+
+
 def load_prepared(root: Path, cfg: DataConfig, index: dict[str, Any]) -> Corpus:
-    """A prepare-data directory as a Corpus; its digest is the shards' digest."""
-    if not index.get("complete"):
-        raise DataError(f"the preparation in '{root}' is not finished: run lowcomm-node "
-                        f"prepare-data again with the same arguments to complete it")
+    """A finished prepare-data directory as a Corpus; its digest is the shards' digest."""
     dtype, vocab = index["dtype"], index["tokenizer"]["vocab_size"]
     if cfg.token_dtype != dtype:
         raise DataError(f"data.token_dtype = '{cfg.token_dtype}' but the shards in '{root}' are "
@@ -128,44 +131,51 @@ def load_prepared(root: Path, cfg: DataConfig, index: dict[str, Any]) -> Corpus:
                         f"made with a vocabulary of {vocab}: set data.vocab_size = {vocab}")
     splits = {s: _open_shards(root, s, index["splits"][s]["shards"], dtype, vocab)
               for s in SPLITS}
-    digest = shards_digest(dtype, {s: [e["digest"] for e in index["splits"][s]["shards"]]
-                                   for s in SPLITS})
-    return Corpus(splits["train"], splits["val"], vocab, digest, f"prepared shards in {root}")
+    return Corpus(splits["train"], splits["val"], vocab, recorded_digest(index),
+                  f"prepared shards in {root}")
 
 
-def check_pins(cfg: DataConfig, root: Path, corpus_shards_digest: str) -> None:
-    """The manifest's data.tokenizer_digest and data.shards_digest against what is on disk."""
-    if cfg.tokenizer_digest:
-        path = root / TOKENIZER_FILE
-        if not path.is_file():
-            raise DataError(f"the manifest pins data.tokenizer_digest = "
-                            f"{cfg.tokenizer_digest[:16]}... but '{root}' has no "
-                            f"{TOKENIZER_FILE}: prepare the data with the swarm's tokenizer "
-                            f"(lowcomm-node prepare-data --tokenizer THE_SWARMS.json)")
-        found = file_digest(path)
-        if found != cfg.tokenizer_digest:
-            raise DataError(f"the tokenizer '{path}' (digest {found[:16]}...) is not the one "
-                            f"the manifest pins (data.tokenizer_digest = "
-                            f"{cfg.tokenizer_digest[:16]}...): prepare the data again with "
-                            f"the swarm's tokenizer.json (prepare-data --tokenizer)")
-    if cfg.shards_digest and corpus_shards_digest != cfg.shards_digest:
-        raise DataError(f"the token shards in '{root}' (digest {corpus_shards_digest[:16]}...) "
-                        f"are not the ones the manifest pins (data.shards_digest = "
-                        f"{cfg.shards_digest[:16]}...): prepare them with the swarm's recipe "
-                        f"and tokenizer, or copy the swarm's shards")
+def check_tokenizer_pin(cfg: DataConfig, root: Path) -> None:
+    """The manifest's data.tokenizer_digest against data.path/tokenizer.json."""
+    if not cfg.tokenizer_digest:
+        return
+    path = root / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataError(f"the manifest pins data.tokenizer_digest = {cfg.tokenizer_digest[:16]}"
+                        f"... but '{root}' has no {TOKENIZER_FILE}: prepare the data with the "
+                        f"swarm's tokenizer (lowcomm-node prepare-data --tokenizer THE_SWARMS.json)")
+    found = file_digest(path)
+    if found != cfg.tokenizer_digest:
+        raise DataError(f"the tokenizer '{path}' (digest {found[:16]}...) is not the one the "
+                        f"manifest pins (data.tokenizer_digest = {cfg.tokenizer_digest[:16]}...): "
+                        f"prepare the data again with the swarm's tokenizer.json "
+                        f"(prepare-data --tokenizer)")
+
+
+def check_shards_pin(cfg: DataConfig, root: Path, found: str) -> None:
+    """The manifest's data.shards_digest against the shards in data.path."""
+    if cfg.shards_digest and found != cfg.shards_digest:
+        raise DataError(f"the token shards in '{root}' (digest {found[:16]}...) are not the ones "
+                        f"the manifest pins (data.shards_digest = {cfg.shards_digest[:16]}...): "
+                        f"prepare them with the swarm's recipe and tokenizer, or copy the "
+                        f"swarm's shards")
 
 
 def load_token_dir(root: Path, cfg: DataConfig) -> Corpus:
-    """data.source = "tokens": a prepare-data directory, or nanoGPT's train.bin and val.bin;
-    either way checked against the manifest's pins."""
+    """data.source = "tokens": a prepare-data directory, or nanoGPT's train.bin and val.bin.
+    The manifest's pins are checked first, so that a node with another tokenizer or other
+    shards hears which of the two differs (rather than a vocabulary or dtype that follows)."""
+    check_tokenizer_pin(cfg, root)
     index = read_index(root)
     if index is not None:
-        corpus = load_prepared(root, cfg, index)
-        check_pins(cfg, root, corpus.digest)
-        return corpus
+        if not index.get("complete"):
+            raise DataError(f"the preparation in '{root}' is not finished: run lowcomm-node "
+                            f"prepare-data again with the same arguments to complete it")
+        check_shards_pin(cfg, root, recorded_digest(index))
+        return load_prepared(root, cfg, index)
     corpus = load_token_files(root, cfg.token_dtype, cfg.vocab_size)
-    digests = {s: [file_digest(root / f"{s}.bin")] for s in SPLITS}
-    check_pins(cfg, root, shards_digest(cfg.token_dtype, digests))
+    check_shards_pin(cfg, root, shards_digest(cfg.token_dtype, {
+        s: [file_digest(root / f"{s}.bin")] for s in SPLITS}))
     return corpus
 
 

@@ -19,7 +19,7 @@ from node.data.tokenizer import byte_tokenizer  # noqa: E402
 from node.ops.export import export_model  # noqa: E402
 from node.ops.generate import SamplingSettings, perplexity, sample  # noqa: E402
 from node.ops.model_source import ModelSource, load_model_source  # noqa: E402
-from node.train.checkpoint import CheckpointStore  # noqa: E402
+from node.train.checkpoint import CheckpointStore, decode  # noqa: E402
 from node.train.standalone import checkpoint_state  # noqa: E402
 from node.train.trainer import InnerTrainer  # noqa: E402
 
@@ -105,28 +105,36 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary(tmp_path):
     assert result.tokens == 999 and math.isclose(result.perplexity, 256, rel_tol=1e-5)
 
 
-def swarm_checkpoint(tmp_path):
-    """A NoLoCo node's checkpoint layout (node/daemon/daemon.py): θ in the trainer, φ in the
-    policy, the manifest named only by digest."""
+def swarm_checkpoint(tmp_path, protocol: str = "noloco"):
+    """A swarm node's checkpoint as node/daemon/daemon.py writes it: θ in the trainer, the
+    protocol's own state_dict (φ inside) as the policy's, the manifest named only by digest."""
+    from protocol.codecs.cast import IdentityCodec
+    from protocol.dilocox import DiLoCoX
+    from protocol.noloco import NoLoCo
     m = Manifest()
     cfg = tiny_config(False)
-    m.model, m.data = cfg.model, cfg.data
+    m.model, m.data, m.protocol.name = cfg.model, cfg.data, protocol
     theta = {n: torch.randn(p.shape) for n, p in
              InnerTrainer(cfg.model, cfg.train, Corpus(np.zeros(5000, np.uint8),
                           np.zeros(500, np.uint8), 256, "z", "zeros"), 32, 1,
                           torch.device("cpu")).model.named_parameters()}
     phi = {n: t + 1 for n, t in theta.items()}
+    policy = ({"noloco": NoLoCo(phi).state_dict()} if protocol == "noloco"
+              else {"dilocox": DiLoCoX(phi, IdentityCodec(), "me").state_dict()})
     state = {"format": 1, "manifest": m.digest, "corpus_digest": "z",
-             "trainer": {"model": theta}, "policy": {"noloco": {"slow_weights": phi}}}
+             "trainer": {"model": theta}, "policy": policy}
     return CheckpointStore(tmp_path / "node" / "checkpoints").save(state, 50), m, theta, phi
 
 
-def test_a_swarm_checkpoint_exports_phi_by_default_and_theta_on_request(tmp_path):
-    path, manifest, theta, phi = swarm_checkpoint(tmp_path)
+@pytest.mark.parametrize("protocol", ["noloco", "dilocox"])
+def test_a_swarm_checkpoint_exports_phi_by_default_and_theta_on_request(tmp_path, protocol):
+    path, manifest, theta, phi = swarm_checkpoint(tmp_path, protocol)
     outer = load_model_source(ModelSource(data_dir=tmp_path / "node", manifest=manifest))
     fast = load_model_source(ModelSource(checkpoint=path, manifest=manifest, weights="theta"))
-    assert torch.equal(outer.weights["embed.weight"], phi["embed.weight"])
-    assert torch.equal(fast.weights["embed.weight"], theta["embed.weight"])
+    for name in phi:
+        assert torch.equal(outer.weights[name], phi[name]), name
+        assert torch.equal(fast.weights[name], theta[name]), name
+    assert f"({protocol}, φ)" in outer.description
 
 
 def test_a_swarm_checkpoint_needs_its_own_manifest(tmp_path):
@@ -152,6 +160,20 @@ def test_export_refuses_a_non_empty_directory_and_a_tokenizer_that_does_not_fit(
     tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token=chr(0x4E00))).save(str(big))
     loaded = load_model_source(ModelSource(checkpoint=path, tokenizer=big))
     with pytest.raises(DataError, match="has 300 tokens, more than the model's 256"):
+        export_model(loaded, tmp_path / "out")
+
+
+def test_export_refuses_a_tokenizer_other_than_the_manifests(tmp_path):
+    path, manifest, _, _ = swarm_checkpoint(tmp_path)
+    tokenizer = tmp_path / "tokenizer.json"
+    byte_tokenizer().save(str(tokenizer))
+    manifest.data.source, manifest.data.path = "tokens", str(tmp_path)
+    manifest.data.vocab_size, manifest.data.tokenizer_digest = 256, "ab" * 32
+    path = CheckpointStore(tmp_path / "node" / "checkpoints").save(
+        {**decode(path.read_bytes(), path.name), "manifest": manifest.digest}, 60)
+    loaded = load_model_source(ModelSource(checkpoint=path, manifest=manifest))
+    with pytest.raises(DataError, match=r"the tokenizer '.*tokenizer.json' is not the one the "
+                                        r"manifest pins \(data.tokenizer_digest = abababab"):
         export_model(loaded, tmp_path / "out")
 
 

@@ -217,3 +217,25 @@ def test_an_altered_shard_is_caught_by_its_digest(tmp_path, docs):
 
 def pinned_data_settings_config(out):
     return DataConfig(**pinned_data_settings(out))
+
+
+def test_unset_pins_keep_a_manifest_digest_and_a_pinned_path_is_local(prepared):
+    from node.config.manifest import Manifest, load_manifest
+    from node.config.schema import CONFIG_DIR
+    local = load_manifest(CONFIG_DIR / "swarms" / "local.toml")
+    assert "tokenizer_digest" not in local.agreed()["data"]  # older manifests' digests stand
+    a, b = Manifest(), Manifest()
+    for m, path in ((a, str(prepared)), (b, "/elsewhere/on/this/machine")):
+        for key, value in pinned_data_settings(prepared).items():
+            setattr(m.data, key, value)
+        m.data.path = path
+    assert a.digest == b.digest  # the shards are pinned: where they lie is the machine's own
+    b.data.tokenizer_digest = "0" * 64
+    assert a.digest != b.digest
+
+
+def test_pins_need_token_data():
+    from node.config.schema import ConfigError, load_config
+    with pytest.raises(ConfigError, match="'data.tokenizer_digest' or 'data.shards_digest' is "
+                                          "set but data.source = 'stdlib'"):
+        load_config(None, ["data.tokenizer_digest=\"ab\""])

@@ -20,7 +20,7 @@ from node.data.corpus import DataError
 from node.data.shards import write_atomically
 from node.ops.hf_layout import llama_config, to_llama
 from node.ops.model_source import (EXPORT_CONFIG, EXPORT_WEIGHTS, TOKENIZER_FILE, LoadedModel,
-                                   load_source_tokenizer)
+                                   load_source_tokenizer, safetensors_torch)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -28,9 +28,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def export_model(loaded: LoadedModel, out: Path, dtype: str = "float32",
                  force: bool = False) -> Path:
     """Writes the directory; refuses to mix into a non-empty one unless `force`."""
-    from safetensors.torch import save_file
-
     from node.data.tokenizer import end_of_text_id, file_digest
+    save_file = safetensors_torch().save_file
     if dtype not in DTYPES:
         raise DataError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:

@@ -55,8 +55,13 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
         sources=SourceSpec(tuple(Path(p) for p in args.input), args.json_field, args.stdlib),
         vocab_size=args.vocab_size, dtype=args.dtype, val_fraction=args.val_fraction,
         shard_tokens=args.shard_tokens)
-    with RichProgress() as progress:
-        index = prepare(settings, progress)
+    try:
+        with RichProgress() as progress:
+            index = prepare(settings, progress)
+    except KeyboardInterrupt:
+        print(f"lowcomm-node: prepare-data interrupted; the shards written so far are kept: run "
+              f"the same command again to resume", file=sys.stderr)
+        return 130
     splits = index["splits"]
     tokens = {s: sum(e["tokens"] for e in splits[s]["shards"]) for s in splits}
     tok = index["tokenizer"]

@@ -124,10 +124,19 @@ def _data_tokenizer(data: DataConfig, source: ModelSource) -> Path | None:
     return path
 
 
-def _from_export(directory: Path, source: ModelSource) -> LoadedModel:
-    from safetensors.torch import load_file
+def safetensors_torch():
+    """safetensors' torch half, or one sentence on how to install it."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise DataError("the 'safetensors' package is not installed: pip install "
+                        "'lowcomm-node[hf]' (or pip install safetensors)") from None
+    return safetensors.torch
 
+
+def _from_export(directory: Path, source: ModelSource) -> LoadedModel:
     from node.ops.hf_layout import from_llama, model_config_from_llama
+    load_file = safetensors_torch().load_file
     for name in (EXPORT_CONFIG, EXPORT_WEIGHTS):
         if not (directory / name).is_file():
             raise DataError(f"'{directory}' has no {name}: give a directory written by "

@@ -146,11 +146,19 @@ def bad_input(tmp_path, case):
         (tmp_path / "in" / "a.txt").write_text("text\n")
         return (settings(tmp_path / "out", [tmp_path / "in"], vocab_size=70_000, dtype="uint16"),
                 ["--vocab-size 70,000", "too large for uint16", "--dtype uint32"])
+    if case == "a tokenizer.json that is not one":
+        (tmp_path / "in").mkdir()
+        (tmp_path / "in" / "a.txt").write_text("text\n")
+        (tmp_path / "tok.json").write_text('{"model": "nothing"}')
+        return (settings(tmp_path / "out", [tmp_path / "in"], vocab_size=0,
+                         tokenizer=tmp_path / "tok.json"),
+                ["tok.json' cannot be read by the tokenizers library", "give a tokenizer.json"])
     raise AssertionError(case)
 
 
 @pytest.mark.parametrize("case", ["empty directory", "not UTF-8", "JSON line without the field",
-                                  "vocabulary too large for uint16"])
+                                  "vocabulary too large for uint16",
+                                  "a tokenizer.json that is not one"])
 def test_bad_input_is_one_sentence_naming_the_file_or_setting_and_the_fix(tmp_path, case):
     s, words = bad_input(tmp_path, case)
     with pytest.raises(DataError) as caught:

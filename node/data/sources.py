@@ -67,54 +67,56 @@ def _input_files(spec: SourceSpec) -> list[tuple[Path, str]]:
     return found
 
 
-def _decode(raw: bytes, path: Path) -> str:
+def _decode(raw: bytes, path: Path, where: str = "") -> str:
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"input file '{path}' is not UTF-8 text (byte 0x{raw[exc.start]:02x} at "
-                        f"offset {exc.start}): convert it to UTF-8 (for example iconv -f latin1 "
-                        f"-t utf-8) or remove it from the input") from None
+        raise DataError(f"input file '{path}'{where} is not UTF-8 text (byte "
+                        f"0x{raw[exc.start]:02x} at offset {exc.start}): convert it to UTF-8 "
+                        f"(for example iconv -f latin1 -t utf-8) or remove it from the input"
+                        ) from None
 
 
-def _json_documents(text: str, path: Path, key: str, field: str) -> Iterator[Document]:
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}): fix or "
-                            f"remove that line") from None
-        if not isinstance(record, dict) or field not in record:
-            fields = ", ".join(sorted(record)) if isinstance(record, dict) else "none"
-            raise DataError(f"'{path}' line {number} has no field '{field}' (its fields: "
-                            f"{fields}): name the text's field with --json-field")
-        value = record[field]
-        if not isinstance(value, str):
-            raise DataError(f"'{path}' line {number}: field '{field}' is "
-                            f"{type(value).__name__}, not text: name a text field with "
-                            f"--json-field")
-        yield Document(f"{key}:{number}", value, len(line.encode()) + 1)
+def _json_documents(path: Path, key: str, field: str) -> Iterator[Document]:
+    """One document a line, read a line at a time: a JSON lines file may exceed memory."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            line = _decode(raw, path, f" line {number}")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"'{path}' line {number} is not valid JSON ({exc.msg}): fix or "
+                                f"remove that line") from None
+            if not isinstance(record, dict) or field not in record:
+                fields = ", ".join(sorted(record)) if isinstance(record, dict) else "none"
+                raise DataError(f"'{path}' line {number} has no field '{field}' (its fields: "
+                                f"{fields}): name the text's field with --json-field")
+            value = record[field]
+            if not isinstance(value, str):
+                raise DataError(f"'{path}' line {number}: field '{field}' is "
+                                f"{type(value).__name__}, not text: name a text field with "
+                                f"--json-field")
+            yield Document(f"{key}:{number}", value, len(raw))
 
 
 def iter_documents(spec: SourceSpec, on_file: Callable[[int], None] | None = None
                    ) -> Iterator[Document]:
     """Every document in reading order. `on_file(bytes)` is told of each skipped file."""
     for path, key in _input_files(spec):
-        raw = path.read_bytes()
-        if spec.stdlib:
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError:  # a few test fixtures of the stdlib are in other codecs
-                if on_file:
-                    on_file(len(raw))
-                continue
-        else:
-            text = _decode(raw, path)
         if spec.json_field is not None:
-            yield from _json_documents(text, path, key, spec.json_field)
-        else:
-            yield Document(key, text, len(raw))
+            yield from _json_documents(path, key, spec.json_field)
+            continue
+        raw = path.read_bytes()
+        if not spec.stdlib:
+            yield Document(key, _decode(raw, path), len(raw))
+            continue
+        try:
+            yield Document(key, raw.decode("utf-8"), len(raw))
+        except UnicodeDecodeError:  # a few test fixtures of the stdlib are in other codecs
+            if on_file:
+                on_file(len(raw))
 
 
 def total_bytes(spec: SourceSpec) -> int:

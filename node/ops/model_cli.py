@@ -48,8 +48,9 @@ class RichProgress:
 def cmd_prepare_data(args: argparse.Namespace) -> int:
     from node.data.prepare import PrepareSettings, prepare
     from node.data.sources import SourceSpec
-    if args.stdlib and args.input:
-        raise ConfigError("give --input PATH or --stdlib, not both")
+    if args.stdlib and (args.input or args.json_field):
+        raise ConfigError("--stdlib reads the embedded corpus: give it without --input and "
+                          "--json-field")
     settings = PrepareSettings(
         out=Path(args.out), tokenizer=Path(args.tokenizer) if args.tokenizer else None,
         sources=SourceSpec(tuple(Path(p) for p in args.input), args.json_field, args.stdlib),

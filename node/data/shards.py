@@ -143,7 +143,8 @@ def check_tokenizer_pin(cfg: DataConfig, root: Path) -> None:
     if not path.is_file():
         raise DataError(f"the manifest pins data.tokenizer_digest = {cfg.tokenizer_digest[:16]}"
                         f"... but '{root}' has no {TOKENIZER_FILE}: prepare the data with the "
-                        f"swarm's tokenizer (lowcomm-node prepare-data --tokenizer THE_SWARMS.json)")
+                        f"swarm's tokenizer (lowcomm-node prepare-data --tokenizer "
+                        f"THE_SWARMS.json)")
     found = file_digest(path)
     if found != cfg.tokenizer_digest:
         raise DataError(f"the tokenizer '{path}' (digest {found[:16]}...) is not the one the "

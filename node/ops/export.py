@@ -38,7 +38,8 @@ def export_model(loaded: LoadedModel, out: Path, dtype: str = "float32",
     tokenizer = load_source_tokenizer(loaded)
     loaded.build()  # refuses weights that do not fit the config, before anything is written
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {n: t.to(DTYPES[dtype]) for n, t in to_llama(loaded.weights, loaded.model_cfg).items()}
+    llama = to_llama(loaded.weights, loaded.model_cfg)
+    tensors = {n: t.to(DTYPES[dtype]) for n, t in llama.items()}
     save_file(tensors, str(out / EXPORT_WEIGHTS), metadata={"format": "pt"})
     eos_id = end_of_text_id(tokenizer)
     config = llama_config(loaded.model_cfg, loaded.vocab_size, dtype, eos_id)

@@ -67,9 +67,10 @@ def from_llama(tensors: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         ours, theirs = f"blocks.{i}.", f"model.layers.{i}."
         q = _halves_to_interleaved(tensors[theirs + "self_attn.q_proj.weight"], cfg.n_heads)
         k = _halves_to_interleaved(tensors[theirs + "self_attn.k_proj.weight"], cfg.n_heads)
+        v = tensors[theirs + "self_attn.v_proj.weight"]
         out.update({
             ours + "attn_norm.weight": tensors[theirs + "input_layernorm.weight"],
-            ours + "attn.qkv.weight": torch.cat([q, k, tensors[theirs + "self_attn.v_proj.weight"]]),
+            ours + "attn.qkv.weight": torch.cat([q, k, v]),
             ours + "attn.out.weight": tensors[theirs + "self_attn.o_proj.weight"],
             ours + "ffn_norm.weight": tensors[theirs + "post_attention_layernorm.weight"],
             ours + "ffn.gate_up.weight": torch.cat([tensors[theirs + "mlp.gate_proj.weight"],

@@ -83,7 +83,10 @@ def _model_source(args: argparse.Namespace):
         if args.swarm and args.manifest:
             raise ConfigError("give --swarm ID or --manifest PATH, not both")
         manifest = load_manifest(args.manifest or find_manifest(args.swarm))
-    path = lambda name: Path(getattr(args, name)) if getattr(args, name, None) else None  # noqa: E731
+
+    def path(name: str) -> Path | None:
+        return Path(getattr(args, name)) if getattr(args, name, None) else None
+
     return load_model_source(ModelSource(
         checkpoint=path("checkpoint"), data_dir=path("data_dir"), export=path("export"),
         manifest=manifest, weights=args.weights, tokenizer=path("tokenizer")))

@@ -108,8 +108,9 @@ def _from_checkpoint(source: ModelSource) -> LoadedModel:
                         f"'{m.swarm.id}' has digest {m.digest}: give the manifest the node "
                         f"ran with")
     weights = _swarm_weights(state, source)
+    which = "θ" if source.weights == "theta" else "φ"
     return LoadedModel(m.model, weights, m.data, _data_tokenizer(m.data, source),
-                       f"{where} ({m.protocol.name}, {'θ' if source.weights == 'theta' else 'φ'})")
+                       f"{where} ({m.protocol.name}, {which})")
 
 
 def _data_tokenizer(data: DataConfig, source: ModelSource) -> Path | None:

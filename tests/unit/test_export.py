@@ -69,7 +69,7 @@ def test_transformers_computes_our_logits(tmp_path, tie):
     print(f"max abs logits difference (fp32, tie={tie}): {difference:.3g}")
     assert difference < LOGITS_TOLERANCE
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
-    assert tokenizer("hé").input_ids == list("hé".encode())  # the bytes tokenizer, as tokenizer.json
+    assert tokenizer("hé").input_ids == list("hé".encode())  # the bytes tokenizer, exported
 
 
 def test_an_export_reads_back_to_the_same_weights_and_samples(tmp_path):

@@ -34,8 +34,8 @@ def settings(out, inputs, **values):
     values.setdefault("vocab_size", 300)
     values.setdefault("val_fraction", 0.15)
     values.setdefault("shard_tokens", 2000)
-    return PrepareSettings(out=out, sources=SourceSpec(tuple(inputs), values.pop("json_field", None)),
-                           **values)
+    sources = SourceSpec(tuple(inputs), values.pop("json_field", None))
+    return PrepareSettings(out=out, sources=sources, **values)
 
 
 def shard_bytes(out):

@@ -5,8 +5,9 @@ The phases, each reported to a progress sink:
 1. check: read every document once (node/data/sources.py): a bad file is refused before any
    work, each split must be non-empty, and the content is digested;
 2. tokenizer: train a byte-level BPE on the training split, or copy the given tokenizer.json;
-3. tokenize: documents in order, each followed by the end-of-text id, into shards of about
-   `shard_tokens` tokens that end at a document boundary.
+3. tokenize: documents in order, each followed by the end-of-text id (a long file's pieces
+   only after the last), into shards of about `shard_tokens` tokens that end at a document
+   (or piece) boundary.
 
 Resumable: the index (dataset.json) is rewritten after every shard, naming for each split how
 many of its documents the written shards hold. A run on the same inputs and settings checks the
@@ -27,7 +28,8 @@ import numpy as np
 from node.data.corpus import DataError
 from node.data.shards import (INDEX_FORMAT, SPLITS, TOKENIZER_FILE, read_index, recorded_digest,
                               shard_name, write_atomically, write_index)
-from node.data.sources import SourceSpec, check_sources, iter_documents, split_of, total_bytes
+from node.data.sources import (Document, SourceSpec, check_sources, iter_documents, split_of,
+                               total_bytes)
 from node.data.tokenizer import (UINT16_VOCAB, end_of_text_id, file_digest, load_tokenizer,
                                  shard_dtype, train_bpe)
 
@@ -173,13 +175,15 @@ def _tokenize(s: PrepareSettings, index: dict, tokenizer, progress: ProgressSink
     writers = {split: ShardWriter(s.out, split, index["dtype"], s.shard_tokens,
                                   index["splits"][split], save) for split in SPLITS}
     seen = {split: 0 for split in SPLITS}
-    batch: list[tuple[str, str]] = []
+    batch: list[tuple[str, Document]] = []
     batch_bytes = 0
 
     def encode_batch() -> None:
-        encodings = tokenizer.encode_batch([text for _, text in batch], add_special_tokens=False)
-        for (split, _), encoding in zip(batch, encodings):
-            writers[split].add(encoding.ids + ([eos] if eos is not None else []))
+        texts = [doc.text for _, doc in batch]
+        encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+        for (split, doc), encoding in zip(batch, encodings):
+            end = [eos] if eos is not None and doc.last else []
+            writers[split].add(encoding.ids + end)
         batch.clear()
 
     progress.start("tokenizing", total_bytes(s.sources))
@@ -189,7 +193,7 @@ def _tokenize(s: PrepareSettings, index: dict, tokenizer, progress: ProgressSink
         seen[split] += 1
         if seen[split] <= index["splits"][split]["documents_done"]:
             continue  # in a shard an interrupted run wrote
-        batch.append((split, doc.text))
+        batch.append((split, doc))
         batch_bytes += doc.size
         if batch_bytes >= ENCODE_BATCH_BYTES:
             encode_batch()

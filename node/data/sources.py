@@ -4,6 +4,9 @@ embedded corpus (this interpreter's standard library), in one fixed order.
 A document is one text file, or one JSON line's named field. Each has a key (its path relative
 to the input, plus ":<line>" for a JSON line) that decides its split by hash (the same rule as
 node/data/corpus.py): the split is fixed, and does not shift when documents are added elsewhere.
+A text file longer than PIECE_CHARS is cut into pieces at line ends, keyed "<path>#<n>", each
+split on its own, so that one large file still gives a validation split; only the file's last
+piece is followed by the end-of-text token.
 
 `check_sources` reads everything once before any work starts, so that a bad file is reported
 (in one sentence naming it and the fix) before an hour of tokenization, and digests the content.
@@ -20,6 +23,9 @@ from pathlib import Path
 from node.data.corpus import DataError, is_validation, stdlib_dir, text_files
 
 
+PIECE_CHARS = 1 << 16  # a longer text file is cut into pieces of about this many characters
+
+
 @dataclass(frozen=True)
 class SourceSpec:
     """What to read: files or directories, JSON lines or plain text, or the embedded corpus."""
@@ -32,7 +38,8 @@ class SourceSpec:
 class Document:
     key: str
     text: str
-    size: int  # bytes read for it (the progress bar's unit)
+    size: int          # bytes read for it (the progress bar's unit)
+    last: bool = True  # ends its file or JSON line: the end-of-text token follows it
 
 
 @dataclass
@@ -101,6 +108,19 @@ def _json_documents(path: Path, key: str, field: str) -> Iterator[Document]:
             yield Document(f"{key}:{number}", value, len(raw))
 
 
+def _pieces(key: str, text: str) -> Iterator[Document]:
+    """The text cut at the first line end past every PIECE_CHARS characters."""
+    if len(text) <= PIECE_CHARS:
+        yield Document(key, text, len(text.encode()))
+        return
+    start, number = 0, 0
+    while start < len(text):
+        end = text.find("\n", start + PIECE_CHARS) + 1 or len(text)
+        piece = text[start:end]
+        yield Document(f"{key}#{number}", piece, len(piece.encode()), last=end == len(text))
+        start, number = end, number + 1
+
+
 def iter_documents(spec: SourceSpec, on_file: Callable[[int], None] | None = None
                    ) -> Iterator[Document]:
     """Every document in reading order. `on_file(bytes)` is told of each skipped file."""
@@ -110,13 +130,15 @@ def iter_documents(spec: SourceSpec, on_file: Callable[[int], None] | None = Non
             continue
         raw = path.read_bytes()
         if not spec.stdlib:
-            yield Document(key, _decode(raw, path), len(raw))
+            yield from _pieces(key, _decode(raw, path))
             continue
         try:
-            yield Document(key, raw.decode("utf-8"), len(raw))
+            text = raw.decode("utf-8")
         except UnicodeDecodeError:  # a few test fixtures of the stdlib are in other codecs
             if on_file:
                 on_file(len(raw))
+            continue
+        yield from _pieces(key, text)
 
 
 def total_bytes(spec: SourceSpec) -> int:

@@ -247,3 +247,21 @@ def test_pins_need_token_data():
     with pytest.raises(ConfigError, match="'data.tokenizer_digest' or 'data.shards_digest' is "
                                           "set but data.source = 'stdlib'"):
         load_config(None, ["data.tokenizer_digest=\"ab\""])
+
+
+def test_one_large_text_file_is_cut_into_pieces_for_both_splits(tmp_path, monkeypatch):
+    monkeypatch.setattr("node.data.sources.PIECE_CHARS", 2000)
+    rng = random.Random(1)
+    text = "".join(" ".join(rng.choice(WORDS) for _ in range(12)) + "\n" for _ in range(2000))
+    (tmp_path / "book.txt").write_text(text)
+    index = prepare(settings(tmp_path / "data", [tmp_path / "book.txt"], val_fraction=0.2))
+    pieces = index["sources"]["documents"]
+    assert pieces["train"] > 10 and pieces["val"] > 2
+    corpus = load_corpus(DataConfig(**pinned_data_settings(tmp_path / "data")))
+    tokenizer = load_tokenizer(tmp_path / "data" / "tokenizer.json")
+    decoded = [tokenizer.decode(split[np.arange(len(split))].tolist(), skip_special_tokens=False)
+               for split in (corpus.train, corpus.val)]
+    # pieces end at line ends, only the file's last piece is followed by <|endoftext|>
+    assert sum(d.count("<|endoftext|>") for d in decoded) == 1
+    assert sorted("".join(decoded).replace("<|endoftext|>", "").splitlines()) == \
+        sorted(text.splitlines())

@@ -19,6 +19,7 @@ same bytes, and the same digests, as an uninterrupted one.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -131,7 +132,7 @@ class ShardWriter:
     """Collects one split's tokens and writes a shard at the first document end past the size."""
 
     def __init__(self, out: Path, split: str, dtype: str, shard_tokens: int, state: dict,
-                 on_shard):
+                 on_shard: Callable[[], None]):
         self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
         self.state, self.on_shard = state, on_shard
         self.pending: list[np.ndarray] = []

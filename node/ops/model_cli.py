@@ -121,6 +121,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     loaded = _model_source(args)
     tokenizer = load_source_tokenizer(loaded)
     ids = held_out_ids(Path(args.file), tokenizer, loaded.vocab_size)
+    if args.max_tokens:
+        ids = ids[:args.max_tokens]
     context = args.context or (loaded.data.seq_len if loaded.data else loaded.model_cfg.max_seq_len)
     result = perplexity(loaded.build(), ids, context)
     if args.json:
@@ -207,5 +209,7 @@ def add_model_commands(sub) -> None:
     ppl.add_argument("--file", required=True, metavar="PATH")
     ppl.add_argument("--context", type=int, default=0, metavar="N",
                      help="tokens per window (default: the data's seq_len)")
+    ppl.add_argument("--max-tokens", type=int, default=0, metavar="N",
+                     help="only the file's first N tokens (default: all)")
     ppl.add_argument("--json", action="store_true", help="print one JSON object")
     ppl.set_defaults(func=cmd_perplexity)

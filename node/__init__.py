@@ -5,7 +5,9 @@ Rooms, one concern each (import modules directly; this package imports nothing e
     cli.py           `lowcomm-node`: every subcommand parses, validates, then hands off
     config/          schema (typed config sections), manifest (what a swarm agrees on),
                      settings (how this machine runs its node; every daemon timeout, named)
-    data/            corpus: the bytes or tokens, and each node's batch stream
+    data/            corpus: the bytes or tokens, and each node's batch stream; prepare-data:
+                     sources (documents), tokenizer, prepare (the pipeline), shards (the
+                     prepared directory, its digests and the manifest's pins on them)
     train/           model, trainer (the inner loop), checkpoint, standalone (`train`: alone)
     rounds/          what happens every H steps, shared by the daemon and the simulator:
                      policy (the round's interface), noloco/ and dilocox/ (round.py in the
@@ -16,7 +18,9 @@ Rooms, one concern each (import modules directly; this package imports nothing e
                      worker.py: the training thread), leave (leave.py); daemon.py wires them;
                      members.py (the member cache, eligible peers, our announced φ)
     ops/             what the operator sees: status (the schema), status_feed (its numbers),
-                     status_view, control socket, telemetry, monitor, preemption, local_swarm
+                     status_view, control socket, telemetry, monitor, preemption, local_swarm;
+                     model_cli (prepare-data, export, generate, perplexity), model_source,
+                     export and hf_layout (transformers' Llama), generate (sampling, perplexity)
     simulator/       N replicas in one process, driving the same round classes over memory
     events.py        every event a node reports, typed, and the bus to its subscribers
     loop.py          background tasks (errors counted) and the training thread's bridge to the loop

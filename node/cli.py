@@ -115,6 +115,9 @@ def cmd_init_swarm(args: argparse.Namespace) -> int:
               "network": {"bootstrap_peers": args.bootstrap},
               "admission": {"mode": "allowlist" if args.allow else "open",
                             "public_keys": args.allow}}
+    if args.data:
+        from node.data.shards import pinned_data_settings
+        values["data"] = pinned_data_settings(Path(args.data))
     manifest = manifest_from_dict(values)
     if args.overrides:
         from node.config.schema import build_config
@@ -222,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     init.add_argument("--allow", metavar="PEER_ID", action="append", default=[],
                       help="admit only these peer ids (repeatable); without it the swarm is open")
     init.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[])
+    init.add_argument("--data", metavar="DIR", help="pin a prepare-data directory: its "
+                      "tokenizer's and shards' digests, dtype and vocabulary")
     init.add_argument("--out", metavar="PATH", help="where to write (default configs/swarms/<id>.toml)")
     init.add_argument("--force", action="store_true", help="overwrite an existing file")
     init.set_defaults(func=cmd_init_swarm)
@@ -235,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
     add_simulate_command(sub)
     add_ops_commands(sub)
+    from node.ops.model_cli import add_model_commands
+    add_model_commands(sub)
     return parser
 
 

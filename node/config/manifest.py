@@ -24,6 +24,7 @@ SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # How one machine runs, not what the swarm computes: members may differ in these.
 # protocol.wire_dtype; the quantized ones are node/rounds/wire_tensors.py QUANTIZED_BITS
 WIRE_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
+DATA_PINS = ("tokenizer_digest", "shards_digest")  # node/data/shards.py load_token_dir
 NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
                          "eval_batches", "min_step_seconds")
 
@@ -125,11 +126,18 @@ class Manifest:
         return asdict(self)
 
     def agreed(self) -> dict[str, Any]:
-        """What every member must share: all but bootstrap peers and node-local train keys."""
+        """What every member must share: all but bootstrap peers and node-local train keys
+        (and data.path, where the shards are pinned by digest)."""
         values = self.to_dict()
         values.pop("network")
         for key in NODE_LOCAL_TRAIN_KEYS:
             values["train"].pop(key)
+        data = values["data"]
+        for pin in DATA_PINS:  # unset pins leave the digests of older manifests as they were
+            if not data[pin]:
+                data.pop(pin)
+        if data.get("shards_digest"):  # the content is pinned: where it lies is local
+            data.pop("path")
         return values
 
     @property

@@ -62,6 +62,11 @@ class DataConfig:
     seq_len: int = spec(128, "tokens per training sequence", min=8, max=1 << 20)
     val_fraction: float = spec(0.02, "share of files held out for validation (by path hash)",
                                min=0.0, max=0.5, min_exclusive=True)
+    # Pins of `lowcomm-node prepare-data`'s output (node/data/shards.py): "" pins nothing
+    tokenizer_digest: str = spec("", "source = tokens: BLAKE2b-256 of the tokenizer.json in "
+                                 "data.path that every member must use (\"\": not pinned)")
+    shards_digest: str = spec("", "source = tokens: the digest of the token shards in data.path "
+                              "(dataset.json's shards_digest; \"\": not pinned)")
 
 
 @dataclass
@@ -206,6 +211,10 @@ def _check_cross_fields(cfg: Any) -> None:
     if d.source in ("text", "tokens") and not d.path:
         raise ConfigError(f"config key 'data.path' is empty but data.source = '{d.source}' "
                           f"needs it: set it to the directory holding your data")
+    if d.source != "tokens" and (d.tokenizer_digest or d.shards_digest):
+        raise ConfigError(f"config key 'data.tokenizer_digest' or 'data.shards_digest' is set "
+                          f"but data.source = '{d.source}' has no tokenizer or shards: set "
+                          f"data.source = 'tokens' or clear the digests")
     if d.source == "tokens" and d.vocab_size == 0:
         raise ConfigError("config key 'data.vocab_size' is 0 but data.source = 'tokens' needs "
                           "the vocabulary size of the token files: set it")

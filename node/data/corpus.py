@@ -47,12 +47,12 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
 
 
-def _is_validation(relpath: str, val_fraction: float) -> bool:
+def is_validation(relpath: str, val_fraction: float) -> bool:
     h = int.from_bytes(hashlib.blake2b(relpath.encode(), digest_size=8).digest(), "big")
     return h / 2**64 < val_fraction
 
 
-def _text_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
+def text_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
     """The files under root, in the order of their relative paths' parts (as sorted(Path) has
     it). The walk never enters an excluded directory: the standard library's own tests and
     caches hold most of its entries, and listing them cost every node start 2 s."""
@@ -69,7 +69,7 @@ def _text_files(root: Path, suffixes: tuple[str, ...] | None) -> list[Path]:
 def load_text_tree(root: Path, suffixes: tuple[str, ...] | None, val_fraction: float,
                    description: str) -> Corpus:
     """Reads every file under root as bytes, split into train and validation by path hash."""
-    files = _text_files(root, suffixes)
+    files = text_files(root, suffixes)
     if not files:
         raise DataError(f"no text files were found under '{root}': point data.path at a "
                         f"directory that holds your text files")
@@ -79,7 +79,7 @@ def load_text_tree(root: Path, suffixes: tuple[str, ...] | None, val_fraction: f
         rel = path.relative_to(root).as_posix()
         content = path.read_bytes()
         digest.update(rel.encode() + b"\0" + len(content).to_bytes(8, "big") + content)
-        parts[_is_validation(rel, val_fraction)].extend((content, FILE_SEPARATOR))
+        parts[is_validation(rel, val_fraction)].extend((content, FILE_SEPARATOR))
     train, val = (np.frombuffer(b"".join(parts[v]), dtype=np.uint8) for v in (False, True))
     if len(val) == 0 or len(train) == 0:
         raise DataError(f"the files under '{root}' gave an empty train or validation split: "
@@ -123,7 +123,8 @@ def load_corpus(cfg: DataConfig) -> Corpus:
         raise DataError(f"data.path '{root}' is not a directory: point it at your data")
     if cfg.source == "text":
         return load_text_tree(root, None, cfg.val_fraction, f"text files in {root}")
-    return load_token_files(root, cfg.token_dtype, cfg.vocab_size)
+    from node.data.shards import load_token_dir  # it builds on this module
+    return load_token_dir(root, cfg)
 
 
 def stream_seed(identity: bytes | str, seed: int) -> int:

@@ -87,10 +87,16 @@ def majority(count: int) -> int:
     return count // 2 + 1
 
 
+def settled(members: list[MemberRecord]) -> list[MemberRecord]:
+    """Members past their own join: a node still joining (status "joining", round 0) holds no
+    state and has no say, so that joiners arriving together do not outvote the running swarm."""
+    return [r for r in members if r.status != "joining"]
+
+
 def agreed_round(members: list[MemberRecord]) -> int:
-    """The highest round a majority of `members` reached (0 for none): a minority of liars keeps
-    it within the honest members' rounds."""
-    rounds = sorted((r.round for r in members), reverse=True)
+    """The highest round a majority of the settled `members` reached (0 for none): a minority of
+    liars keeps it within the honest members' rounds."""
+    rounds = sorted((r.round for r in settled(members)), reverse=True)
     return rounds[majority(len(rounds)) - 1] if rounds else 0
 
 
@@ -187,7 +193,7 @@ class StateAdoption:
     # ------------------------------------------------------------------ the members' word
     def _members(self) -> list[MemberRecord]:
         """Eligible members, less (and banning) those whose records claim an impossible round."""
-        members = self.cache.eligible()
+        members = settled(self.cache.eligible())
         bound = round_bound(agreed_round(members))
         for record in members:
             if claimed_round(record) > bound:

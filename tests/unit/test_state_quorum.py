@@ -24,6 +24,9 @@ def test_the_agreed_round_is_what_a_majority_reached_so_one_liar_stays_within_th
     assert agreed_round([record("a", 10), record("b", 11), record("liar", 0)]) == 10
     assert agreed_round([record("a", 10), record("b", 11), record("c", 12), record("liar", 10**6)]) == 11
     assert round_bound(11) < 10**6
+    # nodes still joining have no say: three joiners arriving together do not outvote two members
+    joiners = [MemberRecord(f"j{i}", (), "dilocox", "m", 0, "joining", 0.0) for i in range(3)]
+    assert agreed_round([record("a", 10), record("b", 10), *joiners]) == 10
 
 
 def test_a_digest_needs_a_majority_of_members_and_the_latest_such_round_wins():

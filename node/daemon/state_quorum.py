@@ -28,8 +28,9 @@ member's word where more than one member can be asked.
   view and the transport leave a liar out from then on.
 
 A swarm with a single member that serves a state is joined on that member's word alone (there
-is nobody else to ask): logged as such, and checked as above. Memory: a NoLoCo joiner holds up
-to `STATE_SOURCES` states (φ and momentum in fp32) at once, 3.2 GB for the 134M `small` preset.
+is nobody else to ask): logged as such, and checked as above. Cost: a NoLoCo joiner downloads
+and holds up to `STATE_SOURCES` states (φ and momentum in fp32), one after the other: three
+times the bytes of a single-source join, 3.2 GB held for the 134M `small` preset.
 """
 
 from __future__ import annotations

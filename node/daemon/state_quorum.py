@@ -29,8 +29,8 @@ member's word where more than one member can be asked.
 
 A swarm with a single member that serves a state is joined on that member's word alone (there
 is nobody else to ask): logged as such, and checked as above. Cost: a NoLoCo joiner downloads
-and holds up to `STATE_SOURCES` states (φ and momentum in fp32), one after the other: three
-times the bytes of a single-source join, 3.2 GB held for the 134M `small` preset.
+and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many members at once:
+three times the bytes of a single-source join, 3.2 GB held for the 134M `small` preset.
 """
 
 from __future__ import annotations
@@ -252,12 +252,11 @@ class StateAdoption:
             wanted = min(STATE_SOURCES, len(held) + len(sources))
             if len(held) >= wanted or len(asked) >= attempts or not sources:
                 break
-            source = self.rng.choice(sorted(sources))
-            asked.add(source)
-            candidate = await self._download(source, None)
-            if candidate is not None and await self._matches_announcement(candidate) \
-                    and await self._passes_checks(candidate):
-                held.append(candidate)
+            # the states still wanted, from several members at once: a home uplink, not the
+            # joiner's downlink, usually bounds one download
+            batch = self.rng.sample(sorted(sources), min(wanted - len(held), attempts - len(asked)))
+            asked.update(batch)
+            held += [c for c in await asyncio.gather(*(self._verified(s) for s in batch)) if c]
             if len(held) >= wanted:
                 held = await self._drop_far(held)
         held = [c for c in held if not self.bans.is_banned(c.source)]
@@ -273,6 +272,13 @@ class StateAdoption:
                         "(checked: its announcement, layout, finite values, norms)", chosen.source)
         return JoinState(self._start_round(int(chosen.meta.get("phi_round", 0))), chosen.groups,
                          chosen.meta, chosen.source)
+
+    async def _verified(self, source: str) -> _Candidate | None:
+        candidate = await self._download(source, None)
+        if candidate is not None and await self._matches_announcement(candidate) \
+                and await self._passes_checks(candidate):
+            return candidate
+        return None
 
     async def _drop_far(self, held: list[_Candidate]) -> list[_Candidate]:
         """Bans the servers of states far from the majority's; keeps the others."""

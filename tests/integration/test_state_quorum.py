@@ -13,7 +13,7 @@ same path). Two honest members and one liar; the liar's lie changes from case to
 
 Each case asserts the joiner adopts an honest state, at the round a majority reached, and that
 the liar is banned (where its lie is proof; a DiLoCoX member announcing a minority digest is not
-banned, see state_quorum.py, but never asked either).
+banned, see state_quorum.py, but never asked either). The last test is a DiLoCoX resync's.
 """
 
 from __future__ import annotations
@@ -25,11 +25,14 @@ import random
 import pytest
 import torch
 
+from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
 from node.daemon.members import MemberCache
 from node.daemon.state_quorum import StateAdoption
+from node.events import ResyncReady
 from node.loop import BackgroundTasks
 from node.rounds.contributions import BanList
+from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.state import STATE_KIND, announcement, encode_state
 from p2p.membership import Membership
 from p2p.messages import OutgoingMessage
@@ -37,6 +40,7 @@ from p2p.streams import Transport
 from protocol.tensors import weights_digest
 from tests.p2p_helpers import run, wait_until
 from tests.swarm_harness import small_manifest
+from tests.swarm_parts import member, unit_swarm
 
 pytestmark = pytest.mark.integration
 HONEST_ROUND = 11          # members train round 11, so φ after round 10 is what they announce
@@ -202,3 +206,37 @@ def test_dilocox_late_join_adopts_the_majority_digest_and_bans_a_lying_server(tm
         ("serves poison under the majority's digest (asked first)", case(poisoned, announced=shared), True),
     ]
     scenario(tmp_path, p2p_cleanup, "dilocox", run_cases)
+
+
+def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_one(tmp_path, p2p_cleanup):
+    """The consensus check of a diverged DiLoCoX node (node/rounds/dilocox/exchange.py): the
+    liar announces the majority's digest and is asked first, serves poison over a real stream,
+    is banned, and the honest holder's state is the resync; the training thread then checks it
+    as a contribution (tests/unit/test_rounds.py)."""
+    manifest = small_manifest("t-resync-liar", "dilocox")
+    shared = tensors(1)
+
+    async def body():
+        async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
+            honest, liar, node = members = [Member(h, manifest) for h in hosts]
+            for m in members:
+                await m.start()
+            try:
+                digest = await honest.behave(shared)
+                await liar.behave({n: t * 1000 for n, t in shared.items()}, announced=shared)
+                events: list = []
+                records = [member(m.peer, HONEST_ROUND, "dilocox", "training", since=0, phi=digest,
+                                  phi_round=HONEST_ROUND - 1) for m in (liar, honest)]  # the liar first
+                swarm = unit_swarm(asyncio.get_running_loop(), records, peer_id=node.peer,
+                                   transport=node.transport, events=events)
+                exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+                await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
+                resync = exchange.resyncs[HONEST_ROUND - 1]
+                assert resync["source"] == honest.peer
+                assert weights_digest(resync["slow_weights"]) == digest
+                assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
+                assert swarm.bans.is_banned(liar.peer) and liar.host.peer_id.to_bytes() in node.transport._bans
+            finally:
+                for m in members:
+                    await m.stop()
+    run(body(), timeout_s=120)

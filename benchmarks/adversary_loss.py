@@ -14,6 +14,7 @@ used the adversary's snapshot, its refusals by reason, and whether it banned the
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -25,18 +26,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from p2p.identity import NodeIdentity, identity_path  # noqa: E402
 from tests.faults import FaultHarness, adversary_manifest, joined  # noqa: E402
-from tests.swarm_harness import left  # noqa: E402
+from tests.swarm_harness import left, small_manifest  # noqa: E402
 
 NODES = 4
 
 
 def run_arm(base: Path, kind: str | None, rounds: int, inner_steps: int,
-            identities: list[NodeIdentity]) -> dict:
+            identities: list[NodeIdentity], defaults: bool = False) -> dict:
     """Node i has the same key in every arm, so the same batch stream (its seed comes from the
-    key): the arms differ in node 3 being an adversary, and in the pairing's randomness."""
+    key): the arms differ in node 3 being an adversary, and in the pairing's randomness.
+    `defaults`: the shipped contribution checks (alignment off, θ-only snapshots), not the
+    adversary tests' (alignment on, φ and Δ)."""
     for i, identity in enumerate(identities):
         identity.save(identity_path(base / f"node-{i}"))
-    manifest = adversary_manifest(f"adv-loss-{kind or 'none'}", inner_steps=inner_steps)
+    make = (lambda swarm: small_manifest(swarm, "noloco", inner_steps)) if defaults else \
+        (lambda swarm: adversary_manifest(swarm, inner_steps=inner_steps))
+    manifest = make(f"adv-loss-{kind or 'none'}")
     manifest.train.eval_every = inner_steps * rounds  # once, at the end (node-local schedule)
     harness = FaultHarness(base, manifest)
     steps = rounds * inner_steps
@@ -74,6 +79,9 @@ def main() -> None:
     parser.add_argument("--kinds", default="nan,scale,noise,replay,stall,flood")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--defaults", action="store_true",
+                        help="the shipped contribution checks (alignment off, θ-only snapshots)")
+    parser.add_argument("--json", type=Path, help="also write the arms here")
     args = parser.parse_args()
     started = time.time()
     arms: dict[str, dict] = {}
@@ -82,8 +90,11 @@ def main() -> None:
         for name in ["none", *args.kinds.split(","), "none-again"]:
             kind = None if name.startswith("none") else name
             arms[name] = run_arm(Path(tmp) / name, kind, args.rounds, args.inner_steps,
-                                 identities)
+                                 identities, args.defaults)
             print(f"{name}: {arms[name]}", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                         "arms": arms}, indent=1))
     reference = arms["none"]["mean"]
     print(f"{NODES} nodes, NoLoCo overlap, H = {args.inner_steps}, {args.rounds} rounds; whole run "
           f"{(time.time() - started) / 60:.1f} min, load average now {os.getloadavg()[0]:.1f}")

@@ -14,7 +14,8 @@ Rooms, one concern each (import modules directly; this package imports nothing e
                      training thread, payload.py on the wire, exchange.py on the event loop),
                      contributions (checks and bans), state (the state late joiners download),
                      swarm (the running node as an exchange sees it), wire_tensors
-    daemon/          a node's life, a file per phase: join (admission.py, join.py), run (run.py,
+    daemon/          a node's life, a file per phase: join (admission.py, join.py, and
+                     state_quorum.py: which state a late joiner adopts), run (run.py,
                      worker.py: the training thread), leave (leave.py); daemon.py wires them;
                      members.py (the member cache, eligible peers, our announced φ)
     ops/             what the operator sees: status (the schema), status_feed (its numbers),

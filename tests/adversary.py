@@ -21,6 +21,11 @@ daemon. Kinds:
 - serve-kill: the same, in the first outer state it serves a late joiner: a kill mid-transfer;
 - ckpt-kill:  SIGKILLs itself halfway through writing its N-th checkpoint file
               (N = LOWCOMM_TEST_KILL_AT_CHECKPOINT, default 2): a kill at a named point;
+- state-poison: the NoLoCo state it serves late joiners holds φ x SCALE, and the φ digest it
+              announces in its member record is that state's (a poisoned state whose digest
+              matches its own signed announcement);
+- state-round:  its member record, its announcements and the state it serves claim rounds
+              10^6 beyond its real ones;
 - unlisted:   skips its own allowlist check (node.daemon.join.check_admission), so that in an
               allowlist swarm it joins with a key the manifest does not list: the members'
               refusal is what stops it.
@@ -40,10 +45,11 @@ import sys
 
 log = logging.getLogger("lowcomm.adversary")
 KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill",
-         "push-kill", "serve-kill", "unlisted")
+         "push-kill", "serve-kill", "unlisted", "state-poison", "state-round")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
+ROUND_LIE = 10 ** 6
 
 
 # ---------------------------------------------------------------------- poisoned tensors
@@ -93,6 +99,43 @@ def _poison(kind: str):
             return honest_message(dataclasses.replace(message, tensors=tensors))
 
         dilocox_payload.encode_message = encode_message
+
+
+# ---------------------------------------------------------------------- lying state servers
+def _lie_about_state(kind: str) -> None:
+    from node.daemon import members
+    from node.rounds.noloco import round as noloco_round
+
+    honest_export, honest_digest = noloco_round.NoLoCoRound.export_state, noloco_round.weights_digest
+
+    def scaled(phi: dict) -> dict:
+        return {name: t * SCALE for name, t in phi.items()}
+
+    if kind == "state-poison":
+        # every φ digest the round computes (and so announces) is that of the poisoned state
+        noloco_round.weights_digest = lambda phi: honest_digest(scaled(phi))
+
+    def export_state(self, round_index=None):
+        state_round, groups, digest = honest_export(self, round_index)
+        if kind == "state-poison":
+            log.warning("adversary: serving a state with phi x %g under its announced digest", SCALE)
+            return state_round, {"phi": scaled(groups["phi"]), "momentum": groups["momentum"]}, digest
+        log.warning("adversary: serving a state that claims round %d", state_round + ROUND_LIE)
+        return state_round + ROUND_LIE, groups, digest
+    noloco_round.NoLoCoRound.export_state = export_state
+
+    if kind == "state-round":
+        honest_update = members.MemberCache.update
+
+        def update(self, **fields):
+            if "round" in fields:
+                fields["round"] += ROUND_LIE
+            extra = fields.get("extra")
+            if extra:
+                fields["extra"] = {k: v + ROUND_LIE if k in ("phi_round", "phi_prev_round")
+                                   and type(v) is int and v >= 0 else v for k, v in extra.items()}
+            return honest_update(self, **fields)
+        members.MemberCache.update = update
 
 
 # ---------------------------------------------------------------------- replayed messages
@@ -324,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         _kill_mid_send(*KILL_MID_SEND[args.kind])
     elif args.kind == "ckpt-kill":
         _checkpoint_kill()
+    elif args.kind in ("state-poison", "state-round"):
+        _lie_about_state(args.kind)
     elif args.kind == "unlisted":
         from node.daemon import daemon
         daemon.check_admission = lambda manifest, peer_id: log.warning(

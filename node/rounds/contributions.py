@@ -145,6 +145,17 @@ class BanList:
                         self.ban_seconds)
             ban(peer, self.ban_seconds)
 
+    def ban_now(self, peer: str, reason: str, sentence: str,
+                ban: Callable[[str, float], None]) -> None:
+        """Bans `peer` at once: for an offence that is proof, not a symptom (a member caught
+        lying about the state it serves, node/daemon/state_quorum.py), where strikes would only
+        let it spoil `ban_after` - 1 more joins first."""
+        log.warning("%s; banned for %.0f s", sentence, self.ban_seconds)
+        self.refused_by_reason[reason] += 1
+        self.strikes.pop(peer, None)
+        self.banned_until[peer] = self.clock() + self.ban_seconds
+        ban(peer, self.ban_seconds)
+
     def transport_refusal(self, peer: str, reason: str, ban: Callable[[str, float], None]) -> None:
         """The transport refused a stream of `peer` for `reason` (a p2p Reason name): strikes
         it when the reason is misbehaviour, and bans it through `ban` on the last strike."""

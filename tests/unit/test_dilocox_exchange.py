@@ -144,3 +144,25 @@ def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
         await ex._check_consensus(9, "0" * 32)  # we hold the winner: nothing to do
         assert diverged() == []
     asyncio.run(main())
+
+
+def test_among_three_voters_a_lone_digest_never_wins_a_resync():
+    """Issue 24: three members each announce another φ; the smallest digest (which a liar can
+    grind for) would win the tie. With three or more voters a resync needs two votes."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+        records = [live_member(peer, 6, "dilocox", "training", since=0, phi=digest, phi_round=5)
+                   for peer, digest in (("liar", "0" * 32), ("other", "e" * 32))]
+        swarm = unit_swarm(loop, records, transport=NoStateServer(), events=events)
+        swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        ex.tied_round = 4   # the tie lasted: it would be broken now
+        await ex._check_consensus(5, "f" * 32)
+        assert not [e for e in events if isinstance(e, Diverged)]
+        # two of three announce it: a resync is due
+        ex.members.records["other"] = live_member("other", 6, "dilocox", "training", since=0,
+                                                  phi="0" * 32, phi_round=5)
+        await ex._check_consensus(5, "f" * 32)
+        assert [e.round for e in events if isinstance(e, Diverged)] == [5]
+    asyncio.run(main())

@@ -420,7 +420,7 @@ def test_dilocox_applies_the_groups_messages_a_round_late_and_all_agree(config, 
     assert a_out.refused == [] and a_out.sent_bytes > 0 and a_out.partners == ["a", "b"]
 
 
-def test_dilocox_refuses_a_poisoned_message_and_adopts_a_resync(config, corpus):
+def test_dilocox_refuses_a_poisoned_message_and_a_poisoned_resync_and_adopts_a_resync(config, corpus):
     a, link, model = dilocox(config, corpus, "a", 1, delay=0)
     other, other_link, other_model = dilocox(config, corpus, "c", 3, delay=0)
     train_round(other_model, other, 0)
@@ -441,6 +441,12 @@ def test_dilocox_refuses_a_poisoned_message_and_adopts_a_resync(config, corpus):
     train_round(model, a, 1)
     outcome = a.end_round(1)
     assert outcome.resyncs == 1
+    # a poisoned resync (its digest won the vote; issue 24): checked as a contribution, refused
+    link.resync[1] = {"slow_weights": {n: torch.full_like(t, math.nan) for n, t in majority["phi"].items()},
+                      "momentum": majority["momentum"], "source": "liar"}
+    train_round(model, a, 2)
+    outcome = a.end_round(2)
+    assert outcome.resyncs == 1 and ("liar", "not_finite") in link.refusals
 
 
 def test_dilocox_finish_applies_the_last_rounds_messages_without_training(config, corpus):

@@ -20,7 +20,9 @@ Invariants:
   to a random subset) nobody is waited for past one of our rounds either (members then apply
   different messages, so φ splits every round and only the consensus check rejoins it: a swarm
   that large should raise `fan_out`);
-- a resync state is used only if its digest equals the majority's digest for that round;
+- a resync state is used only if its digest equals the majority's digest for that round, a
+  digest that among three or more voters more than one member announced; a holder that serves
+  another φ for that round is banned; the training thread checks the state as a contribution;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest), so a split of two survivors is healed, not kept; a tie waits for missing
   votes one round at most (`tied_round`), so a vote that never comes cannot keep it.
@@ -208,6 +210,11 @@ class DiLoCoXExchange:
             # broken with the votes that came; both sides see the same ones and pick alike.
             self.tied_round = round_index
             return
+        if votes[majority] < 2 and sum(votes.values()) >= 3:
+            # A tie of lone digests, which a liar wins by grinding a small one: among three or
+            # more voters a resync needs more than one member's word (issue 24). Two survivors
+            # that split still heal: the other's vote is then the only other word there is.
+            return
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
         for peer in holders.get(majority, []):
@@ -221,10 +228,15 @@ class DiLoCoXExchange:
             # decoding and hashing a whole φ is torch work: off the loop
             groups, got = await self.loop.run_in_executor(None, decode_state, received)
             if received.meta.get("phi_round") == round_index and got == majority:
+                # the training thread checks it as a contribution of `source` before adopting it
                 self.resyncs[round_index] = {"slow_weights": groups["phi"],
-                                             "momentum": groups["momentum"]}
+                                             "momentum": groups["momentum"], "source": peer}
                 self.publish(ResyncReady(round=round_index, source=peer))
                 return
+            if received.meta.get("phi_round") == round_index:  # it announced one φ, served another
+                self.swarm.bans.ban_now(peer, "resync_digest", f"{peer} served a φ of round "
+                                        f"{round_index} with digest {got[:12]}, where it announced "
+                                        f"{majority[:12]}", self.transport.ban)
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)

@@ -134,7 +134,8 @@ class DiLoCoXRound:
             self._admit(item, self.own_norm, refused)
         with self.lock:
             resync = self.link.take_resync(round_index - 1)
-            if resync is not None:  # our φ of the last round disagreed with the majority's
+            # our φ of the last round disagreed with the majority's
+            if resync is not None and self._resync_usable(resync):
                 self.outer.adopt_outer_state(resync)
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
@@ -146,6 +147,21 @@ class DiLoCoXRound:
         # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
         self.trainer.load_parameters(self.outer.round_start_weights())
         return self.outer.last_step, refused, waited
+
+    def _resync_usable(self, resync: dict) -> bool:
+        """A resync state is checked as a contribution is (our layout, finite values, norms within
+        max_norm_ratio of our φ's): the majority's digest proves agreement, not health."""
+        source = resync.pop("source", "the majority")
+        own = self.outer.slow_weights
+        own_norm = global_norm(own)
+        try:
+            for group in ("slow_weights", "momentum"):
+                check_contribution(source, resync[group], own, own_norm,
+                                   self.contributions.max_norm_ratio, f"the resync's {group}")
+        except ContributionRefused as exc:
+            self.link.refused(source, exc.reason, str(exc))
+            return False
+        return True
 
     def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:
         try:

@@ -1,0 +1,362 @@
+"""The outer state a late joiner (or a node resuming far behind its swarm) adopts: never on one
+member's word where more than one member can be asked.
+
+- The round: `agreed_round`, the highest round a majority of the eligible members has reached
+  (their signed records), not the maximum and not a server's reply: with honest members in the
+  majority it lies within the honest members' rounds, whatever a liar claims. A member whose
+  record or reply claims a round past `round_bound` of the agreed one (4x it, plus 16: beyond
+  what members that started together and differ in speed reach; an assumption, not measured)
+  is lying, is banned, and is never asked.
+- DiLoCoX (members share one φ): the state of the latest round whose φ digest a majority of the
+  eligible members announced (distinct identities, each one vote), downloaded from one of those
+  holders and accepted only if its digest is that one. A holder that serves another φ for that
+  round is lying and is banned; the next holder is asked. A member announcing a minority digest
+  is not banned: an honest member that missed a message does that too until it resyncs.
+- NoLoCo (each member holds its own φ): states from up to `STATE_SOURCES` members, each matching
+  its server's own signed announcement (else the server is banned), and the adopted state is
+  the one that most of them agree with: within `tolerance` of a majority of the states asked (at
+  least two). Why not a mean or a coordinate-wise median: the adopted state stays one that a
+  member announced and trains from (φ and its momentum belong together); a state inside the
+  honest ones' spread that wins the choice costs the joiner no more than the swarm's own spread.
+  A state beyond the tolerance from the adopted one is "far from the majority": its server is
+  banned. With two states they must agree within the tolerance or neither is adopted.
+- Every state is checked as a contribution is (node/rounds/contributions.py): the joiner's own
+  tensor names and shapes, finite values, φ's and the momentum's norm within `max_norm_ratio`
+  of the joiner's own φ. A state that fails is refused and its server banned.
+- Every source is an eligible member (node/daemon/members.py: live, on our manifest, not
+  banned), checked again before each download; the bans here are BanList bans, so the member
+  view and the transport leave a liar out from then on.
+
+A swarm with a single member that serves a state is joined on that member's word alone (there
+is nobody else to ask): logged as such, and checked as above. Cost: a NoLoCo joiner downloads
+and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many members at once:
+three times the bytes of a single-source join, 3.2 GB held for the 134M `small` preset.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from node.config.manifest import Manifest
+from node.config.settings import NodeTimeouts
+from node.daemon.admission import AdmissionError, refused_admission
+from node.daemon.members import MemberCache
+from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
+from node.rounds.state import STATE_KIND, announced_phi, decode_state
+from p2p.errors import P2PError, Reason, RemoteRefused
+from p2p.records import MemberRecord
+
+log = logging.getLogger("lowcomm.join")
+ANNOUNCEMENT_POLL_S = 0.1  # a joiner looks up a member's announcement this often, while waiting
+STATE_SOURCES = 3          # NoLoCo: states compared before one is adopted (one liar among three loses)
+LEAD_FACTOR, LEAD_ROUNDS = 4, 16
+# NoLoCo: honest members' φ measured at most 0.17 apart (RMS distance to their mean over the
+# mean's norm, benchmarks/RESULTS.md "scale", 64 replicas), about 0.24 between two of them:
+# states closer than 0.35 of φ's norm agree; a fourfold of the closest pair's distance, when
+# three or more states are compared, widens it for a swarm spread wider than measured.
+SPREAD_TOLERANCE = 0.35
+FAR_FACTOR = 4.0
+
+
+@dataclass
+class JoinState:
+    round_index: int
+    tensors: dict[str, dict[str, torch.Tensor]]  # group -> name -> fp32 tensor
+    meta: dict
+    source: str
+
+
+@dataclass
+class _Candidate:
+    source: str
+    groups: dict[str, dict[str, torch.Tensor]]
+    digest: str
+    meta: dict
+
+
+def majority(count: int) -> int:
+    return count // 2 + 1
+
+
+def settled(members: list[MemberRecord]) -> list[MemberRecord]:
+    """Members past their own join: a node still joining (status "joining", round 0) holds no
+    state and has no say, so that joiners arriving together do not outvote the running swarm."""
+    return [r for r in members if r.status != "joining"]
+
+
+def agreed_round(members: list[MemberRecord]) -> int:
+    """The highest round a majority of the settled `members` reached (0 for none): a minority of
+    liars keeps it within the honest members' rounds."""
+    rounds = sorted((r.round for r in settled(members)), reverse=True)
+    return rounds[majority(len(rounds)) - 1] if rounds else 0
+
+
+def round_bound(agreed: int) -> int:
+    """The highest round an honest member can claim while a majority is at `agreed`."""
+    return LEAD_FACTOR * agreed + LEAD_ROUNDS
+
+
+def claimed_round(record: MemberRecord) -> int:
+    announced = [v for v in (record.extra.get("phi_round"), record.extra.get("phi_prev_round"))
+                 if type(v) is int]
+    return max([record.round, *announced])
+
+
+def quorum_digest(members: list[MemberRecord]) -> tuple[int, str, list[str]] | None:
+    """DiLoCoX: (round, digest, holders) of the latest round whose φ digest a majority of
+    `members` announced; None if no round has one."""
+    needed = majority(len(members))
+    rounds = {v for r in members for v in (r.extra.get("phi_round"), r.extra.get("phi_prev_round"))
+              if type(v) is int and v >= 0}
+    for state_round in sorted(rounds, reverse=True):
+        votes = Counter(d for r in members if (d := announced_phi(r.extra, state_round)))
+        for digest, count in votes.most_common(1):
+            if count >= needed:
+                return state_round, digest, [r.peer_id for r in members
+                                             if announced_phi(r.extra, state_round) == digest]
+    return None
+
+
+def check_state(source: str, groups: dict, reference: dict[str, torch.Tensor],
+                reference_norm: float, max_norm_ratio: float) -> None:
+    """A state's φ and momentum as contributions: the joiner's layout, finite, bounded norms."""
+    for group in ("phi", "momentum"):
+        check_contribution(source, groups[group], reference, reference_norm, max_norm_ratio,
+                           f"the {group} of a state served")
+
+
+def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return math.sqrt(sum(float((a[n].double() - b[n].double()).square().sum()) for n in a))
+
+
+def choose_agreed(candidates: list[_Candidate]) -> tuple[_Candidate | None, list[tuple[_Candidate, float]]]:
+    """NoLoCo: (the state a majority of `candidates` agrees with, or None; [(far state, its
+    distance over φ's norm)]). See the module's docstring for the rule."""
+    count = len(candidates)
+    if count == 1:
+        return candidates[0], []
+    distances = [[_distance(a.groups["phi"], b.groups["phi"]) for b in candidates] for a in candidates]
+    scale = statistics.median(global_norm(c.groups["phi"]) for c in candidates) or 1.0
+    closest = min(distances[i][j] for i in range(count) for j in range(i + 1, count))
+    tolerance = max(SPREAD_TOLERANCE * scale, FAR_FACTOR * closest if count >= 3 else 0.0)
+    support = [sum(d <= tolerance for d in row) for row in distances]
+    best = min(range(count), key=lambda i: (-support[i], sum(distances[i]), candidates[i].digest))
+    if support[best] < max(2, majority(count)):
+        return None, []
+    far = [(candidates[j], distances[best][j] / scale) for j in range(count)
+           if distances[best][j] > tolerance]
+    return candidates[best], far
+
+
+class StateAdoption:
+    """One late join's choice of state (see the module's docstring); `run()` once."""
+
+    def __init__(self, transport, cache: MemberCache, bans: BanList, manifest: Manifest,
+                 timeouts: NodeTimeouts, reference: dict[str, torch.Tensor],
+                 rng: random.Random | None = None):
+        """`reference`: the joiner's own φ (its layout, and the scale norms are judged by);
+        `rng` picks whom to ask (random, so that no member is everyone's first server)."""
+        self.transport, self.cache, self.bans, self.manifest = transport, cache, bans, manifest
+        self.timeouts, self.reference, self.rng = timeouts, reference, rng or random.Random()
+        self.reference_norm = global_norm(reference)
+        self.errors: list[str] = []
+        self.not_admitted = 0
+
+    async def run(self) -> JoinState | None:
+        """The verified state and the agreed start round; None when no member has a state."""
+        members = self._members()
+        if not any(r.round > 0 and r.extra.get("phi") for r in members):
+            return None
+        if self.manifest.protocol.name == "dilocox":
+            joined = await self._dilocox()
+        else:
+            joined = await self._noloco()
+        if joined is not None:
+            return joined
+        if self.errors and self.not_admitted == len(self.errors):
+            raise AdmissionError(refused_admission(self.manifest.swarm.id,
+                                                   self.transport.identity.peer_id.to_base58(),
+                                                   f"all {self.not_admitted} members asked"))
+        raise RuntimeError("late join failed: no state was agreed by more than one member and "
+                           "verified (" + "; ".join(self.errors[:3] or ["no member served one"])
+                           + "); retry later")
+
+    # ------------------------------------------------------------------ the members' word
+    def _members(self) -> list[MemberRecord]:
+        """Eligible members, less (and banning) those whose records claim an impossible round."""
+        members = settled(self.cache.eligible())
+        bound = round_bound(agreed_round(members))
+        for record in members:
+            if claimed_round(record) > bound:
+                self._ban(record.peer_id, "round", f"member {record.peer_id} claims round "
+                          f"{claimed_round(record)} in its record, where a majority of the swarm is "
+                          f"at round {agreed_round(members)} (at most {bound} is possible)")
+        return [r for r in members if claimed_round(r) <= bound]
+
+    def _ban(self, peer: str, reason: str, sentence: str) -> None:
+        self.errors.append(sentence)
+        self.bans.ban_now(peer, f"state_{reason}", sentence, self.transport.ban)
+
+    def _start_round(self, state_round: int) -> int:
+        return max(agreed_round(self._members()), state_round + 1)
+
+    # ------------------------------------------------------------------ DiLoCoX
+    async def _dilocox(self) -> JoinState | None:
+        deadline = time.monotonic() + self.timeouts.state_announce_wait_s
+        while (agreed := quorum_digest(self._members())) is None:
+            if time.monotonic() > deadline:  # announcements lag rounds a little: look again
+                self.errors.append(f"no φ digest is announced by a majority of the "
+                                   f"{len(self._members())} eligible members for any round")
+                return None
+            await self._refresh()
+        state_round, digest, holders = agreed
+        holders = sorted(holders)
+        self.rng.shuffle(holders)
+        for source in holders[:self.timeouts.state_download_attempts]:
+            candidate = await self._download(source, state_round)
+            if candidate is None:
+                continue
+            if candidate.meta.get("phi_round") != state_round:  # it no longer holds that round
+                self.errors.append(f"{source}: serves round {candidate.meta.get('phi_round')}, "
+                                   f"not the agreed round {state_round}")
+                continue
+            if candidate.digest != digest:
+                self._ban(source, "digest", f"member {source} served a φ of round {state_round} "
+                          f"with digest {candidate.digest[:12]}, where it and a majority announced "
+                          f"{digest[:12]}")
+                continue
+            if await self._passes_checks(candidate):
+                return JoinState(self._start_round(state_round), candidate.groups,
+                                 candidate.meta, source)
+        return None
+
+    # ------------------------------------------------------------------ NoLoCo
+    async def _noloco(self) -> JoinState | None:
+        asked: set[str] = set()
+        held: list[_Candidate] = []
+        attempts = self.timeouts.state_download_attempts + STATE_SOURCES  # a few may fail or lie
+        while True:
+            sources = [r.peer_id for r in self._members() if r.round > 0 and r.extra.get("phi")
+                       and r.peer_id not in asked]
+            wanted = min(STATE_SOURCES, len(held) + len(sources))
+            if len(held) >= wanted or len(asked) >= attempts or not sources:
+                break
+            # the states still wanted, from several members at once: a home uplink, not the
+            # joiner's downlink, usually bounds one download
+            batch = self.rng.sample(sorted(sources), min(wanted - len(held), attempts - len(asked)))
+            asked.update(batch)
+            held += [c for c in await asyncio.gather(*(self._verified(s) for s in batch)) if c]
+            if len(held) >= wanted:
+                held = await self._drop_far(held)
+        held = [c for c in held if not self.bans.is_banned(c.source)]
+        if not held:
+            return None
+        chosen, _ = await self._off_loop(choose_agreed, held)
+        if chosen is None:
+            self.errors.append(f"the states of {len(held)} members do not agree within "
+                               f"{SPREAD_TOLERANCE} of φ's norm")
+            return None
+        if len(held) == 1:
+            log.warning("only member %s served a verifiable state: adopting it on its word alone "
+                        "(checked: its announcement, layout, finite values, norms)", chosen.source)
+        return JoinState(self._start_round(int(chosen.meta.get("phi_round", 0))), chosen.groups,
+                         chosen.meta, chosen.source)
+
+    async def _verified(self, source: str) -> _Candidate | None:
+        candidate = await self._download(source, None)
+        if candidate is not None and await self._matches_announcement(candidate) \
+                and await self._passes_checks(candidate):
+            return candidate
+        return None
+
+    async def _drop_far(self, held: list[_Candidate]) -> list[_Candidate]:
+        """Bans the servers of states far from the majority's; keeps the others."""
+        chosen, far = await self._off_loop(choose_agreed, held)
+        if chosen is None:
+            return held
+        for candidate, distance in far:
+            self._ban(candidate.source, "far", f"member {candidate.source} served a φ {distance:.2f} "
+                      f"of φ's norm from the state {len(held) - len(far)} of {len(held)} members "
+                      f"agree on (tolerance {SPREAD_TOLERANCE}): far from the majority")
+        return [c for c in held if c not in [f for f, _ in far]]
+
+    async def _matches_announcement(self, candidate: _Candidate) -> bool:
+        """The state is the one its server announced (signed, in the DHT) for its round; an
+        announcement that lags the state is waited for, briefly. A mismatch bans the server."""
+        source, state_round = candidate.source, candidate.meta.get("phi_round")
+        deadline = time.monotonic() + self.timeouts.state_announce_wait_s
+        while True:
+            record = next((r for r in self.cache.eligible() if r.peer_id == source), None)
+            if record is None:
+                self.errors.append(f"{source}: left or was banned while serving its state")
+                return False
+            expected = {record.extra[key] for key, announced in (("phi", "phi_round"),
+                                                                  ("phi_prev", "phi_prev_round"))
+                        if record.extra.get(announced) == state_round
+                        and isinstance(record.extra.get(key), str)}
+            if candidate.digest in expected:
+                return True
+            if time.monotonic() > deadline:
+                shown = ", ".join(sorted(d[:12] for d in expected)) or "none"
+                self._ban(source, "digest", f"member {source} served a state of round {state_round} "
+                          f"with digest {candidate.digest[:12]}; it announced for that round: {shown}")
+                return False
+            await self._refresh()
+
+    # ------------------------------------------------------------------ one download
+    async def _download(self, source: str, state_round: int | None) -> _Candidate | None:
+        if self.bans.is_banned(source):
+            return None
+        try:
+            received = await self.transport.request(
+                source, STATE_KIND, 0, meta={} if state_round is None else {"phi_round": state_round},
+                timeout=self.timeouts.state_download_s, streams=self.transport.limits.parallel_streams)
+        except P2PError as exc:  # a member that failed mid-transfer: nothing of it is kept
+            log.warning("the state from %s did not arrive (%s); asking the next member", source, exc)
+            self.errors.append(f"{source}: {exc}")
+            self.not_admitted += isinstance(exc, RemoteRefused) and exc.reason == Reason.NOT_ADMITTED
+            return None
+        meta: dict[str, Any] = dict(received.meta)
+        bound = round_bound(agreed_round(self.cache.eligible()))
+        rounds = [v for v in (meta.get("round"), meta.get("phi_round")) if type(v) is int]
+        if len(rounds) < 2 or max(rounds) > bound:
+            self._ban(source, "round", f"member {source} served a state claiming rounds "
+                      f"{meta.get('phi_round')!r}/{meta.get('round')!r}, where a majority of the swarm "
+                      f"is at round {agreed_round(self.cache.eligible())} (at most {bound} is possible)")
+            return None
+        try:  # decoding and hashing a whole model is torch work: off the event loop
+            groups, digest = await asyncio.get_running_loop().run_in_executor(None, decode_state, received)
+        except (ValueError, KeyError) as exc:
+            self._ban(source, "malformed", f"member {source} served a state that does not decode ({exc})")
+            return None
+        return _Candidate(source, groups, digest, meta)
+
+    async def _passes_checks(self, candidate: _Candidate) -> bool:
+        try:
+            await self._off_loop(check_state, candidate.source, candidate.groups, self.reference,
+                                 self.reference_norm, self.manifest.contributions.max_norm_ratio)
+        except ContributionRefused as exc:
+            self._ban(candidate.source, exc.reason, str(exc))
+            return False
+        return True
+
+    @staticmethod
+    async def _off_loop(function, *args):
+        """Whole-model torch work (norms, distances) in a thread: the loop keeps serving."""
+        return await asyncio.get_running_loop().run_in_executor(None, function, *args)
+
+    async def _refresh(self) -> None:
+        await asyncio.sleep(ANNOUNCEMENT_POLL_S)
+        with contextlib.suppress(P2PError):
+            await self.cache.refresh()

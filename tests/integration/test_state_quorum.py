@@ -1,0 +1,242 @@
+"""Issue 24: a lying state server never gets its state adopted by a late joiner, and is banned.
+
+Real parts: every member is a real p2pd host with its signed member record in the real DHT and
+a real Transport serving its outer state; the joiner runs node/daemon/state_quorum.py with a
+real MemberCache and BanList, as node/daemon/join.py does (a node resuming far behind takes the
+same path). Two honest members and one liar; the liar's lie changes from case to case:
+
+- wrong round: its record (and its state) claim round 10^6;
+- poisoned weights whose digest it announced itself (NaN, and 1000x the honest norm);
+- a state far from the majority (NoLoCo: its own, announced; DiLoCoX: a minority digest);
+- a state other than the one it announced (DiLoCoX: it announces the majority's digest);
+- DiLoCoX: a far state announced for a round one later than the others' (a lone vote).
+
+Each case asserts the joiner adopts an honest state, at the round a majority reached, and that
+the liar is banned (where its lie is proof; a DiLoCoX member announcing a minority digest is not
+banned, see state_quorum.py, but never asked either). The last test is a DiLoCoX resync's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+
+import pytest
+import torch
+
+from node.config.manifest import ProtocolSection
+from node.config.settings import NodeTimeouts
+from node.daemon.members import MemberCache
+from node.daemon.state_quorum import StateAdoption
+from node.events import ResyncReady
+from node.loop import BackgroundTasks
+from node.rounds.contributions import BanList
+from node.rounds.dilocox.exchange import DiLoCoXExchange
+from node.rounds.state import STATE_KIND, announcement, encode_state
+from p2p.membership import Membership
+from p2p.messages import OutgoingMessage
+from p2p.streams import Transport
+from protocol.tensors import weights_digest
+from tests.p2p_helpers import run, wait_until
+from tests.swarm_harness import small_manifest
+from tests.swarm_parts import member, unit_swarm
+
+pytestmark = pytest.mark.integration
+HONEST_ROUND = 11          # members train round 11, so φ after round 10 is what they announce
+LIE_ROUND = 10 ** 6
+TIMEOUTS = NodeTimeouts(state_announce_wait_s=1.0, state_download_s=20.0)
+
+
+def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g) * scale, "b": torch.randn(32, generator=g) * scale}
+
+
+def nudged(base: dict, seed: int, relative: float) -> dict[str, torch.Tensor]:
+    """`base` plus noise of `relative` times its norm."""
+    noise = tensors(seed)
+    factor = relative * math.sqrt(sum(float(t.square().sum()) for t in base.values())) \
+        / math.sqrt(sum(float(t.square().sum()) for t in noise.values()))
+    return {n: base[n] + factor * noise[n] for n in base}
+
+
+class Member:
+    """A host that announces a φ in its member record and serves a state when asked."""
+
+    def __init__(self, host, manifest):
+        self.host, self.manifest = host, manifest
+        self.peer = host.peer_id.to_base58()
+        self.transport = Transport(host.p2p, host.identity, swarm=manifest.swarm.id, manifest=manifest.digest)
+        self.membership = Membership(host, manifest.swarm.id, protocol=manifest.protocol.name,
+                                     manifest=manifest.digest, ttl_s=30)
+        self.served: tuple[dict, dict] | None = None
+
+        async def respond(header) -> OutgoingMessage:
+            groups, meta = self.served
+            return OutgoingMessage(STATE_KIND, 0, encode_state(groups), dict(meta))
+        self.transport.on_request(STATE_KIND, respond, accept_round=lambda _r: True)
+
+    async def start(self) -> None:
+        await self.transport.start()
+        await self.membership.start()
+
+    async def stop(self) -> None:
+        await self.membership.leave()
+        await self.transport.stop()
+
+    async def behave(self, phi: dict, *, round_index: int = HONEST_ROUND, announced: dict | None = None,
+                     phi_round: int | None = None) -> str:
+        """Serve φ (momentum: a hundredth of it) as of `phi_round`, and announce `announced`'s
+        digest (default: φ's own) for that round. Returns the served φ's digest."""
+        phi_round = round_index - 1 if phi_round is None else phi_round
+        groups = {"phi": phi, "momentum": {n: t / 100 for n, t in phi.items()}}
+        digest = weights_digest(phi)
+        self.served = (groups, {"round": round_index, "phi_round": phi_round, "phi": digest})
+        shown = weights_digest(announced) if announced is not None else digest
+        extra = announcement(shown, phi_round, {"phi": "0" * 32, "phi_round": phi_round - 1})
+        await self.membership.update(round=round_index, status="training", extra=extra)
+        return digest
+
+
+async def join_once(joiner: Member, manifest, members: list[Member], rng_first: str | None):
+    """A fresh joiner's view (cache, bans) of the swarm as it stands; its adopted state and bans."""
+    bans = BanList(ban_after=3, ban_seconds=600)
+    cache = MemberCache(joiner.membership, BackgroundTasks(), manifest=manifest.digest, bans=bans, refresh_s=0.2)
+    expected = {m.peer: m.membership.record.round for m in members}
+    await cache.start()
+    try:
+        await wait_until(lambda: _sees(cache, expected), 20, what="the joiner to see every member's record")
+        rng = random.Random()
+        if rng_first is not None:  # DiLoCoX: pick the order in which the liar is asked first
+            holders = sorted(expected)
+            rng = next(random.Random(seed) for seed in range(1000)
+                       if _first(random.Random(seed), holders) == rng_first)
+        joined = await StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS,
+                                     tensors(99), rng).run()
+        return joined, bans
+    finally:
+        await cache.stop(5)
+
+
+async def _sees(cache: MemberCache, rounds: dict[str, int]) -> bool:
+    await cache.refresh()
+    return {r.peer_id: r.round for r in cache.peers()} == rounds
+
+
+def _first(rng: random.Random, holders: list[str]) -> str:
+    order = list(holders)
+    rng.shuffle(order)
+    return order[0]
+
+
+def scenario(tmp_path, p2p_cleanup, protocol: str, cases):
+    manifest = small_manifest(f"t-quorum-{protocol}", protocol)
+
+    async def body():
+        async with p2p_cleanup.hosts(tmp_path, 4) as hosts:
+            honest_a, honest_b, liar, joiner = members = [Member(h, manifest) for h in hosts]
+            for member in members:
+                await member.start()
+            try:
+                for name, lie, expect_ban in cases:
+                    honest_digests = await lie(honest_a, honest_b, liar)
+                    joined, bans = await join_once(joiner, manifest, [honest_a, honest_b, liar],
+                                                   liar.peer if name.endswith("(asked first)") else None)
+                    assert joined is not None, name
+                    assert joined.source in (honest_a.peer, honest_b.peer), f"{name}: adopted the liar's state"
+                    assert weights_digest(joined.tensors["phi"]) in honest_digests, name
+                    assert joined.round_index == HONEST_ROUND, f"{name}: started at {joined.round_index}"
+                    assert bans.is_banned(liar.peer) == expect_ban, f"{name}: banned {bans.is_banned(liar.peer)}"
+                    if expect_ban:
+                        assert liar.host.peer_id.to_bytes() in joiner.transport._bans, name
+                    assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer), name
+                    joiner.transport.unban(liar.peer)   # the next case starts with a fresh joiner view
+            finally:
+                for member in members:
+                    await member.stop()
+    run(body(), timeout_s=240)
+
+
+def test_noloco_late_join_adopts_no_liars_state_and_bans_it(tmp_path, p2p_cleanup):
+    base = tensors(1)
+    a, b = nudged(base, 2, 0.01), nudged(base, 3, 0.01)
+
+    async def honest(honest_a, honest_b) -> set[str]:
+        return {await honest_a.behave(a), await honest_b.behave(b)}
+
+    def case(phi, **how):
+        async def lie(honest_a, honest_b, liar):
+            digests = await honest(honest_a, honest_b)
+            await liar.behave(phi, **how)
+            return digests
+        return lie
+
+    poisoned_nan = {n: t.clone() for n, t in a.items()}
+    poisoned_nan["w"][3, 4] = float("nan")
+    run_cases = [
+        ("wrong round", case(nudged(base, 4, 0.01), round_index=LIE_ROUND), True),
+        ("NaN weights, own digest announced", case(poisoned_nan), True),
+        ("1000x weights, own digest announced", case({n: t * 1000 for n, t in a.items()}), True),
+        ("far from the majority, own digest announced", case(nudged(base, 5, 0.8)), True),
+        ("serves another state than it announced", case(nudged(base, 6, 0.8), announced=nudged(base, 7, 0.01)),
+         True),
+    ]
+    scenario(tmp_path, p2p_cleanup, "noloco", run_cases)
+
+
+def test_dilocox_late_join_adopts_the_majority_digest_and_bans_a_lying_server(tmp_path, p2p_cleanup):
+    shared = tensors(1)
+    poisoned = {n: t * 1000 for n, t in shared.items()}
+
+    def case(phi, **how):
+        async def lie(honest_a, honest_b, liar):
+            digests = {await honest_a.behave(shared), await honest_b.behave(shared)}
+            await liar.behave(phi, **how)
+            return digests
+        return lie
+
+    run_cases = [
+        ("wrong round", case(shared, round_index=LIE_ROUND), True),
+        # a minority digest: an honest member that missed a message announces one too
+        ("1000x weights, own digest announced", case(poisoned), False),
+        ("far from the majority, own digest announced", case(nudged(shared, 5, 0.8)), False),
+        ("far, announced for a later round only it reached", case(nudged(shared, 5, 0.8),
+                                                                  round_index=HONEST_ROUND + 1), False),
+        ("serves poison under the majority's digest (asked first)", case(poisoned, announced=shared), True),
+    ]
+    scenario(tmp_path, p2p_cleanup, "dilocox", run_cases)
+
+
+def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_one(tmp_path, p2p_cleanup):
+    """The consensus check of a diverged DiLoCoX node (node/rounds/dilocox/exchange.py): the
+    liar announces the majority's digest and is asked first, serves poison over a real stream,
+    is banned, and the honest holder's state is the resync; the training thread then checks it
+    as a contribution (tests/unit/test_rounds.py)."""
+    manifest = small_manifest("t-resync-liar", "dilocox")
+    shared = tensors(1)
+
+    async def body():
+        async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
+            honest, liar, node = members = [Member(h, manifest) for h in hosts]
+            for m in members:
+                await m.start()
+            try:
+                digest = await honest.behave(shared)
+                await liar.behave({n: t * 1000 for n, t in shared.items()}, announced=shared)
+                events: list = []
+                records = [member(m.peer, HONEST_ROUND, "dilocox", "training", since=0, phi=digest,
+                                  phi_round=HONEST_ROUND - 1) for m in (liar, honest)]  # the liar first
+                swarm = unit_swarm(asyncio.get_running_loop(), records, peer_id=node.peer,
+                                   transport=node.transport, events=events)
+                exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+                await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
+                resync = exchange.resyncs[HONEST_ROUND - 1]
+                assert resync["source"] == honest.peer
+                assert weights_digest(resync["slow_weights"]) == digest
+                assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
+                assert swarm.bans.is_banned(liar.peer) and liar.host.peer_id.to_bytes() in node.transport._bans
+            finally:
+                for m in members:
+                    await m.stop()
+    run(body(), timeout_s=120)

@@ -31,6 +31,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p.errors import HostError
+from p2p.paths import is_relayed
 
 logger = logging.getLogger("lowcomm.p2p.reachability")
 DIAL_BACK = "lowcomm.dialback/1"
@@ -89,10 +90,6 @@ async def create_p2p(extra_flags: dict[str, Any] | None = None, **create_options
         return await _P2PWithFlags.create(**create_options)
     finally:
         _extra_flags.reset(token)
-
-
-def is_relayed(maddr: Multiaddr | str) -> bool:
-    return "/p2p-circuit" in str(maddr)
 
 
 def is_loopback_only(maddrs: Sequence[str]) -> bool:

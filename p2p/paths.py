@@ -1,0 +1,68 @@
+"""Which way each stream goes, direct or through a circuit relay, and what a relay will carry.
+
+A member behind NAT is reached through a relay until a hole is punched (DCUtR); libp2p opens new
+streams on the best connection it holds, so a direct one is used as soon as it exists. A relay
+(p2pd's defaults, which our public members run) resets a relayed connection after 4 GiB per
+direction or 30 minutes: a transfer that would cross those limits is refused before it starts,
+with the reason, instead of being cut near its end and retried forever.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from hivemind.utils.multiaddr import Multiaddr
+
+GiB = 1 << 30
+_MAX_TRACKED_PEERS = 1024
+
+
+def is_relayed(maddr: Multiaddr | str) -> bool:
+    return "/p2p-circuit" in str(maddr)
+
+
+@dataclass(frozen=True)
+class RelayLimits:
+    """What we send over one relayed connection: below p2pd's 4 GiB and 30 min, with margin for
+    framing and for the other transfers sharing that connection."""
+
+    max_bytes: int = 3 * GiB
+    max_seconds: float = 25 * 60.0
+
+    def refusal(self, nbytes: int, deadline_s: float) -> str | None:
+        """Why a transfer of `nbytes` with this deadline must not go through a relay (or None)."""
+        if nbytes > self.max_bytes:
+            return (f"{nbytes / GiB:.2f} GiB would cross a relay, which cuts a connection after 4 GiB; "
+                    f"it needs a direct connection (a forwarded port on either side)")
+        if deadline_s > self.max_seconds:
+            return (f"the transfer may take {deadline_s / 60:.0f} min, and a relay cuts a connection after "
+                    f"30 min; it needs a direct connection (a forwarded port on either side)")
+        return None
+
+
+@dataclass
+class PathCounts:
+    """Streams opened (by us or to us) per path; the peers we reached only through a relay."""
+
+    direct: int = 0
+    relayed: int = 0
+    relayed_by_peer: OrderedDict = field(default_factory=OrderedDict)  # peer b58 -> streams
+    direct_by_peer: OrderedDict = field(default_factory=OrderedDict)
+
+    def note(self, peer: str, maddr: Multiaddr | str) -> bool:
+        """Counts one stream on the connection at `maddr`; True when it is relayed."""
+        relayed = is_relayed(maddr)
+        table = self.relayed_by_peer if relayed else self.direct_by_peer
+        if relayed:
+            self.relayed += 1
+        else:
+            self.direct += 1
+        table[peer] = table.pop(peer, 0) + 1
+        while len(table) > _MAX_TRACKED_PEERS:
+            table.popitem(last=False)
+        return relayed
+
+    def snapshot(self) -> dict:
+        return {"streams_direct": self.direct, "streams_relayed": self.relayed,
+                "relayed_by_peer": dict(self.relayed_by_peer), "direct_by_peer": dict(self.direct_by_peer)}

@@ -1,0 +1,102 @@
+"""Volunteers behind home NAT (issue 22), with real daemons behind real NAT routers.
+
+Each test builds benchmarks/nat_testbed.py: a public namespace whose node starts the swarm, and
+two homes, each behind its own router namespace (iptables MASQUERADE, replies only, unsolicited
+packets dropped). Every node is a real `lowcomm-node join` process with its own p2pd, inside its
+namespace. The homes must find each other and exchange for several rounds (NoLoCo swaps,
+DiLoCoX messages) through a relay on the public member or a punched hole; the test prints which
+and fails if they cannot. Every process, then every namespace (and with them the routers'
+rules) is removed at the end; the test checks that none is left.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+from benchmarks.nat_testbed import NatTestbed, unavailable
+from tests.faults import FaultHarness, joined, stop_all
+from tests.swarm_harness import NodeHandle, small_manifest
+
+pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+EXCHANGES = 3  # home-to-home exchanges each home must complete
+
+
+def _exchanged_with(protocol: str, other: str):
+    """A predicate: the node completed EXCHANGES exchanges with `other` (NoLoCo: swaps with it;
+    DiLoCoX: rounds whose applied group includes it)."""
+    def predicate(events: list[dict]) -> bool:
+        if protocol == "noloco":
+            done = [e for e in events if e["event"] == "swapped" and e["partner"] == other]
+        else:
+            done = [e for e in events if e["event"] == "round" and other in (e.get("group") or [])]
+        return len(done) >= EXCHANGES
+    return predicate
+
+
+def _listen_port(node: NodeHandle, address: str) -> int:
+    addresses = node.events("joined")[-1]["addresses"]
+    found = [int(m.group(1)) for a in addresses if (m := re.match(rf"/ip4/{re.escape(address)}/tcp/(\d+)/", a))]
+    assert found, f"node {node.index} does not listen on {address}: {addresses}"
+    return found[0]
+
+
+def _our_namespaces(net: NatTestbed) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(net.tag)]
+
+
+@pytest.mark.parametrize("protocol", ["noloco", "dilocox"])
+def test_two_homes_behind_nat_exchange_through_a_relay_or_a_punched_hole(tmp_path, protocol):
+    m = small_manifest(f"t-nat-{protocol}", protocol, **({"rank": 4} if protocol == "dilocox" else {}))
+    harness = FaultHarness(tmp_path / "swarm", m)
+    net = NatTestbed(publics=1, homes=2)
+    try:
+        with net:
+            public = harness.start_node(0, extra=["--min-peers", "2"], netns=net.public(0),
+                                        listen=f"/ip4/{net.public_address(0)}/tcp/0")
+            public.wait_for(joined, 90, "joining")
+            homes = [harness.start_node(1 + j, [public.address], netns=net.home(j), listen="/ip4/0.0.0.0/tcp/0")
+                     for j in range(2)]
+            for home in homes:
+                home.wait_for(joined, 120, "joining")
+
+            # the testbed is what it claims: homes reach the internet, the internet cannot reach them
+            public_port = _listen_port(public, net.public_address(0))
+            assert net.tcp_reachable(net.home(0), net.public_address(0), public_port)
+            for j, home in enumerate(homes):
+                port = _listen_port(home, net.home_address(j))
+                assert not net.tcp_reachable(net.public(0), net.router_address(j), port)
+                assert not net.tcp_reachable(net.public(0), net.home_address(j), port)
+                assert "MASQUERADE" in net.nat_rules(j)
+
+            # each node found its reachability, and the homes hold relay slots on the public member
+            assert public.events("reachability")[-1]["mode"] == "public"
+            for home in homes:
+                found = home.events("reachability")[-1]
+                assert found["mode"] == "private", found
+                assert any(f"/p2p/{public.peer_id}/p2p-circuit" in a for a in found["relay_addrs"]), found
+
+            ids = [home.peer_id for home in homes]
+            for home, other in ((homes[0], ids[1]), (homes[1], ids[0])):
+                home.wait_for(_exchanged_with(protocol, other), 300,
+                              f"{EXCHANGES} {protocol} exchanges with the other home")
+            assert stop_all([public, *homes]) == [0, 0, 0]
+
+            counters = [node.events("transport")[-1] for node in (public, *homes)]
+            relayed = counters[1]["relayed_by_peer"].get(ids[1], 0) + counters[2]["relayed_by_peer"].get(ids[0], 0)
+            direct = counters[1]["direct_by_peer"].get(ids[1], 0) + counters[2]["direct_by_peer"].get(ids[0], 0)
+            path = "a punched hole (direct)" if direct and not relayed else \
+                "a relay, then a punched hole" if direct else "the relay on the public member"
+            print(f"\n{protocol}: the homes exchanged through {path}: {relayed} streams relayed, "
+                  f"{direct} direct")
+            assert relayed + direct > 0
+            # the public member reached both homes over their own outgoing connections: no member
+            # behind NAT relayed anything for it
+            assert not counters[0]["relayed_by_peer"], counters[0]
+    finally:
+        harness.close()
+        net.close()
+    assert not _our_namespaces(net), "namespaces left behind"

@@ -23,6 +23,7 @@ import contextvars
 import ipaddress
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,6 +146,7 @@ class DialBackAnswer:
     reachable: list[int]     # the ports it could open
     peer_public: bool        # whether the answering peer is public itself
     error: str | None = None
+    clock_offset_s: float | None = None  # the peer's clock minus ours (mid-round-trip estimate)
 
 
 class DialBackService:
@@ -183,7 +185,7 @@ class DialBackService:
             results = await asyncio.gather(*(self._dial(observed, port) for port in ports[:_MAX_PORTS]))
         self.served += 1
         return {"observed": observed, "reachable": [p for p, ok in zip(ports, results) if ok],
-                "public": self.public}
+                "public": self.public, "time": time.time()}
 
     async def _dial(self, host: str, port: int) -> bool:
         try:
@@ -200,13 +202,18 @@ async def ask_dial_back(p2p: P2P, peer: PeerID, ports: Sequence[int], timeout_s:
     async with asyncio.timeout(timeout_s * _MAX_PORTS + 10):
         _, reader, writer = await p2p.call_binary_stream_handler(peer, DIAL_BACK)
         try:
+            sent = time.time()
             writer.write(json.dumps({"ports": list(ports)[:_MAX_PORTS]}).encode() + b"\n")
             await writer.drain()
             reply = json.loads(await reader.readline() or b"{}")
+            received = time.time()
         finally:
             writer.close()
+    # the peer stamps its reply after dialling: with ports, the midpoint estimate is off by up to
+    # the dial time, so only a port-less request measures the clock
+    offset = reply["time"] - (sent + received) / 2 if isinstance(reply.get("time"), (int, float)) else None
     return DialBackAnswer(peer.to_base58(), reply.get("observed"), list(reply.get("reachable", [])),
-                          bool(reply.get("public")), reply.get("error"))
+                          bool(reply.get("public")), reply.get("error"), offset)
 
 
 def listening_ports(maddrs: Sequence[Multiaddr | str]) -> list[int]:

@@ -11,13 +11,15 @@ rules) is removed at the end; the test checks that none is left.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import sys
 
 import pytest
 
 from benchmarks.nat_testbed import NatTestbed, unavailable
-from tests.faults import FaultHarness, joined, stop_all
+from tests.faults import REPO, FaultHarness, joined, stop_all
 from tests.swarm_harness import NodeHandle, small_manifest
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
@@ -96,6 +98,42 @@ def test_two_homes_behind_nat_exchange_through_a_relay_or_a_punched_hole(tmp_pat
             # the public member reached both homes over their own outgoing connections: no member
             # behind NAT relayed anything for it
             assert not counters[0]["relayed_by_peer"], counters[0]
+    finally:
+        harness.close()
+        net.close()
+    assert not _our_namespaces(net), "namespaces left behind"
+
+
+def _doctor(net: NatTestbed, namespace: str, harness: FaultHarness, peer: str, data_dir) -> tuple[int, str]:
+    process = net.popen(namespace, [sys.executable, "-m", "node.cli", "doctor", "--manifest", str(harness.manifest_path),
+                                    "--peer", peer, "--data-dir", str(data_dir)],
+                        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT, text=True)
+    output, _ = process.communicate(timeout=120)
+    return process.returncode, output
+
+
+def test_doctor_on_a_public_node_behind_nat_and_with_a_dead_bootstrap_peer(tmp_path):
+    harness = FaultHarness(tmp_path / "swarm", small_manifest("t-nat-doctor", "noloco"))
+    net = NatTestbed(publics=2, homes=1)
+    try:
+        with net:
+            bootstrap = harness.start_node(0, netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
+            bootstrap.wait_for(joined, 90, "joining")
+            code, public = _doctor(net, net.public(1), harness, bootstrap.address, tmp_path / "d1")
+            assert code == 0, public
+            assert re.search(r"OK +reachability +public \(\w+ opened 11\.22\.0\.11:\d+\)", public), public
+            assert re.search(r"OK +clock +this clock differs from peer \w+'s by [+-]\d+\.\d+ s\.", public), public
+            code, home = _doctor(net, net.home(0), harness, bootstrap.address, tmp_path / "d2")
+            assert code == 0, home
+            assert re.search(r"OK +reachability +behind NAT \(\w+ could not open 11\.22\.0\.100", home), home
+            assert re.search(r"OK +relay +1 relay reservation", home), home
+            dead_peer = re.sub(r"/tcp/\d+/", "/tcp/9/", bootstrap.address)  # its id, nothing listening
+            code, dead = _doctor(net, net.public(1), harness, dead_peer, tmp_path / "d3")
+            assert code == 1, dead
+            assert "FAIL  bootstrap     none of the bootstrap peers" in dead, dead
+            assert dead.rstrip().endswith("fix the 1 failure(s) above."), dead
+            print("\n--- doctor, public\n" + public + "--- doctor, behind NAT\n" + home + "--- doctor, dead bootstrap\n" + dead)
     finally:
         harness.close()
         net.close()

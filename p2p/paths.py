@@ -33,12 +33,17 @@ class RelayLimits:
     def refusal(self, nbytes: int, deadline_s: float) -> str | None:
         """Why a transfer of `nbytes` with this deadline must not go through a relay (or None)."""
         if nbytes > self.max_bytes:
-            return (f"{nbytes / GiB:.2f} GiB would cross a relay, which cuts a connection after 4 GiB; "
-                    f"it needs a direct connection (a forwarded port on either side)")
+            return (f"{_size(nbytes)} would cross a relay, and relays cut a connection after 4 GiB (we send "
+                    f"at most {_size(self.max_bytes)} that way); it needs a direct connection (a forwarded "
+                    f"port on either side)")
         if deadline_s > self.max_seconds:
             return (f"the transfer may take {deadline_s / 60:.0f} min, and a relay cuts a connection after "
                     f"30 min; it needs a direct connection (a forwarded port on either side)")
         return None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 10 else f"{nbytes / 1e6:.1f} MB"
 
 
 @dataclass

@@ -11,13 +11,16 @@ rules) is removed at the end; the test checks that none is left.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.nat_swap import start_peer
 from benchmarks.nat_testbed import NatTestbed, unavailable
 from tests.faults import REPO, FaultHarness, joined, stop_all
 from tests.swarm_harness import NodeHandle, small_manifest
@@ -137,4 +140,25 @@ def test_doctor_on_a_public_node_behind_nat_and_with_a_dead_bootstrap_peer(tmp_p
     finally:
         harness.close()
         net.close()
+    assert not _our_namespaces(net), "namespaces left behind"
+
+
+def test_a_relayed_transfer_the_relay_would_cut_is_refused_with_its_reason():
+    """Sender and replier both check before sending: a push too large for a relayed connection
+    is not started, and a swap whose reply is too large is refused TOO_LARGE by the replier.
+    (The limit is scaled down to 1 MB so that a 4 MB payload crosses it.)"""
+    net = NatTestbed(publics=1, homes=2)
+    with net:
+        args = SimpleNamespace(size_mb=4, repeats=1)
+        _, relay = start_peer(net, "pub0", args)
+        limit = ("--relay-limit-mb", "1")
+        _, server = start_peer(net, "home1", args, peer=relay["addrs"][0], extra=limit)
+        client, _ = start_peer(net, "home0", args, peer=relay["addrs"][0], target=server["peer_id"], extra=limit)
+        said = json.loads(client.stdout.readline() or "{}")
+        assert client.wait(timeout=60) == 0
+    assert said["streams_relayed"] > 0, said
+    assert said["push"].startswith("TransferFailed: the push of 'bench' with peer"), said
+    assert "was not started: 4.0 MB would cross a relay, and relays cut a connection after 4 GiB" in said["push"]
+    assert said["reply"].startswith("RemoteRefused:") and "TOO_LARGE (our reply was not sent: 4.0 MB would " \
+        "cross a relay" in said["reply"], said
     assert not _our_namespaces(net), "namespaces left behind"

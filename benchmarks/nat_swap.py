@@ -53,7 +53,7 @@ async def run_peer(args) -> None:
 
     work = tempfile.mkdtemp(prefix="lowcomm-natbench-")
     host = await P2PHost.start(NodeIdentity.load_or_create(identity_path(work)), host_maddrs=[args.listen],
-                               initial_peers=[args.peer] if args.peer else [])
+                               initial_peers=[p for p in args.peer.split(",") if p])
     payload = np.random.default_rng(0).integers(0, 256, args.size_mb * 10**6, dtype=np.uint8)
 
     def message():  # a new message per transfer: a reused one would skip hashing
@@ -81,7 +81,8 @@ async def run_peer(args) -> None:
         if args.relay_limit_mb:
             print(json.dumps(await _refusals(transport, target, message(), small)), flush=True)
             return
-        await transport.swap(target, small, timeout=60)  # connect (and reserve nothing) before timing
+        await transport.swap(target, small, timeout=60)  # connect before timing
+        await asyncio.sleep(args.settle_s)  # time for DCUtR to punch a hole, where it can
         times: dict[str, list[float]] = {"push": [], "swap": []}
         for _ in range(args.repeats):
             for mode in times:
@@ -182,8 +183,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "nat_swap.json")
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")  # peer: where it listens
-    parser.add_argument("--peer", default="")      # peer: the bootstrap peer
+    parser.add_argument("--peer", default="")      # peer: the bootstrap peers, comma-separated
     parser.add_argument("--target", default="")    # peer: measure against this peer id
+    parser.add_argument("--settle-s", type=float, default=0.0)  # peer: wait after connecting
     parser.add_argument("--relay-limit-mb", type=int, default=0)  # peer: refuse relayed transfers above this
     args = parser.parse_args()
     if args.command == "peer":

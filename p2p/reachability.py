@@ -118,24 +118,30 @@ def relay_maddrs(peers: Sequence[str]) -> list[str]:
     return list(chosen.values())
 
 
+def _with_quic(host_maddrs: Sequence[str]) -> list[str]:
+    """The listen addresses plus a QUIC one per TCP one: DCUtR punched holes only over QUIC here
+    (measured), and a home learns its QUIC address only from public peers it reached over QUIC."""
+    listen = list(host_maddrs)
+    for text in host_maddrs:
+        host = _host_of(Multiaddr(text))
+        if host is not None and "/tcp/" in text:
+            quic = f"/{'ip6' if ':' in host else 'ip4'}/{host}/udp/0/quic-v1"
+            if quic not in listen:
+                listen.append(quic)
+    return listen
+
+
 def p2pd_options(mode: str, relays: Sequence[str], host_maddrs: Sequence[str],
                  hole_punching: bool) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
     """(P2P.create options, extra p2pd flags, listen addresses) for a node found `mode`."""
+    listen = _with_quic(host_maddrs) if hole_punching and mode != "local" else list(host_maddrs)
     if mode == "public":
-        return {"force_reachability": "public", "use_relay": True}, {"relayService": 1}, list(host_maddrs)
+        return {"force_reachability": "public", "use_relay": True}, {"relayService": 1}, listen
     if mode == "private":
-        listen = list(host_maddrs)
-        if hole_punching:  # DCUtR punched holes only over QUIC here (measured)
-            for text in host_maddrs:
-                host = _host_of(Multiaddr(text))
-                if host is not None and "/tcp/" in text:
-                    quic = f"/{'ip6' if ':' in host else 'ip4'}/{host}/udp/0/quic-v1"
-                    if quic not in listen:
-                        listen.append(quic)
         options = {"force_reachability": "private", "use_relay": True, "use_auto_relay": True,
                    "trusted_relays": relay_maddrs(relays) or None}
         return options, {"relayDiscovery": 0, "relayService": 0}, listen
-    return {}, {}, list(host_maddrs)
+    return {}, {}, listen
 
 
 # ---------------------------------------------------------------------- dial-back
@@ -211,6 +217,8 @@ async def ask_dial_back(p2p: P2P, peer: PeerID, ports: Sequence[int], timeout_s:
             writer.close()
     # the peer stamps its reply after dialling: with ports, the midpoint estimate is off by up to
     # the dial time, so only a port-less request measures the clock
+    if not reply:  # the stream closed without an answer: no verdict from this peer
+        raise ConnectionError(f"peer {peer} closed the reachability check without an answer")
     offset = reply["time"] - (sent + received) / 2 if isinstance(reply.get("time"), (int, float)) else None
     return DialBackAnswer(peer.to_base58(), reply.get("observed"), list(reply.get("reachable", [])),
                           bool(reply.get("public")), reply.get("error"), offset)

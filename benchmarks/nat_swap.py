@@ -79,7 +79,13 @@ async def run_peer(args) -> None:
         target = PeerID.from_base58(args.target)
         small = OutgoingMessage.from_arrays("bench", 0, {"payload": payload[:1 << 16]})
         if args.relay_limit_mb:
-            print(json.dumps(await _refusals(transport, target, message(), small)), flush=True)
+            said = await _refusals(transport, target, message(), small)
+            # redialling a member by its relayed address (the daemon's Reconnector does it), after
+            # closing every connection to it (a dial to a connected peer would prove nothing)
+            await host.p2p._client.disconnect(target)
+            said["connected_before_redial"] = target in {p.peer_id for p in await host.p2p.list_peers()}
+            said["redialled"] = await host.reconnect([a for a in args.redial.split(",") if a])
+            print(json.dumps(said), flush=True)
             return
         await transport.swap(target, small, timeout=60)  # connect before timing
         await asyncio.sleep(args.settle_s)  # time for DCUtR to punch a hole, where it can
@@ -185,6 +191,7 @@ def main() -> None:
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")  # peer: where it listens
     parser.add_argument("--peer", default="")      # peer: the bootstrap peers, comma-separated
     parser.add_argument("--target", default="")    # peer: measure against this peer id
+    parser.add_argument("--redial", default="")    # peer: with --relay-limit-mb, redial these addresses
     parser.add_argument("--settle-s", type=float, default=0.0)  # peer: wait after connecting
     parser.add_argument("--relay-limit-mb", type=int, default=0)  # peer: refuse relayed transfers above this
     args = parser.parse_args()

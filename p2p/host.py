@@ -120,7 +120,7 @@ class P2PHost:
             await _name_the_sender_of_dht_stores(p2p, dht)
             await p2p.add_binary_stream_handler(
                 DIAL_BACK, DialBackService(found.mode == "public", options.dial_back_timeout_s).handle)
-            if found.mode == "private":
+            if found.mode == "private" and create_options["trusted_relays"]:
                 found.relay_addrs = await wait_for_relay_addresses(p2p, options.relay_wait_s)
         except BaseException as error:
             await _shutdown_p2p(p2p)
@@ -156,7 +156,8 @@ class P2PHost:
         for text in dict.fromkeys(maddrs):  # unique, in order
             with suppress(Exception):
                 maddr = Multiaddr(text)
-                peer = PeerID.from_base58(maddr["p2p"])
+                # the last /p2p/ names the peer: a relayed address names its relay first
+                peer = PeerID.from_base58(text.rsplit("/p2p/", 1)[1])
                 if peer == self.peer_id:
                     continue
                 async with asyncio.timeout(timeout_s):

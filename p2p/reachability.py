@@ -68,10 +68,14 @@ class Reachability:
 
     def line(self) -> str:
         if self.mode == "private":
-            relays = (f"reachable through {len(self.relay_addrs)} relay address(es)" if self.relay_addrs
+            relays = (f"reachable through {len(self.relays())} relay(s)" if self.relay_addrs
                       else "no relay slot yet: only public members can reach it")
             return f"behind NAT ({self.how}); {relays}"
         return f"{self.mode} ({self.how})"
+
+    def relays(self) -> list[str]:
+        """The peer ids of the relays holding a slot for us (an address names its relay first)."""
+        return list(dict.fromkeys(a.split("/p2p-circuit")[0].rsplit("/p2p/", 1)[-1] for a in self.relay_addrs))
 
     def to_dict(self) -> dict:
         return {"mode": self.mode, "how": self.how, "relay_addrs": list(self.relay_addrs),
@@ -281,7 +285,7 @@ async def find_reachability(options: ReachabilityOptions, *, host_maddrs: Sequen
                 continue
             if answer.error is None:
                 answers.append(answer)
-                if answer.reachable or answer.peer_public:
+                if answer.peer_public:  # only a public peer's dial tells what the internet sees
                     break
     finally:
         await stop_probe(probe)
@@ -289,19 +293,19 @@ async def find_reachability(options: ReachabilityOptions, *, host_maddrs: Sequen
 
 
 def _verdict(answers: list[DialBackAnswer], ports: list[int]) -> Reachability:
-    opened = next((a for a in answers if a.reachable), None)
-    if opened is not None:
-        return Reachability("public", f"{opened.peer[-8:]} opened {opened.observed}:{opened.reachable[0]}")
+    public = [a for a in answers if a.peer_public]
     if not answers:
         return Reachability("private", "no bootstrap peer answered the reachability check")
-    if not any(a.peer_public for a in answers):
+    if not public:  # a private peer that reached us may share our LAN: that proves nothing
         raise NoPublicMember(
             f"this node is behind NAT and none of its bootstrap peers is publicly reachable, so "
             f"no member can relay for it: a swarm needs at least one public member (a host with "
             f"an open or forwarded port, joined with --reachability public or --announce).")
+    answer = public[0]
+    if answer.reachable:
+        return Reachability("public", f"{answer.peer[-8:]} opened {answer.observed}:{answer.reachable[0]}")
     shown = ", ".join(str(p) for p in ports) or "none"
-    return Reachability("private", f"{answers[0].peer[-8:]} could not open {answers[0].observed} "
-                                   f"on port(s) {shown}")
+    return Reachability("private", f"{answer.peer[-8:]} could not open {answer.observed} on port(s) {shown}")
 
 
 class NoPublicMember(HostError):

@@ -190,7 +190,7 @@ class Transport:
         try:
             async with asyncio.timeout(deadline):
                 ios = await self._open_streams(peer, plan.streams)
-                refusal = self._relay_refusal(ios, largest + expected_reply_bytes, deadline)
+                refusal = self._relay_refusal(ios, largest)
                 if refusal:
                     raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} was not "
                                          f"started: {refusal}.")
@@ -246,9 +246,9 @@ class Transport:
                     (await task).close()
             raise
 
-    def _relay_refusal(self, ios: list[StreamIO], nbytes: int, deadline_s: float) -> str | None:
+    def _relay_refusal(self, ios: list[StreamIO], nbytes: int) -> str | None:
         relayed = any(io.relayed for io in ios)
-        return self.relay_limits.refusal(nbytes, deadline_s) if relayed else None
+        return self.relay_limits.refusal(nbytes) if relayed else None
 
     async def _push_stream(self, peer: PeerID, io: StreamIO, plan: SendPlan, stream: int) -> None:
         writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor))
@@ -357,8 +357,7 @@ class Transport:
             bound.append(run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
             if header.mode == Mode.SWAP:
                 plan: SendPlan = await assembly.reply
-                refusal = relayed and self.relay_limits.refusal(plan.message.total_bytes,
-                                                                self.limits.deadline_s(plan.message.total_bytes))
+                refusal = relayed and self.relay_limits.refusal(plan.message.total_bytes)
                 if refusal:
                     raise Refusal(Reason.TOO_LARGE, f"our reply was not sent: {refusal}")
                 # Our half goes out while the peer's half comes in (the reader runs meanwhile).

@@ -142,9 +142,10 @@ async def check_network(manifest: Manifest, options: DoctorOptions, identity) ->
         found = host.reachability
         findings = [reachability_finding(found)]
         if found.mode == "private":
+            relays = found.relays()
             findings.append(Finding("relay", "ok" if found.relay_addrs else "warn",
-                                    f"{len(found.relay_addrs)} relay reservation(s): members behind other NATs "
-                                    f"reach this node through {', '.join(found.relay_addrs[:2])}."
+                                    f"{len(relays)} relay reservation(s) ({', '.join(r[-8:] for r in relays)}): "
+                                    f"members behind other NATs reach this node through {found.relay_addrs[0]}."
                                     if found.relay_addrs else
                                     "no relay reservation: members behind other NATs cannot reach this node; "
                                     "ask the swarm's operator for a public member that runs this version."))

@@ -11,6 +11,7 @@ rules) is removed at the end; the test checks that none is left.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -22,6 +23,9 @@ import pytest
 
 from benchmarks.nat_swap import start_peer
 from benchmarks.nat_testbed import NatTestbed, unavailable
+from p2p.errors import HostError
+from p2p.host import P2PHost
+from p2p.identity import NodeIdentity, identity_path
 from tests.faults import REPO, FaultHarness, joined, stop_all
 from tests.swarm_harness import NodeHandle, small_manifest
 
@@ -130,7 +134,7 @@ def test_doctor_on_a_public_node_behind_nat_and_with_a_dead_bootstrap_peer(tmp_p
             code, home = _doctor(net, net.home(0), harness, bootstrap.address, tmp_path / "d2")
             assert code == 0, home
             assert re.search(r"OK +reachability +behind NAT \(\w+ could not open 11\.22\.0\.100", home), home
-            assert re.search(r"OK +relay +1 relay reservation", home), home
+            assert re.search(rf"OK +relay +1 relay reservation\(s\) \({bootstrap.peer_id[-8:]}\)", home), home
             dead_peer = re.sub(r"/tcp/\d+/", "/tcp/9/", bootstrap.address)  # its id, nothing listening
             code, dead = _doctor(net, net.public(1), harness, dead_peer, tmp_path / "d3")
             assert code == 1, dead
@@ -153,7 +157,9 @@ def test_a_relayed_transfer_the_relay_would_cut_is_refused_with_its_reason():
         _, relay = start_peer(net, "pub0", args)
         limit = ("--relay-limit-mb", "1")
         _, server = start_peer(net, "home1", args, peer=relay["addrs"][0], extra=limit)
-        client, _ = start_peer(net, "home0", args, peer=relay["addrs"][0], target=server["peer_id"], extra=limit)
+        relayed = [a for a in server["addrs"] if "/p2p-circuit/" in a]
+        client, _ = start_peer(net, "home0", args, peer=relay["addrs"][0], target=server["peer_id"],
+                               extra=(*limit, "--redial", ",".join(relayed)))
         said = json.loads(client.stdout.readline() or "{}")
         assert client.wait(timeout=60) == 0
     assert said["streams_relayed"] > 0, said
@@ -161,4 +167,33 @@ def test_a_relayed_transfer_the_relay_would_cut_is_refused_with_its_reason():
     assert "was not started: 4.0 MB would cross a relay, and relays cut a connection after 4 GiB" in said["push"]
     assert said["reply"].startswith("RemoteRefused:") and "TOO_LARGE (our reply was not sent: 4.0 MB would " \
         "cross a relay" in said["reply"], said
+    # disconnected, the member is dialled again through each of its relayed addresses
+    assert relayed and not said["connected_before_redial"] and said["redialled"] == len(relayed), said
     assert not _our_namespaces(net), "namespaces left behind"
+
+
+def test_a_swarm_without_a_public_member_and_a_slow_p2pd_are_one_sentence_each(tmp_path):
+    harness = FaultHarness(tmp_path / "swarm", small_manifest("t-nat-nopublic", "noloco"))
+    net = NatTestbed(publics=1, homes=1)
+    try:
+        with net:  # the only member that others can dial runs as if it sat behind NAT
+            first = harness.start_node(0, extra=["--reachability", "private"],
+                                       netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
+            first.wait_for(joined, 90, "joining")
+            home = harness.start_node(1, [first.address], netns=net.home(0), listen="/ip4/0.0.0.0/tcp/0")
+            assert home.process.wait(timeout=120) == 1, home.log_tail()
+            assert "lowcomm-node: error: this node is behind NAT and none of its bootstrap peers is publicly " \
+                   "reachable, so no member can relay for it: a swarm needs at least one public member" \
+                   in home.log_tail(), home.log_tail()
+    finally:
+        harness.close()
+        net.close()
+    assert not _our_namespaces(net), "namespaces left behind"
+
+    async def slow_start():
+        identity = NodeIdentity.load_or_create(identity_path(tmp_path / "slow"))
+        with pytest.raises(HostError, match=r"^the P2P daemon \(p2pd\) did not start within 0 s: the machine is "
+                                            r"overloaded or p2pd is blocked; retry, or give it longer with "
+                                            r"--p2pd-timeout\.$"):
+            await P2PHost.start(identity, startup_timeout_s=0.001)
+    asyncio.run(slow_start())

@@ -41,9 +41,16 @@ def test_the_verdict_follows_the_dial_back_answers():
     found = _verdict([closed], [4001])
     assert found.mode == "private" and "could not open 11.22.0.100 on port(s) 4001" in found.how
     assert "no relay slot yet" in found.line()
+    found.relay_addrs = [f"/ip4/11.22.0.10/tcp/4001/p2p/{RELAY}/p2p-circuit/p2p/{HOME}",
+                         f"/ip4/11.22.0.10/udp/4001/quic-v1/p2p/{RELAY}/p2p-circuit/p2p/{HOME}"]
+    assert found.relays() == [RELAY] and found.line().endswith("reachable through 1 relay(s)")
     assert _verdict([], [4001]).mode == "private"
     with pytest.raises(NoPublicMember, match="a swarm needs at least one public member"):
         _verdict([DialBackAnswer(HOME, "11.22.0.100", [], False)], [4001])
+    # a private peer that could dial us shares our LAN, at best: it proves nothing
+    with pytest.raises(NoPublicMember):
+        _verdict([DialBackAnswer(HOME, "192.168.1.2", [4001], False)], [4001])
+    assert _verdict([DialBackAnswer(HOME, "192.168.1.2", [4001], False), closed], [4001]).mode == "private"
 
 
 def test_addresses_and_options_are_checked():
@@ -56,10 +63,9 @@ def test_addresses_and_options_are_checked():
 
 def test_relay_limits_refuse_what_the_relay_would_cut_and_paths_are_counted():
     limits = RelayLimits()
-    assert limits.refusal(100 << 20, 60.0) is None
+    assert limits.refusal(3 * GiB) is None
     assert "4.00 GiB would cross a relay, and relays cut a connection after 4 GiB (we send at most " \
-        "3.00 GiB that way)" in limits.refusal(4 * GiB, 60.0)
-    assert "a relay cuts a connection after 30 min" in limits.refusal(1 << 20, 3600.0)
+        "3.00 GiB that way)" in limits.refusal(4 * GiB)
     counts = PathCounts()
     assert counts.note(HOME, f"/ip4/11.22.0.10/tcp/4001/p2p/{RELAY}/p2p-circuit") is True
     assert counts.note(RELAY, "/ip4/11.22.0.10/tcp/4001") is False

@@ -32,6 +32,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p.errors import HostError
 from p2p.identity import NodeIdentity
+from p2p.paths import for_p2pd
 from p2p.reachability import (DIAL_BACK, DialBackService, Reachability, ReachabilityOptions, create_p2p,
                                find_reachability, p2pd_options, wait_for_relay_addresses)
 from p2p.records import STORE_SENDER, OwnerOnlyValidator
@@ -120,7 +121,7 @@ class P2PHost:
             await _name_the_sender_of_dht_stores(p2p, dht)
             await p2p.add_binary_stream_handler(
                 DIAL_BACK, DialBackService(found.mode == "public", options.dial_back_timeout_s).handle)
-            if found.mode == "private" and create_options["trusted_relays"]:
+            if found.mode == "private" and create_options.get("trusted_relays"):
                 found.relay_addrs = await wait_for_relay_addresses(p2p, options.relay_wait_s)
         except BaseException as error:
             await _shutdown_p2p(p2p)
@@ -162,7 +163,7 @@ class P2PHost:
                     continue
                 async with asyncio.timeout(timeout_s):
                     # hivemind has no public dial; p2pd takes the address without /p2p/<id>
-                    await self.p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer}"))])
+                    await self.p2p._client.connect(peer, [for_p2pd(maddr.decapsulate(Multiaddr(f"/p2p/{peer}")))])
                     answered += await self.dht.protocol.call_ping(peer) is not None
         if answered:
             with suppress(Exception):

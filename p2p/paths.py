@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import varint
+from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 GiB = 1 << 30
@@ -20,6 +22,22 @@ _MAX_TRACKED_PEERS = 1024
 
 def is_relayed(maddr: Multiaddr | str) -> bool:
     return "/p2p-circuit" in str(maddr)
+
+
+def for_p2pd(maddr: Multiaddr | str) -> Multiaddr:
+    """`maddr` with each /p2p/ component encoded as p2pd decodes it (a bare multihash).
+
+    hivemind's multiaddr encodes a /p2p/ value as a CID (0x01 0x72 + multihash), which p2pd
+    rejects ("length greater than remaining number of bytes in buffer"): dialling a relayed
+    address (/p2p/<relay>/p2p-circuit) through p2pd's control API failed that way (measured)."""
+    encoded = b""
+    for protocol, value in Multiaddr(str(maddr)).items():
+        if protocol.name == "p2p":
+            multihash = PeerID.from_base58(value).to_bytes()
+            encoded += varint.encode(protocol.code) + varint.encode(len(multihash)) + multihash
+        else:
+            encoded += Multiaddr(f"/{protocol.name}" + (f"/{value}" if value is not None else "")).to_bytes()
+    return Multiaddr(encoded)
 
 
 @dataclass(frozen=True)

@@ -142,8 +142,11 @@ def p2pd_options(mode: str, relays: Sequence[str], host_maddrs: Sequence[str],
     if mode == "public":
         return {"force_reachability": "public", "use_relay": True}, {"relayService": 1}, listen
     if mode == "private":
+        trusted = relay_maddrs(relays)
+        if not trusted:  # p2pd panics on auto-relay with neither static relays nor discovery
+            return {"force_reachability": "private", "use_relay": True}, {"relayService": 0}, listen
         options = {"force_reachability": "private", "use_relay": True, "use_auto_relay": True,
-                   "trusted_relays": relay_maddrs(relays) or None}
+                   "trusted_relays": trusted}
         return options, {"relayDiscovery": 0, "relayService": 0}, listen
     return {}, {}, listen
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils.multiaddr import Multiaddr
 
-from p2p.paths import GiB, PathCounts, RelayLimits
+from p2p.paths import GiB, PathCounts, RelayLimits, for_p2pd
 from p2p.reachability import (DialBackAnswer, DialBackService, NoPublicMember, ReachabilityOptions,
                               _verdict, is_loopback_only, listening_ports, p2pd_options, relay_maddrs)
 
@@ -32,6 +32,9 @@ def test_private_nodes_reserve_one_address_per_relay_listen_on_quic_and_never_re
     assert options["force_reachability"] == "public" and flags == {"relayService": 1}
     assert p2pd_options("local", peers, ["/ip4/127.0.0.1/tcp/0"], hole_punching=True)[:2] == ({}, {})
     assert relay_maddrs(peers) == [peers[0]]
+    # nobody to reserve a slot on (a private node that starts a swarm): no auto-relay at all
+    options, flags, _ = p2pd_options("private", [], ["/ip4/0.0.0.0/tcp/0"], hole_punching=True)
+    assert "use_auto_relay" not in options and flags == {"relayService": 0}
 
 
 def test_the_verdict_follows_the_dial_back_answers():
@@ -99,3 +102,11 @@ def test_dial_back_dials_only_the_observed_address_and_refuses_bad_requests():
     assert "longer than" in _ask(service, "/ip4/127.0.0.1/tcp/1", b"[" * 600 + b"\n")["error"]
     relayed = _ask(service, f"/ip4/11.22.0.10/tcp/4001/p2p/{RELAY}/p2p-circuit", b'{"ports": [1]}\n')
     assert "relayed" in relayed["error"] and relayed["public"] is False
+
+
+def test_relayed_addresses_are_encoded_as_p2pd_decodes_them():
+    text = f"/ip4/11.22.0.10/udp/4001/quic-v1/p2p/{RELAY}/p2p-circuit"
+    raw = for_p2pd(text).to_bytes()
+    multihash = bytes.fromhex("0024080112")  # identity multihash of an Ed25519 public key
+    assert multihash in raw and b"\x01\x72" + multihash not in raw  # no CID prefix
+    assert str(Multiaddr(raw)) == text

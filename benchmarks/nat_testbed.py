@@ -176,6 +176,15 @@ class NatTestbed:
                                str(port), str(timeout_s)], capture_output=True, timeout=timeout_s + 10)
         return done.returncode == 0
 
+    def forward_port(self, j: int, port: int) -> None:
+        """Router j forwards TCP `port` on its WAN address to its home (a volunteer's port forward)."""
+        home = f"{self.home_address(j)}"
+        for rule in (["-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "tcp", "--dport", str(port),
+                      "-j", "DNAT", "--to-destination", f"{home}:{port}"],
+                     ["-A", "FORWARD", "-i", "wan", "-o", "lan", "-p", "tcp", "-d", home, "--dport", str(port),
+                      "-j", "ACCEPT"]):
+            _run("ip", "netns", "exec", self.router(j), "iptables", *rule)
+
     def nat_rules(self, j: int) -> str:
         return _run("ip", "netns", "exec", self.router(j), "iptables", "-S").stdout + \
             _run("ip", "netns", "exec", self.router(j), "iptables", "-t", "nat", "-S").stdout

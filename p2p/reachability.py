@@ -7,8 +7,9 @@ accepts them. The verdict sets p2pd's flags (notes/containers-and-nat.md, measur
 
 - public: forced public, so that p2pd serves as a circuit-relay v2 hop for members behind NAT;
 - private: forced private, auto-relay reserving a slot through the public bootstrap peers
-  (exactly one multiaddr per relay, `-relayDiscovery=0`), QUIC listening so that DCUtR can
-  punch a hole, and `-relayService=0`: the swarm never depends on a home node to relay;
+  (exactly one multiaddr per relay, `-relayDiscovery=0`), and `-relayService=0`: the swarm
+  never depends on a home node to relay. DCUtR (hole punching) stays on in p2pd (`-autonat`),
+  but without QUIC listening (see `ReachabilityOptions.hole_punching`) it punched no hole here;
 - local: every listen address is loopback; nobody off this machine can dial it anyway, and
   p2pd keeps hivemind's defaults (the loopback tests and the local swarm).
 
@@ -48,7 +49,11 @@ class ReachabilityOptions:
 
     mode: str = "auto"                 # auto: ask a bootstrap peer; public/private: trust the user
     relays: tuple[str, ...] = ()       # relays to reserve slots on; default: the initial peers
-    hole_punching: bool = True         # private nodes also listen on QUIC for DCUtR
+    # Listen on QUIC too, which DCUtR hole punching needs (notes/containers-and-nat.md). Off:
+    # over QUIC, hivemind's p2pd dropped incoming streams before handing them over (measured on
+    # loopback: 4 of 6 rounds of 16 MB push + swap failed TRUNCATED, 0 of 6 over TCP), and no
+    # hole was punched in our NAT testbed with it on (4 public observers, 10 s to settle).
+    hole_punching: bool = False
     dial_back_timeout_s: float = 3.0   # per port, on the peer that dials us back
     relay_wait_s: float = 30.0         # a private node waits this long for a relay slot at start
 

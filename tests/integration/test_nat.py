@@ -197,3 +197,32 @@ def test_a_swarm_without_a_public_member_and_a_slow_p2pd_are_one_sentence_each(t
                                             r"--p2pd-timeout\.$"):
             await P2PHost.start(identity, startup_timeout_s=0.001)
     asyncio.run(slow_start())
+
+
+def test_announce_of_a_forwarded_port_makes_a_home_public_and_of_a_closed_one_keeps_its_relays(tmp_path):
+    harness = FaultHarness(tmp_path / "swarm", small_manifest("t-nat-announce", "noloco"))
+    net = NatTestbed(publics=1, homes=2)
+    try:
+        with net:
+            public = harness.start_node(0, netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
+            public.wait_for(joined, 90, "joining")
+            net.forward_port(0, 4100)  # home 0's router forwards 4100; home 1's forwards nothing
+            homes = [harness.start_node(1 + j, [public.address],
+                                        ["--announce", f"/ip4/{net.router_address(j)}/tcp/4100"],
+                                        netns=net.home(j), listen="/ip4/0.0.0.0/tcp/4100") for j in range(2)]
+            for home in homes:
+                home.wait_for(joined, 120, "joining")
+            forwarded, closed = (home.events("reachability")[-1] for home in homes)
+            assert forwarded["mode"] == "public", forwarded
+            assert f"opened {net.router_address(0)}:4100" in forwarded["how"], forwarded
+            assert homes[0].events("joined")[-1]["addresses"] == \
+                [f"/ip4/{net.router_address(0)}/tcp/4100/p2p/{homes[0].peer_id}"]
+            assert net.tcp_reachable(net.public(0), net.router_address(0), 4100)
+            assert closed["mode"] == "private" and closed["relay_addrs"], closed
+            assert any("/p2p-circuit/" in a for a in homes[1].events("joined")[-1]["addresses"])
+            assert f"--announce /ip4/{net.router_address(1)}/tcp/4100 is not reachable" in homes[1].log_tail(100_000)
+            assert stop_all([public, *homes]) == [0, 0, 0]
+    finally:
+        harness.close()
+        net.close()
+    assert not _our_namespaces(net), "namespaces left behind"

@@ -97,8 +97,8 @@ class P2PHost:
                 "startup_timeout": startup_timeout_s}
         found = await find_reachability(
             options, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or (), initial_peers=initial_peers,
-            start_probe=lambda: _start_p2pd(host_maddrs=list(host_maddrs), **base),
-            stop_probe=_shutdown_p2p)
+            start_probe=lambda: start_p2pd(host_maddrs=list(host_maddrs), **base),
+            stop_probe=shutdown_p2p)
         create_options, flags, listen = p2pd_options(found.mode, options.relays or initial_peers, host_maddrs,
                                                      options.hole_punching)
         if found.mode == "private" and announce_maddrs:
@@ -109,7 +109,7 @@ class P2PHost:
                            "forward that port on your router to be dialled directly",
                            ", ".join(announce_maddrs), found.how)
             announce_maddrs = None
-        p2p = await _start_p2pd(host_maddrs=listen,
+        p2p = await start_p2pd(host_maddrs=listen,
                                 announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
                                 extra_flags=flags, **base, **create_options)
         try:
@@ -124,7 +124,7 @@ class P2PHost:
             if found.mode == "private" and create_options.get("trusted_relays"):
                 found.relay_addrs = await wait_for_relay_addresses(p2p, options.relay_wait_s)
         except BaseException as error:
-            await _shutdown_p2p(p2p)
+            await shutdown_p2p(p2p)
             if isinstance(error, HostError) or not isinstance(error, Exception):
                 raise
             if "bootstrap failed" in str(error):
@@ -187,10 +187,10 @@ class P2PHost:
         self._closed = True
         with suppress(Exception):
             await asyncio.wait_for(self.dht.shutdown(), 5.0)
-        await _shutdown_p2p(self.p2p)
+        await shutdown_p2p(self.p2p)
 
 
-async def _start_p2pd(extra_flags: dict | None = None, **create_options: Any) -> P2P:
+async def start_p2pd(extra_flags: dict | None = None, **create_options: Any) -> P2P:
     """p2pd, or a HostError of one sentence naming the cause and the fix."""
     initial_peers, startup_timeout_s = create_options["initial_peers"] or [], create_options["startup_timeout"]
     sockets_before = set(glob.glob(_SOCKET_GLOB))
@@ -288,7 +288,7 @@ async def _name_the_sender_of_dht_stores(p2p: P2P, dht: DHTNode) -> None:
     await p2p.add_protobuf_handler(name, rpc_store, dht_pb2.StoreRequest)
 
 
-async def _shutdown_p2p(p2p: P2P) -> None:
+async def shutdown_p2p(p2p: P2P) -> None:
     # hivemind removes the daemon's socket only if p2pd was still running, and never waits
     # forever here: a p2pd that ignores SIGTERM for 5 s gets SIGKILL.
     sockets = p2pd_socket_paths(p2p)

@@ -105,18 +105,18 @@ def check_disk(manifest: Manifest, data_dir: Path) -> Finding:
 
 
 async def check_p2pd(identity_path: str, timeout_s: float) -> Finding:
-    from p2p.host import _shutdown_p2p, _start_p2pd
+    from p2p.host import shutdown_p2p, start_p2pd
     from p2p.errors import HostError
 
     started = time.monotonic()
     try:
-        p2p = await _start_p2pd(identity_path=identity_path, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        p2p = await start_p2pd(identity_path=identity_path, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
                                 initial_peers=None, nat_port_map=False, check_if_identity_free=False,
                                 startup_timeout=timeout_s)
     except HostError as error:
         return Finding("p2pd", "fail", str(error))
     took = time.monotonic() - started
-    await _shutdown_p2p(p2p)
+    await shutdown_p2p(p2p)
     level = "ok" if took < timeout_s / 3 else "warn"
     advice = "" if level == "ok" else f": close to its {timeout_s:.0f} s limit, raise it with --p2pd-timeout"
     return Finding("p2pd", level, f"p2pd started in {took:.2f} s{advice}.")

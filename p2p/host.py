@@ -20,6 +20,7 @@ import glob
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from contextlib import suppress
@@ -33,7 +34,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2p.errors import HostError
 from p2p.identity import NodeIdentity
 from p2p.paths import for_p2pd
-from p2p.reachability import (DIAL_BACK, DialBackService, Reachability, ReachabilityOptions, create_p2p,
+from p2p.reachability import (DIAL_BACK, PRIVATE_ENV, DialBackService, Reachability, ReachabilityOptions, create_p2p,
                                find_reachability, p2pd_options, wait_for_relay_addresses)
 from p2p.records import STORE_SENDER, OwnerOnlyValidator
 
@@ -95,10 +96,16 @@ class P2PHost:
         base = {"identity_path": str(identity.path), "initial_peers": initial_peers or None,
                 "nat_port_map": nat_port_map, "check_if_identity_free": False,
                 "startup_timeout": startup_timeout_s}
-        found = await find_reachability(
-            options, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or (), initial_peers=initial_peers,
-            start_probe=lambda: start_p2pd(host_maddrs=list(host_maddrs), **base),
-            stop_probe=shutdown_p2p)
+        with tempfile.TemporaryDirectory(prefix="lowcomm-probe-") as scratch:
+            # the probe runs under a throwaway key: our own peer id reconnecting right after the
+            # probe left was followed by failed bootstraps (measured twice in the NAT testbed)
+            probe_identity = NodeIdentity.generate()
+            probe_identity.save(os.path.join(scratch, "probe.key"))
+            found = await find_reachability(
+                options, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or (),
+                initial_peers=initial_peers, stop_probe=shutdown_p2p,
+                start_probe=lambda: start_p2pd(host_maddrs=list(host_maddrs),
+                                               **{**base, "identity_path": str(probe_identity.path)}))
         create_options, flags, listen = p2pd_options(found.mode, options.relays or initial_peers, host_maddrs,
                                                      options.hole_punching)
         if found.mode == "private" and announce_maddrs:
@@ -111,7 +118,8 @@ class P2PHost:
             announce_maddrs = None
         p2p = await start_p2pd(host_maddrs=listen,
                                 announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
-                                extra_flags=flags, **base, **create_options)
+                                extra_flags=flags, env=PRIVATE_ENV if found.mode == "private" else None,
+                                **base, **create_options)
         try:
             if p2p.peer_id != identity.peer_id:
                 raise HostError(f"p2pd runs as {p2p.peer_id} instead of {identity.peer_id}; "
@@ -190,12 +198,12 @@ class P2PHost:
         await shutdown_p2p(self.p2p)
 
 
-async def start_p2pd(extra_flags: dict | None = None, **create_options: Any) -> P2P:
+async def start_p2pd(extra_flags: dict | None = None, env: dict | None = None, **create_options: Any) -> P2P:
     """p2pd, or a HostError of one sentence naming the cause and the fix."""
     initial_peers, startup_timeout_s = create_options["initial_peers"] or [], create_options["startup_timeout"]
     sockets_before = set(glob.glob(_SOCKET_GLOB))
     try:
-        return await create_p2p(extra_flags, **create_options)
+        return await create_p2p(extra_flags, env, **create_options)
     except Exception as error:
         # hivemind does not return the half-started daemon, so its socket cannot be named:
         # remove the sockets that appeared meanwhile once nothing listens on them.

@@ -24,6 +24,7 @@ import contextvars
 import ipaddress
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,12 +95,29 @@ class _P2PWithFlags(P2P):
         return P2P._make_process_args(*args, **{**kwargs, **_extra_flags.get()})
 
 
-async def create_p2p(extra_flags: dict[str, Any] | None = None, **create_options: Any) -> P2P:
+# Behind NAT, p2pd dials out from its own TCP listening port (SO_REUSEPORT); DCUtR's TCP punch
+# attempts from that port then broke the home's connection to its relay mid-swap in our NAT
+# testbed (home-home swaps failed "stream ended", measured). Without reuse a home dials from
+# ephemeral ports, the relay connection keeps its own NAT mapping, and no TCP punch is tried.
+PRIVATE_ENV = {"LIBP2P_TCP_REUSEPORT": "false"}
+
+
+async def create_p2p(extra_flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+                     **create_options: Any) -> P2P:
+    """hivemind's P2P.create, with `extra_flags` for p2pd and `env` in p2pd's environment (hivemind
+    copies os.environ when it spawns p2pd, inside create: set for that moment, then restored)."""
     token = _extra_flags.set(dict(extra_flags or {}))
+    saved = {name: os.environ.get(name) for name in (env or {})}
+    os.environ.update(env or {})
     try:
         return await _P2PWithFlags.create(**create_options)
     finally:
         _extra_flags.reset(token)
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def is_loopback_only(maddrs: Sequence[str]) -> bool:

@@ -29,7 +29,10 @@ from p2p.identity import NodeIdentity, identity_path
 from tests.faults import REPO, FaultHarness, joined, stop_all
 from tests.swarm_harness import NodeHandle, small_manifest
 
-pytestmark = pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+# every node imports torch and starts p2pd twice (the reachability probe): on a loaded shared
+# machine a join alone took over 2 minutes, so the waits are long and the tests' limit too
+pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""), pytest.mark.timeout(900)]
+JOIN_S = 300
 EXCHANGES = 3  # home-to-home exchanges each home must complete
 
 
@@ -66,11 +69,11 @@ def test_two_homes_behind_nat_exchange_through_a_relay_or_a_punched_hole(tmp_pat
         with net:
             public = harness.start_node(0, extra=["--min-peers", "2"], netns=net.public(0),
                                         listen=f"/ip4/{net.public_address(0)}/tcp/0")
-            public.wait_for(joined, 90, "joining")
+            public.wait_for(joined, JOIN_S, "joining")
             homes = [harness.start_node(1 + j, [public.address], netns=net.home(j), listen="/ip4/0.0.0.0/tcp/0")
                      for j in range(2)]
             for home in homes:
-                home.wait_for(joined, 120, "joining")
+                home.wait_for(joined, JOIN_S, "joining")
 
             # the testbed is what it claims: homes reach the internet, the internet cannot reach them
             public_port = _listen_port(public, net.public_address(0))
@@ -126,7 +129,7 @@ def test_doctor_on_a_public_node_behind_nat_and_with_a_dead_bootstrap_peer(tmp_p
     try:
         with net:
             bootstrap = harness.start_node(0, netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
-            bootstrap.wait_for(joined, 90, "joining")
+            bootstrap.wait_for(joined, JOIN_S, "joining")
             code, public = _doctor(net, net.public(1), harness, bootstrap.address, tmp_path / "d1")
             assert code == 0, public
             assert re.search(r"OK +reachability +public \(\w+ opened 11\.22\.0\.11:\d+\)", public), public
@@ -179,7 +182,7 @@ def test_a_swarm_without_a_public_member_and_a_slow_p2pd_are_one_sentence_each(t
         with net:  # the only member that others can dial runs as if it sat behind NAT
             first = harness.start_node(0, extra=["--reachability", "private"],
                                        netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
-            first.wait_for(joined, 90, "joining")
+            first.wait_for(joined, JOIN_S, "joining")
             home = harness.start_node(1, [first.address], netns=net.home(0), listen="/ip4/0.0.0.0/tcp/0")
             assert home.process.wait(timeout=120) == 1, home.log_tail()
             assert "lowcomm-node: error: this node is behind NAT and none of its bootstrap peers is publicly " \
@@ -205,13 +208,13 @@ def test_announce_of_a_forwarded_port_makes_a_home_public_and_of_a_closed_one_ke
     try:
         with net:
             public = harness.start_node(0, netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
-            public.wait_for(joined, 90, "joining")
+            public.wait_for(joined, JOIN_S, "joining")
             net.forward_port(0, 4100)  # home 0's router forwards 4100; home 1's forwards nothing
             homes = [harness.start_node(1 + j, [public.address],
                                         ["--announce", f"/ip4/{net.router_address(j)}/tcp/4100"],
                                         netns=net.home(j), listen="/ip4/0.0.0.0/tcp/4100") for j in range(2)]
             for home in homes:
-                home.wait_for(joined, 120, "joining")
+                home.wait_for(joined, JOIN_S, "joining")
             forwarded, closed = (home.events("reachability")[-1] for home in homes)
             assert forwarded["mode"] == "public", forwarded
             assert f"opened {net.router_address(0)}:4100" in forwarded["how"], forwarded

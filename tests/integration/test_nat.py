@@ -119,7 +119,7 @@ def _doctor(net: NatTestbed, namespace: str, harness: FaultHarness, peer: str, d
                                     "--peer", peer, "--data-dir", str(data_dir)],
                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT, text=True)
-    output, _ = process.communicate(timeout=120)
+    output, _ = process.communicate(timeout=JOIN_S)
     return process.returncode, output
 
 
@@ -184,7 +184,7 @@ def test_a_swarm_without_a_public_member_and_a_slow_p2pd_are_one_sentence_each(t
                                        netns=net.public(0), listen=f"/ip4/{net.public_address(0)}/tcp/0")
             first.wait_for(joined, JOIN_S, "joining")
             home = harness.start_node(1, [first.address], netns=net.home(0), listen="/ip4/0.0.0.0/tcp/0")
-            assert home.process.wait(timeout=120) == 1, home.log_tail()
+            assert home.process.wait(timeout=JOIN_S) == 1, home.log_tail()
             assert "lowcomm-node: error: this node is behind NAT and none of its bootstrap peers is publicly " \
                    "reachable, so no member can relay for it: a swarm needs at least one public member" \
                    in home.log_tail(), home.log_tail()

@@ -86,7 +86,9 @@ def cmd_join(args: argparse.Namespace) -> int:
                             announce=[_multiaddr(a, "--announce") for a in args.announce],
                             peers=check_peer_maddrs(args.peer), grace_s=args.grace,
                             max_steps=args.max_steps, port_mapping=args.port_mapping, ops=ops,
-                            min_peers=args.min_peers)
+                            min_peers=args.min_peers, reachability=args.reachability,
+                            relays=check_peer_maddrs(args.relay, "--relay"))
+    settings.timeouts.p2pd_start_s = args.p2pd_timeout
     return run_event_loop(Daemon(manifest, settings).run())
 
 
@@ -197,6 +199,15 @@ def build_parser() -> argparse.ArgumentParser:
                       "members before training, so that the first rounds have partners")
     join.add_argument("--port-mapping", action="store_true",
                       help="ask the router for a port mapping (UPnP/NAT-PMP); off by default")
+    join.add_argument("--reachability", choices=("auto", "public", "private"), default="auto",
+                      help="auto (default): a bootstrap peer dials this node back to find out; "
+                      "public: others can dial it (it relays for members behind NAT); private: "
+                      "behind NAT (it reserves relay slots)")
+    join.add_argument("--relay", metavar="MULTIADDR", action="append", default=[],
+                      help="a public member to reserve a relay slot on when behind NAT "
+                      "(repeatable; default: the bootstrap peers)")
+    join.add_argument("--p2pd-timeout", type=float, default=15.0, metavar="S",
+                      help="seconds p2pd may take to start (default 15)")
     from node.ops.cli import add_join_ops_arguments
     add_join_ops_arguments(join)
     join.set_defaults(func=cmd_join)

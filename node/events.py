@@ -196,6 +196,17 @@ class Joined(Event, kind="joined", logged=True):
 
 
 @dataclass(frozen=True)
+class ReachabilityFound(Event, kind="reachability", logged=True):
+    """Whether others can dial this node (p2p/reachability.py): public, private (behind NAT,
+    reachable through `relay_addrs`) or local (loopback only)."""
+
+    mode: str
+    how: str
+    relay_addrs: list[str]
+    line: str
+
+
+@dataclass(frozen=True)
 class Resumed(Event, kind="resumed", logged=True):
     checkpoint: str
     step: int

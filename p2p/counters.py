@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from p2p.errors import Reason
+from p2p.paths import PathCounts
 
 _MAX_TRACKED_PEERS = 1024  # peer ids are free to mint: keep per-peer counts bounded
 
@@ -32,6 +33,7 @@ class TransportCounters:
     # Invariant: each refused stream or message is counted here exactly once, so one offence is
     # one call.
     on_refusal_issued: Callable[[str, Reason], None] | None = None
+    paths: PathCounts = field(default_factory=PathCounts)   # streams direct / through a relay
 
     def count_refusal_issued(self, reason: Reason, peer: str | None) -> None:
         self.refused_incoming[reason.name] += 1
@@ -53,4 +55,5 @@ class TransportCounters:
             "frames_received": self.frames_received, "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received, "refused_incoming": dict(self.refused_incoming),
             "refused_outgoing": dict(self.refused_outgoing), "refusals_by_peer": dict(self.refusals_by_peer),
+            **self.paths.snapshot(),
         }

@@ -44,6 +44,7 @@ class StreamIO:
         self.idle_timeout_s = idle_timeout_s
         self.executor = executor
         self.frame_open = False  # True while a frame is half written: no status may be sent then
+        self.relayed = False     # the stream goes through a circuit relay (p2p/paths.py)
         # The bindings create readers with asyncio's 64 KiB default; a larger limit means fewer
         # pause/resume cycles and larger reads on multi-megabyte payloads. Private attribute,
         # present on every asyncio/uvloop StreamReader; harmless if it ever disappears.

@@ -20,6 +20,7 @@ import glob
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Coroutine, Sequence
 from contextlib import suppress
@@ -32,6 +33,9 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p.errors import HostError
 from p2p.identity import NodeIdentity
+from p2p.paths import for_p2pd
+from p2p.reachability import (DIAL_BACK, PRIVATE_ENV, DialBackService, Reachability, ReachabilityOptions, create_p2p,
+                               find_reachability, p2pd_options, wait_for_relay_addresses)
 from p2p.records import STORE_SENDER, OwnerOnlyValidator
 
 logger = logging.getLogger("lowcomm.p2p.host")
@@ -70,37 +74,52 @@ class P2PHost:
         self.identity, self.p2p, self.dht, self.validator = identity, p2p, dht, validator
         self.peer_id: PeerID = p2p.peer_id
         self.initial_peers: list[str] = []
+        self.reachability = Reachability("local", "not checked")
         self._closed = False
 
     @classmethod
     async def start(cls, identity: NodeIdentity, *, host_maddrs: Sequence[str] = LOOPBACK_MADDRS,
                     announce_maddrs: Sequence[str] | None = None, initial_peers: Sequence[str] = (),
                     nat_port_map: bool = False, startup_timeout_s: float = 15.0, dht_wait_timeout_s: float = 3.0,
-                    **dht_options: Any) -> "P2PHost":
+                    reachability: ReachabilityOptions | None = None, **dht_options: Any) -> "P2PHost":
         """Start p2pd under `identity` and a DHT node on it; bootstrap from `initial_peers`.
 
         `initial_peers` must be DHT nodes (full multiaddrs with /p2p/...); an empty list starts a
-        new swarm. `dht_options` go to `DHTNode.create` (e.g. num_replicas).
+        new swarm. `reachability` (default: auto) decides whether p2pd runs as a public node
+        (a relay for others) or behind NAT (reserving relay slots): p2p/reachability.py.
+        `dht_options` go to `DHTNode.create` (e.g. num_replicas).
         """
         if identity.path is None:
             raise HostError("the identity has no key file; save it (NodeIdentity.save) before starting p2pd.")
         initial_peers = check_peer_maddrs(initial_peers)
-        validator = OwnerOnlyValidator(identity)
-        sockets_before = set(glob.glob(_SOCKET_GLOB))
-        try:
-            p2p = await P2P.create(
-                identity_path=str(identity.path), host_maddrs=list(host_maddrs),
-                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
-                initial_peers=initial_peers or None, nat_port_map=nat_port_map,
-                check_if_identity_free=False, startup_timeout=startup_timeout_s)
-        except Exception as error:
-            # hivemind does not return the half-started daemon, so its socket cannot be named:
-            # remove the sockets that appeared meanwhile once nothing listens on them.
-            await _remove_sockets_of_a_failed_start(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
-            if "failed to connect to bootstrap peers" in str(error):
-                raise HostError(f"none of the initial peers {initial_peers} could be reached; check their "
-                                f"addresses and that they are running.") from None
-            raise HostError(f"the P2P daemon did not start ({str(error).strip()[:300]}).") from None
+        options, validator = reachability or ReachabilityOptions(), OwnerOnlyValidator(identity)
+        base = {"identity_path": str(identity.path), "initial_peers": initial_peers or None,
+                "nat_port_map": nat_port_map, "check_if_identity_free": False,
+                "startup_timeout": startup_timeout_s}
+        with tempfile.TemporaryDirectory(prefix="lowcomm-probe-") as scratch:
+            # the probe runs under a throwaway key: our own peer id reconnecting right after the
+            # probe left was followed by failed bootstraps (measured twice in the NAT testbed)
+            probe_identity = NodeIdentity.generate()
+            probe_identity.save(os.path.join(scratch, "probe.key"))
+            found = await find_reachability(
+                options, host_maddrs=host_maddrs, announce_maddrs=announce_maddrs or (),
+                initial_peers=initial_peers, stop_probe=shutdown_p2p,
+                start_probe=lambda: start_p2pd(host_maddrs=list(host_maddrs),
+                                               **{**base, "identity_path": str(probe_identity.path)}))
+        create_options, flags, listen = p2pd_options(found.mode, options.relays or initial_peers, host_maddrs,
+                                                     options.hole_punching)
+        if found.mode == "private" and announce_maddrs:
+            # p2pd's announce list replaces every address, relayed ones too; an address the
+            # dial-back could not open is of no use to anyone
+            found.dropped_announce = list(announce_maddrs)
+            logger.warning("--announce %s is not reachable (%s): advertising relay addresses instead; "
+                           "forward that port on your router to be dialled directly",
+                           ", ".join(announce_maddrs), found.how)
+            announce_maddrs = None
+        p2p = await start_p2pd(host_maddrs=listen,
+                                announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
+                                extra_flags=flags, env=PRIVATE_ENV if found.mode == "private" else None,
+                                **base, **create_options)
         try:
             if p2p.peer_id != identity.peer_id:
                 raise HostError(f"p2pd runs as {p2p.peer_id} instead of {identity.peer_id}; "
@@ -108,8 +127,12 @@ class P2PHost:
             dht = await DHTNode.create(p2p=p2p, initial_peers=initial_peers or None, record_validator=validator,
                                        wait_timeout=dht_wait_timeout_s, **dht_options)
             await _name_the_sender_of_dht_stores(p2p, dht)
+            await p2p.add_binary_stream_handler(
+                DIAL_BACK, DialBackService(found.mode == "public", options.dial_back_timeout_s).handle)
+            if found.mode == "private" and create_options.get("trusted_relays"):
+                found.relay_addrs = await wait_for_relay_addresses(p2p, options.relay_wait_s)
         except BaseException as error:
-            await _shutdown_p2p(p2p)
+            await shutdown_p2p(p2p)
             if isinstance(error, HostError) or not isinstance(error, Exception):
                 raise
             if "bootstrap failed" in str(error):
@@ -117,13 +140,18 @@ class P2PHost:
                                 "and that they are running.") from None
             raise HostError(f"the DHT node did not start: {error}") from None
         host = cls(identity, p2p, dht, validator)
-        host.initial_peers = initial_peers
+        host.initial_peers, host.reachability = initial_peers, found
         logger.info("p2p host %s listening on %s", host.peer_id, await host.maddrs())
+        logger.info("reachability: %s", found.line())
+        if found.mode == "private" and not found.relay_addrs:
+            logger.warning("no bootstrap peer gave this node a relay slot within %.0f s: members behind "
+                           "other NATs cannot reach it; check that a bootstrap peer is public and runs "
+                           "this version", options.relay_wait_s)
         return host
 
     async def maddrs(self) -> list[str]:
         """Addresses other nodes can pass as initial peers (each ends in /p2p/<our id>)."""
-        return [str(maddr) for maddr in await self.dht.get_visible_maddrs()]
+        return [str(maddr) for maddr in await self.dht.get_visible_maddrs(latest=True)]
 
     async def reconnect(self, maddrs: Sequence[str], timeout_s: float = 10.0) -> int:
         """Dial each address (full multiaddrs with /p2p/...) and ping it as a DHT node, then look
@@ -137,12 +165,13 @@ class P2PHost:
         for text in dict.fromkeys(maddrs):  # unique, in order
             with suppress(Exception):
                 maddr = Multiaddr(text)
-                peer = PeerID.from_base58(maddr["p2p"])
+                # the last /p2p/ names the peer: a relayed address names its relay first
+                peer = PeerID.from_base58(text.rsplit("/p2p/", 1)[1])
                 if peer == self.peer_id:
                     continue
                 async with asyncio.timeout(timeout_s):
                     # hivemind has no public dial; p2pd takes the address without /p2p/<id>
-                    await self.p2p._client.connect(peer, [maddr.decapsulate(Multiaddr(f"/p2p/{peer}"))])
+                    await self.p2p._client.connect(peer, [for_p2pd(maddr.decapsulate(Multiaddr(f"/p2p/{peer}")))])
                     answered += await self.dht.protocol.call_ping(peer) is not None
         if answered:
             with suppress(Exception):
@@ -166,7 +195,29 @@ class P2PHost:
         self._closed = True
         with suppress(Exception):
             await asyncio.wait_for(self.dht.shutdown(), 5.0)
-        await _shutdown_p2p(self.p2p)
+        await shutdown_p2p(self.p2p)
+
+
+async def start_p2pd(extra_flags: dict | None = None, env: dict | None = None, **create_options: Any) -> P2P:
+    """p2pd, or a HostError of one sentence naming the cause and the fix."""
+    initial_peers, startup_timeout_s = create_options["initial_peers"] or [], create_options["startup_timeout"]
+    sockets_before = set(glob.glob(_SOCKET_GLOB))
+    try:
+        return await create_p2p(extra_flags, env, **create_options)
+    except Exception as error:
+        # hivemind does not return the half-started daemon, so its socket cannot be named:
+        # remove the sockets that appeared meanwhile once nothing listens on them.
+        await _remove_sockets_of_a_failed_start(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
+        text = str(error).strip()
+        if "failed to connect to bootstrap peers" in text:
+            raise HostError(f"none of the bootstrap peers {', '.join(initial_peers)} answered: they are down "
+                            f"or their addresses are wrong; check them with `lowcomm-node doctor`, or "
+                            f"ask the swarm's operator for a live bootstrap peer.") from None
+        if "failed to start in" in text:
+            raise HostError(f"the P2P daemon (p2pd) did not start within {startup_timeout_s:.0f} s: the machine "
+                            f"is overloaded or p2pd is blocked; retry, or give it longer with "
+                            f"--p2pd-timeout.") from None
+        raise HostError(f"the P2P daemon did not start ({text[:300]}).") from None
 
 
 def _refuses_connections(path: str) -> bool:
@@ -245,7 +296,7 @@ async def _name_the_sender_of_dht_stores(p2p: P2P, dht: DHTNode) -> None:
     await p2p.add_protobuf_handler(name, rpc_store, dht_pb2.StoreRequest)
 
 
-async def _shutdown_p2p(p2p: P2P) -> None:
+async def shutdown_p2p(p2p: P2P) -> None:
     # hivemind removes the daemon's socket only if p2pd was still running, and never waits
     # forever here: a p2pd that ignores SIGTERM for 5 s gets SIGKILL.
     sockets = p2pd_socket_paths(p2p)

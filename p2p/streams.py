@@ -37,6 +37,7 @@ from p2p.framing import PeerStatus, StreamIO
 from p2p.identity import NodeIdentity
 from p2p.limits import InflightLedger, TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.paths import RelayLimits
 from p2p.replay import ReplayGuard
 from p2p.sending import SendPlan, choose_streams, send_stream_frames
 from p2p.wire import Expectations, MessageHeader, Mode, check_head
@@ -94,6 +95,7 @@ class Transport:
         self.p2p, self.identity, self.swarm, self.manifest = p2p, identity, swarm, manifest
         self.wire_limits, self.limits, self.protocol = wire_limits, limits, protocol
         self.counters = TransportCounters()
+        self.relay_limits = RelayLimits()  # what we send over a relayed connection (p2p/paths.py)
         self._expect = Expectations(swarm, manifest, identity.peer_id.to_bytes(), wire_limits)
         self._ledger = InflightLedger(limits)
         self._replay = ReplayGuard(wire_limits.max_clock_skew_s)
@@ -209,6 +211,10 @@ class Transport:
         try:
             async with asyncio.timeout(deadline):
                 ios = await self._open_streams(peer, plan.streams)
+                refusal = self._relay_refusal(ios, largest)
+                if refusal:
+                    raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} was not "
+                                         f"started: {refusal}.")
                 if mode == Mode.PUSH:
                     work = [self._push_stream(peer, io, plan, s) for s, io in enumerate(ios)]
                 else:
@@ -239,7 +245,7 @@ class Transport:
         async def open_one() -> StreamIO:
             try:
                 async with asyncio.timeout(self.limits.open_timeout_s):
-                    _, reader, writer = await self.p2p.call_binary_stream_handler(peer, self.protocol)
+                    info, reader, writer = await self.p2p.call_binary_stream_handler(peer, self.protocol)
             except TimeoutError:
                 raise TransferFailed(f"could not open a stream to peer {peer} within "
                                      f"{self.limits.open_timeout_s:.0f} s.") from None
@@ -247,7 +253,9 @@ class Transport:
                 raise
             except Exception as error:  # the daemon reports dial failures as several error types
                 raise TransferFailed(f"could not open a stream to peer {peer}: {error}.") from None
-            return StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+            io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+            io.relayed = self.counters.paths.note(peer.to_base58(), info.addr)
+            return io
 
         tasks = [asyncio.create_task(open_one()) for _ in range(count)]
         try:
@@ -259,6 +267,10 @@ class Transport:
                 with suppress(BaseException):
                     (await task).close()
             raise
+
+    def _relay_refusal(self, ios: list[StreamIO], nbytes: int) -> str | None:
+        relayed = any(io.relayed for io in ios)
+        return self.relay_limits.refusal(nbytes) if relayed else None
 
     async def _push_stream(self, peer: PeerID, io: StreamIO, plan: SendPlan, stream: int) -> None:
         writer = asyncio.create_task(send_stream_frames(io, plan, stream, self._executor))
@@ -350,6 +362,7 @@ class Transport:
         peer: PeerID = info.peer_id
         peer_bytes = peer.to_bytes()
         io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+        relayed = self.counters.paths.note(peer.to_base58(), info.addr)
         assembly: Assembly | None = None
         bound: list[asyncio.Future] = []
         opened = False
@@ -369,6 +382,9 @@ class Transport:
             bound.append(run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
             if header.mode == Mode.SWAP:
                 plan: SendPlan = await assembly.reply
+                refusal = relayed and self.relay_limits.refusal(plan.message.total_bytes)
+                if refusal:
+                    raise Refusal(Reason.TOO_LARGE, f"our reply was not sent: {refusal}")
                 # Our half goes out while the peer's half comes in (the reader runs meanwhile).
                 bound.append(run_bound(assembly, send_stream_frames(io, plan, stream, self._executor)))
                 await bound[-1]

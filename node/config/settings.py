@@ -34,6 +34,7 @@ class NodeTimeouts:
     alone_before_redial_s: float = 10.0  # seeing no member this long, the node redials...
     redial_every_s: float = 10.0         # ...this often, while alone
     watch_every_s: float = 2.0           # the daemon's look at p2pd, stop requests and members
+    p2pd_start_s: float = 15.0           # p2pd's start (a loaded machine takes longer)
     leave_step_s: float = 5.0            # each step of leaving (tombstone, stop serving, p2pd)
     # of the grace period, what is kept for leaving once the training thread has stopped
     leave_reserve_s: float = 5.0
@@ -49,6 +50,8 @@ class NodeSettings:
     max_steps: int = 0            # stop after this many inner steps (0: the schedule's end)
     member_ttl_s: float = 15.0
     port_mapping: bool = False
+    reachability: str = "auto"   # auto (a bootstrap peer dials us back) | public | private
+    relays: list[str] = field(default_factory=list)  # relay slots through these (default: bootstrap peers)
     seed: int = 0                 # for this node's choices (partners, groups), not its data
     ops: dict = field(default_factory=dict)  # node.ops.NodeOps options: mqtt, preemption, display
     min_peers: int = 0            # a fresh swarm: wait for this many other members before round 0

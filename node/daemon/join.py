@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from node.daemon.admission import publish_manifest
 from node.daemon.members import MemberCache
 from node.daemon.state_quorum import StateAdoption, agreed_round
-from node.events import CheckpointSkipped, LateJoined, MinPeersTimeout, Resumed
+from node.events import CheckpointSkipped, LateJoined, MinPeersTimeout, ReachabilityFound, Resumed
 from node.rounds.contributions import BanList
 from node.rounds.policy import RoundPolicy
 from node.rounds.swarm import Swarm
@@ -31,6 +31,7 @@ from node.train.trainer import InnerTrainer
 from p2p.host import P2PHost
 from p2p.identity import NodeIdentity
 from p2p.membership import Membership
+from p2p.reachability import ReachabilityOptions
 from p2p.streams import Transport
 
 if TYPE_CHECKING:
@@ -57,7 +58,9 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     network.host = host = await P2PHost.start(
         identity, host_maddrs=settings.listen, announce_maddrs=settings.announce or None,
         initial_peers=[*settings.peers, *m.network.bootstrap_peers],
-        nat_port_map=settings.port_mapping)
+        nat_port_map=settings.port_mapping, startup_timeout_s=settings.timeouts.p2pd_start_s,
+        reachability=ReachabilityOptions(settings.reachability, tuple(settings.relays)))
+    node.events.publish(ReachabilityFound(**host.reachability.to_dict()))
     network.transport = transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest)
     admit = None
     if m.admission.mode == "allowlist":  # members refuse, and never call, unlisted keys

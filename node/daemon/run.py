@@ -79,6 +79,7 @@ async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus
         await watch.check(network.cache.peers())
         reconnector.check()
         node.status_feed.transport_refusals(dict(transport.counters.refused_incoming))
+        node.status_feed.transport_paths(transport.counters.paths.direct, transport.counters.paths.relayed)
         if stopping.done() and not worker.stop_requested.is_set():
             worker.request_stop()
             try:

@@ -90,7 +90,39 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from node.cli import _load_manifest
+    from node.ops.doctor import DoctorOptions, run_and_report
+    from p2p.host import check_peer_maddrs
+
+    manifest = _load_manifest(args)
+    options = DoctorOptions(Path(args.data_dir or f"runs/{manifest.swarm.id}"),
+                            listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
+                            peers=check_peer_maddrs(args.peer), reachability=args.reachability,
+                            p2pd_timeout_s=args.p2pd_timeout)
+    return run_and_report(manifest, options)
+
+
 def add_ops_commands(sub) -> None:
+    doctor = sub.add_parser(
+        "doctor", help="check that this machine can join a swarm (run it before `join`)",
+        description="Check Python and torch, the device, the manifest, free disk for two "
+                    "checkpoints, p2pd's start, the bootstrap peers, this node's reachability "
+                    "(public or behind NAT, with relay slots) and the clock against its peers. "
+                    "One sentence per finding, with what to do; exit 0 only when the node can join.")
+    doctor.add_argument("--swarm", metavar="ID", help="the swarm's id (configs/swarms/<ID>.toml)")
+    doctor.add_argument("--manifest", metavar="PATH", type=Path, help="a manifest file instead")
+    doctor.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[])
+    doctor.add_argument("--peer", metavar="MULTIADDR", action="append", default=[],
+                        help="a bootstrap peer besides the manifest's (repeatable)")
+    doctor.add_argument("--listen", metavar="MULTIADDR", action="append", default=[],
+                        help="where join will listen (default /ip4/0.0.0.0/tcp/0)")
+    doctor.add_argument("--reachability", choices=("auto", "public", "private"), default="auto")
+    doctor.add_argument("--data-dir", metavar="DIR", help="where join will keep checkpoints "
+                        "(default runs/<swarm id>); nothing is written there")
+    doctor.add_argument("--p2pd-timeout", type=float, default=15.0, metavar="S")
+    doctor.set_defaults(func=cmd_doctor)
+
     status = sub.add_parser(
         "status", help="show a running daemon's status (live), or print it once as JSON",
         description="Attach to the daemon running with this data directory (through its "

@@ -47,6 +47,10 @@ Fields, units and meaning (None = not known yet):
                                     more where its swaps outlast its rounds)
     checkpoint_at            float  unix time (s) the newest checkpoint was written
     checkpoint_step          int    inner step of that checkpoint
+    reachability             str    one line: public, behind NAT (with its relay addresses) or
+                                    local, and how the node found out
+    streams_direct           int    streams opened to or from peers over direct connections
+    streams_relayed          int    ... and through a circuit relay (members behind NAT)
 
 Derived, added by `to_dict()` from the sender's own clock (so clock skew between machines
 does not distort them): `last_exchange_age_s` and `checkpoint_age_s` (seconds, None when the
@@ -112,6 +116,9 @@ class NodeStatus:
     pair_interval: int | None = None
     checkpoint_at: float | None = None
     checkpoint_step: int | None = None
+    reachability: str = ""
+    streams_direct: int = 0
+    streams_relayed: int = 0
 
     def __post_init__(self) -> None:
         # Not a dataclass field: it stays out of fields(), equality and the JSON.

@@ -22,6 +22,8 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
     checkpoint_at, checkpoint_step                 Checkpointed
     pair_interval                                  PairingPaced (NoLoCo: how often it pairs)
     state=stopping                                 Stopping
+    reachability                                   ReachabilityFound (its one line)
+    streams_direct, streams_relayed                `transport_paths`, from the daemon's watch loop
 CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).
 """
 
@@ -30,8 +32,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from node.events import (Checkpointed, EventBus, PairingPaced, RoundEnded, Sent, Started,
-                         StepDone, Stopping, Swapped)
+from node.events import (Checkpointed, EventBus, PairingPaced, ReachabilityFound, RoundEnded,
+                         Sent, Started, StepDone, Stopping, Swapped)
 from node.ops.status import NodeStatus
 
 
@@ -56,6 +58,15 @@ class StatusFeed:
         bus.subscribe(self._checkpoint, Checkpointed)
         bus.subscribe(self._stopping, Stopping)
         bus.subscribe(self._paced, PairingPaced)
+        bus.subscribe(self._reachability, ReachabilityFound)
+
+    def _reachability(self, event: ReachabilityFound) -> None:
+        self.status.update(reachability=event.line)
+
+    def transport_paths(self, direct: int, relayed: int) -> None:
+        """Streams opened over direct connections and through relays (p2p/paths.py)."""
+        if (direct, relayed) != (self.status.streams_direct, self.status.streams_relayed):
+            self.status.update(streams_direct=direct, streams_relayed=relayed)
 
     def _step(self, event: StepDone) -> None:
         self.status.update(step=event.step, round=event.round, state="training",

@@ -122,6 +122,7 @@ def sections(doc: dict, *, narrow: bool = False,
             ("swarm", doc.get("swarm") or "?"),
             ("protocol", doc.get("protocol") or "?"),
             ("state", doc.get("state") or "?"),
+            ("reachable", doc.get("reachability") or "?"),
             ("uptime", human_age(doc.get("uptime_s"))),
         ]),
         ("Training", [

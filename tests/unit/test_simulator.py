@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from node.config.manifest import ProtocolSection
 from node.config.schema import load_config
 from node.data.corpus import load_corpus, stream_seed
 from node.simulator import Simulation, SimulationError, SimulationSettings
@@ -102,9 +103,21 @@ def test_local_only_sends_nothing_and_replicas_drift_apart(config, corpus):
 
 
 # ---------------------------------------------------------------------------- DiLoCoX
+def test_dilocox_simulation_defaults_are_the_manifests():
+    """One set of defaults: a simulation and a daemon on a default manifest run the same protocol."""
+    protocol, _ = SimulationSettings("dilocox").validated().sections()
+    manifest = ProtocolSection()
+    for key in ("outer_lr", "outer_momentum", "delay", "codec", "rank", "bits", "topk_k",
+                "topk_chunk", "topk_bits", "max_density", "fan_out"):
+        assert getattr(protocol, key) == getattr(manifest, key), key
+    diloco = SimulationSettings("diloco").validated()
+    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)  # PROTOCOLS.md §2
+
+
 def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):
-    diloco, diloco_result = simulate(config, corpus, "diloco")
-    dilocox, dilocox_result = simulate(config, corpus, "dilocox", delay=0, codec="identity")
+    diloco, diloco_result = simulate(config, corpus, "diloco", outer_momentum=0.3)
+    dilocox, dilocox_result = simulate(config, corpus, "dilocox", delay=0, codec="identity",
+                                       outer_momentum=0.3)
     for ours, theirs in zip(diloco.method.replica_weights(), dilocox.method.replica_weights()):
         assert weights_digest(ours) == weights_digest(theirs)
     assert [r.val_loss_mean for r in diloco_result.records] == [r.val_loss_mean for r in dilocox_result.records]

@@ -74,6 +74,7 @@ class DiLoCoXOutcome(RoundOutcome):
 def codec_for(config: ProtocolSection) -> Codec:
     """The manifest's pseudo-gradient codec, with the parameters it takes."""
     parameters = {"lowrank": {"rank": config.rank, "bits": config.bits},
+                  "topk": {"k": config.topk_k, "chunk": config.topk_chunk, "bits": config.topk_bits},
                   "blockwise": {"bits": config.bits}}.get(config.codec, {})
     return get_codec(config.codec, **parameters)
 
@@ -150,6 +151,7 @@ class DiLoCoXRound:
     def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:
         try:
             message = payload.decode_message(item.peer, item.round_index, item.message)
+            payload.check_density(message, self.config.max_density)
             params = self.trainer.named_parameters()  # names and shapes only
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))

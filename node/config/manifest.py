@@ -75,6 +75,15 @@ class ProtocolSection:
     topk_chunk: int = spec(4096, "DiLoCoX topk codec: elements per chunk", min=1, max=65536)
     topk_bits: int = spec(2, "DiLoCoX topk codec: bits per value (a sign and bits - 1 of "
                           "magnitude)", choices=(2, 4, 8))
+    overlap: str = spec("half", "DiLoCoX with delay 1: how much of a node's own round in flight "
+                        "its next round starts from: half (λ = 1/2) or eager (the share its "
+                        "message will have in the outer step; protocol/dilocox.py)",
+                        choices=("half", "eager"))
+    residual_decay: float = spec(1.0, "DiLoCoX error feedback e ← β·e + Δ: β (1 keeps every "
+                                 "unsent value; SparseLoCo uses 0.95)", min=0.0, max=1.0,
+                                 min_exclusive=True)
+    clip_to_median: bool = spec(False, "DiLoCoX: scale each message down to the median norm of "
+                                "its round's messages before averaging")
     max_density: float = spec(0.0625, "DiLoCoX topk codec: messages sending more than this share "
                               "of a chunk (k / chunk) are refused", min=0.0, max=1.0,
                               min_exclusive=True)

@@ -166,7 +166,11 @@ class SimulationSettings:
             wire = f", {wire} snapshots" if wire != "bf16" else ""
             return f"NoLoCo H={self.inner_steps} {self.timing}{latency}{wire}"
         if self.protocol == "dilocox":
-            params = ", ".join(f"{k}={v}" for k, v in self.codec_parameters().items())
+            values = dict(self.codec_parameters())
+            if self.codec == "topk":
+                protocol, _ = self.validated().sections()
+                values = {"k": protocol.topk_k, "chunk": protocol.topk_chunk, "bits": protocol.topk_bits}
+            params = ", ".join(f"{k}={v}" for k, v in values.items())
             codec = f"{self.codec}({params})" if params else self.codec
             return f"DiLoCoX H={self.inner_steps} {codec} delay {self.delay}"
         if self.protocol == "diloco":

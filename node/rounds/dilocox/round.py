@@ -91,7 +91,10 @@ class DiLoCoXRound:
         outer = DiLoCoHyperParameters(config.outer_lr, config.outer_momentum,
                                       nesterov=config.outer_momentum > 0)
         self.outer = DiLoCoX({k: v.detach() for k, v in trainer.named_parameters().items()},
-                             self.codec, node_id, DiLoCoXHyperParameters(outer, config.delay))
+                             self.codec, node_id, DiLoCoXHyperParameters(
+                                 outer=outer, delay=config.delay, overlap=config.overlap,
+                                 residual_decay=config.residual_decay,
+                                 clip_to_median=config.clip_to_median))
         self.resyncs = 0
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too

@@ -84,6 +84,16 @@ class ProtocolSection:
                                  min_exclusive=True)
     clip_to_median: bool = spec(False, "DiLoCoX: scale each message down to the median norm of "
                                 "its round's messages before averaging")
+    # the adaptive controller (protocol/controller.py, node/rounds/dilocox/adapt.py)
+    controller: bool = spec(False, "DiLoCoX: adapt the codec's strength (topk k, lowrank rank) and "
+                            "bits each round to the energy kept and the link's send time")
+    controller_energy_target: float = spec(0.8, "DiLoCoX controller: energy kept below this "
+                                           "raises the strength", min=0.0, max=1.0, min_exclusive=True)
+    controller_energy_high: float = spec(0.95, "DiLoCoX controller: energy kept above this lowers "
+                                         "the strength", min=0.0, max=1.0, min_exclusive=True)
+    controller_send_budget: float = spec(0.8, "DiLoCoX controller: the share of a round's compute "
+                                         "a send may take before it compresses harder",
+                                         min=0.0, max=100.0, min_exclusive=True)
     max_density: float = spec(0.0625, "DiLoCoX topk codec: messages sending more than this share "
                               "of a chunk (k / chunk) are refused", min=0.0, max=1.0,
                               min_exclusive=True)

@@ -104,3 +104,8 @@ class DiLoCoXMemoryLink:
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.network.refused[reason] += 1
+
+    def send_ratio(self) -> float | None:
+        """None: the in-memory exchange models latency, not bandwidth (the controller sees a
+        free link, so only the energy rule moves the strength)."""
+        return None

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 
 from node.config.manifest import ProtocolSection
@@ -60,6 +61,12 @@ class DiLoCoXExchange:
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
+        # the controller's link measurement (send_ratio): plain floats, written on one thread
+        # each, read on the other
+        self._send_called_at: float | None = None  # training thread: the last send_round
+        self._round_seconds: float | None = None   # between the last two send_round calls
+        self._send_started_at: float | None = None  # loop: the send in flight, if any
+        self._last_send_seconds: float | None = None
 
     def start(self, round_index: int) -> None:
         self.oldest_wanted = max(0, round_index - 1)
@@ -83,6 +90,10 @@ class DiLoCoXExchange:
 
     # ------------------------------------------------------------------ training thread side
     def send_round(self, round_index: int, tensors: list) -> None:
+        now = time.monotonic()
+        if self._send_called_at is not None:
+            self._round_seconds = now - self._send_called_at
+        self._send_called_at = now
         self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
                                 round_index, tensors)
 
@@ -99,10 +110,21 @@ class DiLoCoXExchange:
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
 
+    def send_ratio(self) -> float | None:
+        """The last send's seconds (or the one in flight, if it has run longer) over the last
+        round's: a send slower than its round shows at once, not after it finishes."""
+        started, took = self._send_started_at, self._last_send_seconds
+        in_flight = time.monotonic() - started if started is not None else None
+        seconds = max((t for t in (took, in_flight) if t is not None), default=None)
+        if seconds is None or not self._round_seconds:
+            return None
+        return seconds / self._round_seconds
+
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, tensors: list) -> None:
         message = OutgoingMessage(PGRAD, round_index, tensors)
         group = self.group()
+        started = self._send_started_at = time.monotonic()
 
         async def send(peer: str) -> None:
             try:
@@ -110,6 +132,9 @@ class DiLoCoXExchange:
             except P2PError as exc:
                 self.publish(SendFailed(round=round_index, peer=peer, error=str(exc)))
         await asyncio.gather(*(send(p) for p in group))
+        self._last_send_seconds = time.monotonic() - started
+        if self._send_started_at == started:
+            self._send_started_at = None
         self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
 
     async def _on_message(self, received: ReceivedMessage) -> None:

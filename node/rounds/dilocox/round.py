@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from node.config.manifest import ContributionSection, ProtocolSection
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.dilocox import payload
+from node.rounds.dilocox.adapt import CompressionAdapter
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
@@ -56,6 +57,10 @@ class DiLoCoXLink(Protocol):
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
 
+    def send_ratio(self) -> float | None:
+        """Seconds the last finished send took over the seconds of the round it overlapped;
+        None when the link has no clock for it (the controller then sees a free link)."""
+
 
 @dataclass(frozen=True)
 class DiLoCoXOutcome(RoundOutcome):
@@ -63,8 +68,9 @@ class DiLoCoXOutcome(RoundOutcome):
     group: list[str]              # their senders, this node included
     sent_bytes: int               # our message's codec payload
     resyncs: int                  # running total of φ re-downloaded from the majority
-    energy_kept: dict[str, float]  # low-rank: the share of each tensor's energy our message kept
+    energy_kept: dict[str, float]  # low-rank, top-k: the share of each tensor's energy our message kept
     late: int                     # running total of messages that came after their round
+    compression: dict | None = None  # the controller's choice for the next round (adapt.py); None: off
 
     @property
     def partners(self) -> list[str]:
@@ -90,6 +96,9 @@ class DiLoCoXRound:
         # Nesterov needs momentum; μ = 0 is plain SGD on the mean pseudo-gradient.
         outer = DiLoCoHyperParameters(config.outer_lr, config.outer_momentum,
                                       nesterov=config.outer_momentum > 0)
+        # the simulator wraps the node's codec to share decodings: the controller adapts the node's own
+        self.adapter = CompressionAdapter(config, getattr(self.codec, "inner", self.codec)) \
+            if config.controller else None
         self.outer = DiLoCoX({k: v.detach() for k, v in trainer.named_parameters().items()},
                              self.codec, node_id, DiLoCoXHyperParameters(
                                  outer=outer, delay=config.delay, overlap=config.overlap,
@@ -112,12 +121,14 @@ class DiLoCoXRound:
         own = self.outer.compress(delta, round_index)
         self.own_norm = global_norm(delta)
         self.link.send_round(round_index, payload.encode_message(own))
+        compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
         step, refused, waited = self._apply_group(round_index)
         return DiLoCoXOutcome(
             phi_digest=self.phi_digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
-            resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late)
+            resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
+            compression=compression)
 
     def finish(self, round_index: int) -> None:
         """Applies what is still owed when training stops before round `round_index` (delay 1:

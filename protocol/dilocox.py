@@ -4,14 +4,24 @@ Per node: φ and the outer momentum m (DiLoCo's outer Nesterov, reused from prot
 not copied), the error-feedback residual e (starts at 0), and f, this node's own decoded
 messages still in flight. Round r:
 
-    θ ← s = φ − e − λ·Σ_f D(c_own)            (`round_start_weights`; λ = in_flight_weight)
+    θ ← s = φ − e − λ·Σ_f D(c_own)            (`round_start_weights`; λ: `in_flight_share`)
     H inner steps ; Δ^r = s − θ                (`pseudo_gradient`: this round's progress only)
-    c^r = C(Δ^r + e) ;  e ← Δ^r + e − D(c^r)  (`compress`: nothing is lost, only delayed)
+    c^r = C(Δ^r + β·e) ; e ← Δ^r + β·e − D(c^r)  (`compress`; β = 1: nothing is lost, only delayed)
     f[r] = D(c^r) ; send c^r to the group; receive the others' (`receive`)
-    Δ̄ = mean of D(c_j^{r−delay}) over the messages of round r − delay, own included
+    Δ̄ = mean over the senders j of round r − delay of a_j·D(c_j), own included,
+        a_j = min(1, median_k ‖D(c_k)‖ / ‖D(c_j)‖) with `clip_to_median`, else 1
     m ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)      (`outer_step`, which drops f[r − delay])
 
-With delay 0 and the identity codec e = 0 and f is empty at every round start: exactly DiLoCo.
+λ is ½ (`overlap = "half"`) or, `overlap = "eager"` (arXiv 2502.12996), the weight the node's
+own message will have in φ's step once its round is applied: η·(1 + μ)/n with Nesterov (η/n
+without), n the senders of the last round applied. Own fresh work then counts at once at its
+share, the peers' one round later. β < 1 is SparseLoCo's decaying error buffer (0.95 there):
+it forgets what a codec kept back for long, trading the invariant sent + e = ΣΔ for a residual
+that cannot grow without bound. Median clipping (Templar's) bounds what one sender can move φ
+by; every node computes the same factors from the same messages.
+
+With delay 0, the identity codec, β = 1 and no clipping, e = 0 and f is empty at every round
+start: exactly DiLoCo.
 
 Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from θ ← φ.
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
@@ -303,8 +313,8 @@ class DiLoCoX:
 
         One decoding at a time (memory stays one message); the norms are Python floats summed in
         name order, so every node computes the same factors from the same messages."""
-        norms = {s: math.sqrt(sum(float(t.square().sum()) for _, t in sorted(self._decoded(messages[s]).items())))
-                 for s in senders}
+        norms = {s: math.sqrt(sum(float(t.square().sum()) for t in self._decoded(messages[s]).values()))
+                 for s in senders}  # names in the model's order, the same on every node
         median = statistics.median(norms.values())
         self.counters.clipped += sum(1 for n in norms.values() if n > median)
         return {s: median / n for s, n in norms.items() if n > median}

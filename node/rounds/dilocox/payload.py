@@ -61,6 +61,7 @@ def check_density(message: PseudoGradientMessage, max_density: float) -> None:
         if isinstance(description, dict) and description.get("codec") == "topk":
             k, chunk = description.get("k"), description.get("chunk")
             if type(k) is int and type(chunk) is int and chunk > 0 and k > max_density * chunk:
-                raise ContributionRefused("too_dense", f"DiLoCoX message from {message.sender} sends {k} of every "
-                                 f"{chunk} entries of {name!r}, above the manifest's density "
-                                 f"bound {max_density:g}: its sender must lower topk_k")
+                raise ContributionRefused(
+                    "too_dense", f"DiLoCoX message from {message.sender} sends {k} of every "
+                    f"{chunk} entries of {name!r}, above the manifest's density bound "
+                    f"{max_density:g}: its sender must lower topk_k")

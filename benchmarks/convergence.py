@@ -208,11 +208,19 @@ def scale_line(results: dict, args, seconds: float) -> str:
             f"{seconds / 60:.0f} min.")
 
 
+def dilocox_words(args) -> str:
+    """DiLoCoX's codec and the manifest keys set for it, in words."""
+    codec = {"lowrank": f"low-rank rank {args.rank}, {args.bits}-bit factors, 8-bit blockwise for "
+                        "small tensors",
+             "topk": f"top-k with {args.bits}-bit values", "identity": "identity codec"}[args.codec]
+    extra = ", ".join(f"{k} = {v}" for k, v in args.dilocox_values.items())
+    return f"{codec}{', ' + extra if extra else ''}"
+
+
 def outer_line(args) -> str:
     return (f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} "
             f"(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots {SNAPSHOT_WORDS[args.snapshot]} "
-            f"in {args.wire_dtype}; DiLoCoX low-rank rank "
-            f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, group = all "
+            f"in {args.wire_dtype}; DiLoCoX {dilocox_words(args)}, delay {args.delay}, group = all "
             "replicas. NoLoCo and DiLoCoX run the daemon's round classes (node/rounds/) over the "
             "simulator's in-memory links. Bytes are the payloads those rounds encode (no wire "
             "headers); DiLoCo and data-parallel are counted as a ring all-reduce of fp32, "

@@ -130,9 +130,10 @@ def message_bytes(policy, trainer) -> int:
     return sum(t.data.nbytes for t in encode_message(message))
 
 
-def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus):
-    simulation, result = simulate(config, corpus, "dilocox", codec="lowrank", rank=2, delay=1,
-                                  outer_momentum=0.3)
+@pytest.mark.parametrize("codec", [{"codec": "lowrank", "rank": 2},
+                                   {"codec": "topk", "protocol_values": {"overlap": "eager"}}])
+def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus, codec):
+    simulation, result = simulate(config, corpus, "dilocox", delay=1, outer_momentum=0.3, **codec)
     method = simulation.method
     phis = {weights_digest(p.outer.slow_weights) for p in method.rounds.values()}
     size = message_bytes(method.rounds["replica-0"], method.replicas[0].trainer)

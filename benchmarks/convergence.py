@@ -65,6 +65,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bits", type=int, choices=(2, 4, 8), help="DiLoCoX bits (default: lowrank "
                    "8, topk 2)")
     p.add_argument("--delay", type=int, default=1, choices=(0, 1), help="DiLoCoX delay (default 1)")
+    p.add_argument("--latency-steps", type=int, default=0, help="DiLoCoX: a message's travel time "
+                   "in inner steps (default 0)")
     p.add_argument("--dilocox-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a key of DiLoCoX's manifest [protocol] section, e.g. topk_k=32 (repeatable)")
     p.add_argument("--wire-dtype", default="bf16", choices=WIRE_DTYPE_CHOICES,
@@ -111,7 +113,7 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
     outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
     codec = {"lowrank": {"rank": args.rank, "bits": args.bits}, "topk": {"bits": args.bits},
              "identity": {}}[args.codec]
-    dilocox = {"codec": args.codec, **codec, "delay": args.delay,
+    dilocox = {"codec": args.codec, **codec, "delay": args.delay, "latency_steps": args.latency_steps,
                "protocol_values": args.dilocox_values, **outer}
     H = args.inner_steps
     if args.scale:
@@ -214,7 +216,8 @@ def dilocox_words(args) -> str:
                         "small tensors",
              "topk": f"top-k with {args.bits}-bit values", "identity": "identity codec"}[args.codec]
     extra = ", ".join(f"{k} = {v}" for k, v in args.dilocox_values.items())
-    return f"{codec}{', ' + extra if extra else ''}"
+    latency = f", messages take {args.latency_steps} steps" if args.latency_steps else ""
+    return f"{codec}{', ' + extra if extra else ''}{latency}"
 
 
 def outer_line(args) -> str:

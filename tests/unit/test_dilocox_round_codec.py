@@ -89,3 +89,34 @@ def test_the_controllers_choice_reaches_the_status_view_and_the_metrics_record(c
     assert feed.status.compression == "topk " + outcome.compression["summary"]
     rows = dict(row for _, block in sections(feed.status.to_dict()) for row in block)
     assert rows["controller"] == feed.status.compression
+
+
+def test_apply_on_arrival_takes_the_step_mid_round_and_shifts_theta(config, corpus):
+    """The group's round-0 messages are here at round 1's first step: the outer step is taken
+    then, θ moves by exactly what the step moved the round's start, and φ ends where a node
+    that waited for the round's end puts it (the same messages, the same order)."""
+    early, early_link, early_model = topk_round(config, corpus, "a", 1, apply_on_arrival=True)
+    late, late_link, late_model = topk_round(config, corpus, "a", 1)
+    peer, peer_link, peer_model = topk_round(config, corpus, "b", 2)
+    for policy, model in ((early, early_model), (late, late_model), (peer, peer_model)):
+        train_round(model, policy, 0)
+        policy.end_round(0)
+    message = GroupMessage("b", 0, received(0, peer_link.sent[-1][1]))
+    early_link.inbox[0], late_link.inbox[0] = [message], [message]
+    before_theta = {n: t.detach().clone() for n, t in early_model.named_parameters().items()}
+    before_start = early.outer.round_start_weights()
+    early.between_steps(1)
+    assert early.stepped_round == 1 and early.outer.last_step.senders == ("a", "b")
+    after_start = early.outer.round_start_weights()
+    for name, theta in early_model.named_parameters().items():
+        expected = before_theta[name] + (after_start[name] - before_start[name])
+        assert (theta.detach() - expected).abs().max() < 1e-6
+    late.between_steps(1)
+    assert late.stepped_round == 0  # off: nothing happens mid-round
+    for policy, model in ((early, early_model), (late, late_model)):
+        train_round(model, policy, 1)
+    early_out, late_out = early.end_round(1), late.end_round(1)
+    assert early_out.phi_digest == late_out.phi_digest  # one φ, whenever the step was taken
+    assert early_out.applied_round == 0 == late_out.applied_round
+    assert early_link.digests[-1] == (1, early_out.phi_digest)
+    assert early.outer.counters.applied_messages == 2 and early.outer.counters.late == 0

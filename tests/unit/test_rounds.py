@@ -366,6 +366,9 @@ class ScriptedDiLoCoXLink:
     def send_ratio(self) -> float | None:
         return self.ratio
 
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        return self.inbox.pop(round_index, None)
+
 
 
 def dilocox(config, corpus, name: str, stream: int, delay: int = 1):

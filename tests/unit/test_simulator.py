@@ -131,7 +131,8 @@ def message_bytes(policy, trainer) -> int:
 
 
 @pytest.mark.parametrize("codec", [{"codec": "lowrank", "rank": 2},
-                                   {"codec": "topk", "protocol_values": {"overlap": "eager"}}])
+                                   {"codec": "topk", "protocol_values": {"overlap": "eager"}},
+                                   {"codec": "topk", "protocol_values": {"apply_on_arrival": True}}])
 def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus, codec):
     simulation, result = simulate(config, corpus, "dilocox", delay=1, outer_momentum=0.3, **codec)
     method = simulation.method

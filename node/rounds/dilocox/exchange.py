@@ -58,6 +58,7 @@ class DiLoCoXExchange:
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
+        self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
@@ -100,6 +101,10 @@ class DiLoCoXExchange:
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
                                       round_index, wait_s, wait_s=wait_s)
+
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        return self.swarm.bridge.call(f"round {round_index} if complete", self._take_if_complete,
+                                      round_index)
 
     def publish_digest(self, round_index: int, digest: str) -> None:
         self.swarm.bridge.post(self._after_round, round_index, digest)
@@ -158,7 +163,25 @@ class DiLoCoXExchange:
         return {r.peer_id for r in self.members.eligible() if r.round == round_index
                 and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
+    async def _take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        return await self._collect(round_index, 0.0) if self._complete(round_index) else None
+
+    def _complete(self, round_index: int) -> bool:
+        """Every member that took part in the round (finished it or still in it) has sent us its
+        message, and no consensus check is running (a resync it brings must be adopted before
+        the next outer step, which `apply_on_arrival` would take early). Never true for the
+        rounds a (re)joining node may have missed, nor beyond the fan-out, where not every
+        member sends to us: those wait for the round's end as before."""
+        if round_index < self.first_round or round_index <= self.collected or self._checks \
+                or len(self._members()) > self.fan_out:
+            return False
+        box = self.inbox.get(round_index, {})
+        return not (self._finished(round_index) | self._in_round(round_index)) - set(box)
+
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        if round_index <= self.collected:
+            return []  # taken mid-round (apply_on_arrival): what came since is for no one
+        self.collected = round_index
         now = self.loop.time()
         pace = now - self.last_collect_at if self.last_collect_at is not None else 0.0
         self.last_collect_at = now

@@ -29,7 +29,7 @@ from protocol.codecs import Codec, get_codec
 from protocol.diloco import DiLoCoHyperParameters
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, ReceiveOutcome
 from protocol.errors import ProtocolError
-from protocol.tensors import weights_digest
+from protocol.tensors import difference, shift_in_place, weights_digest
 
 
 @dataclass
@@ -46,7 +46,12 @@ class DiLoCoXLink(Protocol):
         """Sends this node's compressed message of the round to the group (in the background)."""
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
-        """The group's messages of `round_index` that arrived, waiting at most `wait_s`."""
+        """The group's messages of `round_index` that arrived, waiting at most `wait_s`; nothing,
+        at once, for a round already collected."""
+
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        """The messages of `round_index` if every one the link would wait for is here, taken as
+        `collect` takes them; else None, at once."""
 
     def publish_digest(self, round_index: int, digest: str) -> None:
         """Announces φ's digest after the round (the link compares it with the majority)."""
@@ -111,9 +116,27 @@ class DiLoCoXRound:
         # The last two post-step states: a diverged peer asks for the round it compared, and we
         # may have finished another round by the time its request arrives.
         self.history: deque = deque(maxlen=2)
+        self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
+        self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
 
     def between_steps(self, round_index: int) -> None:
-        """Nothing to do mid-round: the group's messages are applied at the round's end."""
+        """With `apply_on_arrival` (delay 1): once every message of round r − 1 is here (the
+        link says so without waiting), take the outer step now instead of at the round's end,
+        and shift θ by what that moved the round's start (φ's step, and our own message leaving
+        f): the rest of the round trains on the group's work, so the delay costs the messages'
+        travel time rather than a round. Δ at the round's end is still this round's progress
+        alone (it is measured from the shifted start)."""
+        target = round_index - self.outer.hyper.delay
+        if not self.config.apply_on_arrival or self.outer.hyper.delay == 0 or target < 0 \
+                or self.stepped_round >= round_index:
+            return None
+        arrived = self.link.take_if_complete(target)
+        if arrived is None:
+            return None
+        before = self.outer.round_start_weights()
+        _, self.early_refused = self._take_step(round_index, arrived)
+        shift_in_place(self.trainer.named_parameters(),
+                       difference(self.outer.round_start_weights(), before))
         return None
 
     def end_round(self, round_index: int) -> DiLoCoXOutcome:
@@ -123,6 +146,7 @@ class DiLoCoXRound:
         self.link.send_round(round_index, payload.encode_message(own))
         compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
         step, refused, waited = self._apply_group(round_index)
+        refused, self.early_refused = self.early_refused + refused, []
         return DiLoCoXOutcome(
             phi_digest=self.phi_digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
@@ -137,14 +161,28 @@ class DiLoCoXRound:
         self._apply_group(round_index)
 
     def _apply_group(self, round_index: int):
-        """Collects round `round_index − delay`, checks each message against our own last Δ,
-        adopts a pending resync, takes the outer step, announces φ's digest and loads the next
-        round's start into θ. Returns (the outer step's record, refusals, seconds waited)."""
+        """Collects round `round_index − delay` and takes the outer step (unless `between_steps`
+        took it already: then a message that came since is late), announces φ's digest and
+        loads the next round's start into θ. Returns (the outer step's record, refusals,
+        seconds waited)."""
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
         arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
         waited = time.monotonic() - waited
-        refused = []
+        refused: list[str] = []
+        if self.stepped_round < round_index:
+            _, refused = self._take_step(round_index, arrived)
+        else:
+            self.outer.counters.late += len(arrived)
+        self.link.publish_digest(round_index, self.phi_digest)
+        # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
+        self.trainer.load_parameters(self.outer.round_start_weights())
+        return self.outer.last_step, refused, waited
+
+    def _take_step(self, round_index: int, arrived: list[GroupMessage]):
+        """Checks each message against our own last Δ, adopts a pending resync, takes the outer
+        step of `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
+        refused: list[str] = []
         for item in arrived:
             self._admit(item, self.own_norm, refused)
         with self.lock:
@@ -154,13 +192,10 @@ class DiLoCoXRound:
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
-            self.state_round, self.phi_digest = round_index, digest
+            self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
             self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
                                  digest))
-        self.link.publish_digest(round_index, digest)
-        # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
-        self.trainer.load_parameters(self.outer.round_start_weights())
-        return self.outer.last_step, refused, waited
+        return self.outer.last_step, refused
 
     def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:
         try:

@@ -1,5 +1,6 @@
-"""Issue 18 on real daemons: four DiLoCoX nodes with the top-k codec, the eager overlap and the
-adaptive controller on; separate processes, real p2pd, loopback only."""
+"""Issue 18 on real daemons: four DiLoCoX nodes with the top-k codec, the outer step taken as
+soon as the group's messages are in (apply_on_arrival) and the adaptive controller on; separate
+processes, real p2pd, loopback only."""
 
 import json
 import subprocess
@@ -15,7 +16,7 @@ BENIGN = {"REFUSED", "NOT_PAIRED", "BUSY", "STALE_ROUND", "TIMEOUT"}
 
 def test_four_nodes_adapt_their_compression_and_agree_on_phi(harness_factory):
     m = small_manifest("t-dilocox-ctl", "dilocox", codec="topk", topk_k=8, topk_chunk=256,
-                       max_density=0.125, overlap="eager", controller=True,
+                       max_density=0.125, apply_on_arrival=True, controller=True,
                        controller_energy_target=0.5)
     m.train.eval_every = 40
     harness = harness_factory(m)
@@ -40,6 +41,7 @@ def test_four_nodes_adapt_their_compression_and_agree_on_phi(harness_factory):
             assert choice["codec"] == "topk" and 1 <= choice["k_min"] <= choice["k_max"] <= 32
             assert choice["bits"] in (2, 4, 8) and choice["budget"] in ("over", "within", "slack")
         assert any(r["compression"]["changes"] for r in rounds), "the controller never moved"
+        assert any(r["stepped_mid_round"] for r in rounds), "no outer step was taken mid-round"
         counters = node.events("transport")[-1]
         assert set(counters["refused_incoming"]) <= BENIGN
         vals = [r["val_loss"] for r in rounds if "val_loss" in r]

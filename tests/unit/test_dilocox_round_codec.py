@@ -118,5 +118,6 @@ def test_apply_on_arrival_takes_the_step_mid_round_and_shifts_theta(config, corp
     early_out, late_out = early.end_round(1), late.end_round(1)
     assert early_out.phi_digest == late_out.phi_digest  # one φ, whenever the step was taken
     assert early_out.applied_round == 0 == late_out.applied_round
+    assert early_out.stepped_mid_round and not late_out.stepped_mid_round
     assert early_link.digests[-1] == (1, early_out.phi_digest)
     assert early.outer.counters.applied_messages == 2 and early.outer.counters.late == 0

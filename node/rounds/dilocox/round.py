@@ -76,6 +76,7 @@ class DiLoCoXOutcome(RoundOutcome):
     energy_kept: dict[str, float]  # low-rank, top-k: the share of each tensor's energy our message kept
     late: int                     # running total of messages that came after their round
     compression: dict | None = None  # the controller's choice for the next round (adapt.py); None: off
+    stepped_mid_round: bool = False  # apply_on_arrival took the outer step before the round's end
 
     @property
     def partners(self) -> list[str]:
@@ -145,6 +146,7 @@ class DiLoCoXRound:
         self.own_norm = global_norm(delta)
         self.link.send_round(round_index, payload.encode_message(own))
         compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
+        early = self.stepped_round == round_index
         step, refused, waited = self._apply_group(round_index)
         refused, self.early_refused = self.early_refused + refused, []
         return DiLoCoXOutcome(
@@ -152,7 +154,7 @@ class DiLoCoXRound:
             applied_round=step.applied_round if step else None,
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
             resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
-            compression=compression)
+            compression=compression, stepped_mid_round=early)
 
     def finish(self, round_index: int) -> None:
         """Applies what is still owed when training stops before round `round_index` (delay 1:

@@ -8,6 +8,13 @@ Every node applies the same messages in the same order, so φ stays identical; a
 digest disagrees with the majority re-downloads φ and m from a majority peer (the link arranges
 it) and adopts them before its next outer step.
 
+With `apply_on_arrival` (delay 1), the outer step of round r − 1's messages is taken as soon as
+all of them are here, before any inner step of round r (`between_steps`), and θ is shifted by
+what the step moved the round's start; the round's end then only publishes the digest. The
+messages, their order and φ are the same; the node's weights see the group's work a few steps
+after it was sent instead of a round later. With `controller`, node/rounds/dilocox/adapt.py
+sets the codec's strength and bits for the next round after each message is encoded.
+
 What travels is encoded in node/rounds/dilocox/payload.py.
 """
 

@@ -9,7 +9,7 @@ digest disagrees with the majority re-downloads φ and m from a majority peer (t
 it) and adopts them before its next outer step.
 
 With `apply_on_arrival` (delay 1), the outer step of round r − 1's messages is taken as soon as
-all of them are here, before any inner step of round r (`between_steps`), and θ is shifted by
+all of them are here (checked before each inner step of round r, `between_steps`), and θ is shifted by
 what the step moved the round's start; the round's end then only publishes the digest. The
 messages, their order and φ are the same; the node's weights see the group's work a few steps
 after it was sent instead of a round later. With `controller`, node/rounds/dilocox/adapt.py

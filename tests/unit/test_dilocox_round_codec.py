@@ -96,7 +96,7 @@ def test_apply_on_arrival_takes_the_step_mid_round_and_shifts_theta(config, corp
     then, θ moves by exactly what the step moved the round's start, and φ ends where a node
     that waited for the round's end puts it (the same messages, the same order)."""
     early, early_link, early_model = topk_round(config, corpus, "a", 1, apply_on_arrival=True)
-    late, late_link, late_model = topk_round(config, corpus, "a", 1)
+    late, late_link, late_model = topk_round(config, corpus, "a", 1, apply_on_arrival=False)
     peer, peer_link, peer_model = topk_round(config, corpus, "b", 2)
     for policy, model in ((early, early_model), (late, late_model), (peer, peer_model)):
         train_round(model, policy, 0)

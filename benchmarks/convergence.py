@@ -18,6 +18,7 @@ Writes benchmarks/convergence.{png,json} and its block of benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -56,9 +57,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=0.7, help="DiLoCo/DiLoCoX η (default 0.7)")
     p.add_argument("--outer-momentum", type=float, default=0.3,
                    help="DiLoCo/DiLoCoX μ (default 0.3: the NoLoCo paper's DiLoCo baseline)")
+    p.add_argument("--inner-steps", type=int, default=100, help="H of DiLoCo and DiLoCoX (default 100)")
+    p.add_argument("--codec", default="lowrank", choices=("lowrank", "topk", "identity"),
+                   help="DiLoCoX codec (default lowrank)")
     p.add_argument("--rank", type=int, default=2, help="DiLoCoX low-rank rank (default 2: the "
                    "largest whose 8-bit messages to 7 peers cost 50x less than DiLoCo's ring)")
-    p.add_argument("--bits", type=int, default=8, choices=(4, 8), help="DiLoCoX bits (default 8)")
+    p.add_argument("--bits", type=int, choices=(2, 4, 8), help="DiLoCoX bits (default: lowrank "
+                   "8, topk 2)")
+    p.add_argument("--delay", type=int, default=1, choices=(0, 1), help="DiLoCoX delay (default 1)")
+    p.add_argument("--latency-steps", type=int, default=0, help="DiLoCoX: a message's travel time "
+                   "in inner steps (default 0)")
+    p.add_argument("--dilocox-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a key of DiLoCoX's manifest [protocol] section, e.g. topk_k=32 (repeatable)")
     p.add_argument("--wire-dtype", default="int8", choices=WIRE_DTYPE_CHOICES,
                    help="how NoLoCo snapshots travel (default int8, the manifest's; int4; bf16, fp16, fp32)")
     p.add_argument("--snapshot", choices=("theta", "phi_delta"), default="theta",
@@ -82,8 +92,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             args.lr_sweep = ",".join(str(float(lr)) for lr in args.lr_sweep.split(","))
         except ValueError:
             p.error(f"--lr-sweep {args.lr_sweep!r} is not a comma-separated list of numbers.")
-    if args.steps % 100:
-        p.error(f"--steps {args.steps} must be a multiple of 100 (H = 100 and H = 50 rounds).")
+    if args.bits is None:
+        args.bits = 2 if args.codec == "topk" else 8
+    if args.steps % args.inner_steps or args.steps % 50:
+        p.error(f"--steps {args.steps} must be a multiple of 50 and of H = {args.inner_steps}.")
+    try:
+        args.dilocox_values = {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in args.dilocox_set)}
+    except ValueError:
+        p.error(f"--dilocox-set {args.dilocox_set!r}: each must be KEY=VALUE with a JSON value.")
     return args
 
 
@@ -95,7 +111,11 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
     common = {"workers": args.workers, "seed": args.seed}
     noloco = {"wire_dtype": args.wire_dtype, "snapshot": args.snapshot, **common}
     outer = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum}
-    dilocox = {"codec": "lowrank", "rank": args.rank, "bits": args.bits, "delay": 1, **outer}
+    codec = {"lowrank": {"rank": args.rank, "bits": args.bits}, "topk": {"bits": args.bits},
+             "identity": {}}[args.codec]
+    dilocox = {"codec": args.codec, **codec, "delay": args.delay, "latency_steps": args.latency_steps,
+               "protocol_values": args.dilocox_values, **outer}
+    H = args.inner_steps
     if args.scale:
         return {
             "noloco-overlap": SimulationSettings("noloco", inner_steps=50, rounds=args.steps // 50,
@@ -112,18 +132,18 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
                 for lr in args.lr_sweep.split(",")}
     if args.diagnostics:
         def variant(codec: dict, delay: int) -> SimulationSettings:
-            return SimulationSettings("dilocox", inner_steps=100, rounds=args.steps // 100,
+            return SimulationSettings("dilocox", inner_steps=H, rounds=args.steps // H,
                                       **{**dilocox, **codec, "delay": delay}, **common)
         identity = {"codec": "identity", "rank": None, "bits": None}
         return {
-            "diloco": SimulationSettings("diloco", inner_steps=100, rounds=args.steps // 100, **outer, **common),
+            "diloco": SimulationSettings("diloco", inner_steps=H, rounds=args.steps // H, **outer, **common),
             "dilocox-identity-delay1": variant(identity, 1),
             "dilocox-lowrank-delay0": variant({}, 0),
             "dilocox": variant({}, 1),
         }
     return {
         "data-parallel": SimulationSettings("data-parallel", inner_steps=50, rounds=every_50, **common),
-        "diloco": SimulationSettings("diloco", inner_steps=100, rounds=args.steps // 100, **outer, **common),
+        "diloco": SimulationSettings("diloco", inner_steps=H, rounds=args.steps // H, **outer, **common),
         "noloco-blocking": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
                                               timing="blocking", **noloco),
         "noloco-overlap": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
@@ -131,7 +151,7 @@ def method_settings(args: argparse.Namespace) -> dict[str, SimulationSettings]:
         # the same with a swap that takes a fifth of a round: the correction lands at step 10
         "noloco-overlap-slow-swap": SimulationSettings("noloco", inner_steps=50, rounds=every_50,
                                                        timing="overlap", latency_steps=10, **noloco),
-        "dilocox": SimulationSettings("dilocox", inner_steps=100, rounds=args.steps // 100,
+        "dilocox": SimulationSettings("dilocox", inner_steps=H, rounds=args.steps // H,
                                       **dilocox, **common),
         "local": SimulationSettings("local", inner_steps=50, rounds=every_50, **common),
     }
@@ -190,11 +210,20 @@ def scale_line(results: dict, args, seconds: float) -> str:
             f"{seconds / 60:.0f} min.")
 
 
+def dilocox_words(args) -> str:
+    """DiLoCoX's codec and the manifest keys set for it, in words."""
+    codec = {"lowrank": f"low-rank rank {args.rank}, {args.bits}-bit factors, 8-bit blockwise for "
+                        "small tensors",
+             "topk": f"top-k with {args.bits}-bit values", "identity": "identity codec"}[args.codec]
+    extra = ", ".join(f"{k} = {v}" for k, v in args.dilocox_values.items())
+    latency = f", messages take {args.latency_steps} steps" if args.latency_steps else ""
+    return f"{codec}{', ' + extra if extra else ''}{latency}"
+
+
 def outer_line(args) -> str:
     return (f"Outer settings: DiLoCo and DiLoCoX η = {args.outer_lr}, μ = {args.outer_momentum} "
             f"(Nesterov); NoLoCo α = 0.5, β = γ = 0.7, snapshots {SNAPSHOT_WORDS[args.snapshot]} "
-            f"in {args.wire_dtype}; DiLoCoX low-rank rank "
-            f"{args.rank}, {args.bits}-bit factors, 8-bit blockwise for small tensors, group = all "
+            f"in {args.wire_dtype}; DiLoCoX {dilocox_words(args)}, delay {args.delay}, group = all "
             "replicas. NoLoCo and DiLoCoX run the daemon's round classes (node/rounds/) over the "
             "simulator's in-memory links. Bytes are the payloads those rounds encode (no wire "
             "headers); DiLoCo and data-parallel are counted as a ring all-reduce of fp32, "

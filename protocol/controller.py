@@ -1,4 +1,8 @@
-"""Per-round adaptation of DiLoCoX's rank k, bits and H (PROTOCOLS.md §3 "Adaptation").
+"""Per-round adaptation of DiLoCoX's compression strength, bits and H (PROTOCOLS.md §3 "Adaptation").
+
+The strength of a tensor is its rank with the low-rank codec, its k (entries per chunk) with
+the top-k codec; the rules below call both "rank". bits are the low-rank factors' (4, 8) or
+the top-k values' (2, 4, 8).
 
 A pure decision: `AdaptiveController.decide(settings, measurements)` reads last round's
 numbers and returns new settings with a record of every change and its reason, to be reported
@@ -27,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from protocol.codecs.lowrank import LowRankCodec
+from protocol.codecs.topk import TopKCodec
 from protocol.errors import ConfigurationError
 
 
@@ -56,8 +61,8 @@ class ControllerConfig:
                 f"got {self.min_rank!r}, {self.max_rank!r}.")
         require(isinstance(self.bits_choices, tuple) and len(self.bits_choices) > 0
                 and list(self.bits_choices) == sorted(set(self.bits_choices))
-                and set(self.bits_choices) <= {4, 8},
-                "controller bits_choices must be an ascending tuple from (4, 8), "
+                and set(self.bits_choices) <= {2, 4, 8},
+                "controller bits_choices must be an ascending tuple from (2, 4, 8), "
                 f"got {self.bits_choices!r}.")
         require(_is_int(self.min_inner_steps) and _is_int(self.max_inner_steps)
                 and 1 <= self.min_inner_steps <= self.max_inner_steps,
@@ -255,16 +260,18 @@ class AdaptiveController:
                                   tuple(changes), tuple(held_back))
 
 
-def settings_of(codec: LowRankCodec, names: list[str], inner_steps: int) -> CompressionSettings:
-    """The codec's current settings for the tensors it sends as P·Qᵀ (by name)."""
-    return CompressionSettings({name: codec.rank_of(name) for name in names}, codec.bits, inner_steps)
+def settings_of(codec: LowRankCodec | TopKCodec, names: list[str], inner_steps: int) -> CompressionSettings:
+    """The codec's current settings for the tensors it adapts (by name): rank or k."""
+    strength = codec.rank_of if isinstance(codec, LowRankCodec) else codec.k_of
+    return CompressionSettings({name: strength(name) for name in names}, codec.bits, inner_steps)
 
 
-def apply_settings(codec: LowRankCodec, settings: CompressionSettings) -> None:
-    """Give the codec the decided ranks and bits (H belongs to the trainer)."""
+def apply_settings(codec: LowRankCodec | TopKCodec, settings: CompressionSettings) -> None:
+    """Give the codec the decided strengths and bits (H belongs to the trainer)."""
     codec.bits = settings.bits
-    for name, rank in settings.ranks.items():
-        codec.set_rank(name, rank)
+    set_strength = codec.set_rank if isinstance(codec, LowRankCodec) else codec.set_k
+    for name, strength in settings.ranks.items():
+        set_strength(name, strength)
 
 
 def _is_int(value: object) -> bool:

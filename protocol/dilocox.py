@@ -4,14 +4,24 @@ Per node: φ and the outer momentum m (DiLoCo's outer Nesterov, reused from prot
 not copied), the error-feedback residual e (starts at 0), and f, this node's own decoded
 messages still in flight. Round r:
 
-    θ ← s = φ − e − λ·Σ_f D(c_own)            (`round_start_weights`; λ = in_flight_weight)
+    θ ← s = φ − e − λ·Σ_f D(c_own)            (`round_start_weights`; λ: `in_flight_share`)
     H inner steps ; Δ^r = s − θ                (`pseudo_gradient`: this round's progress only)
-    c^r = C(Δ^r + e) ;  e ← Δ^r + e − D(c^r)  (`compress`: nothing is lost, only delayed)
+    c^r = C(Δ^r + β·e) ; e ← Δ^r + β·e − D(c^r)  (`compress`; β = 1: nothing is lost, only delayed)
     f[r] = D(c^r) ; send c^r to the group; receive the others' (`receive`)
-    Δ̄ = mean of D(c_j^{r−delay}) over the messages of round r − delay, own included
+    Δ̄ = mean over the senders j of round r − delay of a_j·D(c_j), own included,
+        a_j = min(1, median_k ‖D(c_k)‖ / ‖D(c_j)‖) with `clip_to_median`, else 1
     m ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)      (`outer_step`, which drops f[r − delay])
 
-With delay 0 and the identity codec e = 0 and f is empty at every round start: exactly DiLoCo.
+λ is ½ (`overlap = "half"`) or, `overlap = "eager"` (arXiv 2502.12996), the weight the node's
+own message will have in φ's step once its round is applied: η·(1 + μ)/n with Nesterov (η/n
+without), n the senders of the last round applied. Own fresh work then counts at once at its
+share, the peers' one round later. β < 1 is SparseLoCo's decaying error buffer (0.95 there):
+it forgets what a codec kept back for long, trading the invariant sent + e = ΣΔ for a residual
+that cannot grow without bound. Median clipping (Templar's) bounds what one sender can move φ
+by; every node computes the same factors from the same messages.
+
+With delay 0, the identity codec, β = 1 and no clipping, e = 0 and f is empty at every round
+start: exactly DiLoCo.
 
 Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from θ ← φ.
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
@@ -51,6 +61,8 @@ Invariants:
 from __future__ import annotations
 
 import enum
+import math
+import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -73,17 +85,33 @@ def winning_digest(votes: Mapping[str, int]) -> str:
     return min(digest for digest, count in votes.items() if count == top)
 
 
+OVERLAPS = ("half", "eager")
+
+
 @dataclass(frozen=True)
 class DiLoCoXHyperParameters:
-    """The outer optimizer, the delay (0 or 1 round), how far ahead messages may run, and λ,
-    the weight of the node's own round in flight in the weights it trains (see the module)."""
+    """The outer optimizer, the delay (0 or 1 round), how far ahead messages may run, λ (the
+    weight of the node's own round in flight in the weights it trains: `overlap` "half" is
+    `in_flight_weight`, "eager" its share of the outer step, see `in_flight_share`), β (the
+    residual's decay), and whether each message is clipped to the median norm before the mean."""
 
     outer: DiLoCoHyperParameters = field(default_factory=DiLoCoHyperParameters)
     delay: int = 1
     max_rounds_ahead: int = 8
     in_flight_weight: float = 0.5
+    overlap: str = "half"
+    residual_decay: float = 1.0
+    clip_to_median: bool = False
 
     def __post_init__(self) -> None:
+        if self.overlap not in OVERLAPS:
+            raise ConfigurationError(f"DiLoCoX overlap must be one of {list(OVERLAPS)}, got {self.overlap!r}.")
+        if isinstance(self.residual_decay, bool) or not isinstance(self.residual_decay, (int, float)) \
+                or not 0 < self.residual_decay <= 1:
+            raise ConfigurationError(
+                f"DiLoCoX residual_decay must be a number in (0, 1], got {self.residual_decay!r}.")
+        if not isinstance(self.clip_to_median, bool):
+            raise ConfigurationError(f"DiLoCoX clip_to_median must be a bool, got {self.clip_to_median!r}.")
         if type(self.delay) is not int or self.delay not in (0, 1):
             raise ConfigurationError(f"DiLoCoX delay must be 0 or 1 rounds, got {self.delay!r}.")
         if type(self.max_rounds_ahead) is not int or not 1 <= self.max_rounds_ahead <= 1024:
@@ -134,6 +162,7 @@ class DiLoCoXCounters:
     applied_messages: int = 0
     applied_rounds: int = 0
     empty_rounds: int = 0
+    clipped: int = 0  # messages scaled down to the median norm (clip_to_median)
 
 
 @dataclass(frozen=True)
@@ -164,6 +193,7 @@ class DiLoCoX:
         self.last_compressed_round = -1
         self.counters = DiLoCoXCounters()
         self.last_step: OuterStepRecord | None = None
+        self._last_group_size = 0  # senders of the last round applied: the eager share's n
 
     # ------------------------------------------------------------------ views (copies)
     @property
@@ -185,17 +215,29 @@ class DiLoCoX:
     def round_start_weights(self) -> NamedTensors:
         """s = φ − e − λ·Σ D(c_own) over the own rounds in flight: where a round starts."""
         start = difference(self._outer.slow_weights, self._residual)
+        share = self.in_flight_share()
         for decoded in self._in_flight.values():
             for name, tensor in start.items():
-                tensor.sub_(decoded[name], alpha=self.hyper.in_flight_weight)
+                tensor.sub_(decoded[name], alpha=share)
         return start
+
+    def in_flight_share(self) -> float:
+        """λ. "half": `in_flight_weight`. "eager": the share the node's own message will have in
+        φ's step when its round is applied, η·(1 + μ)/n with Nesterov (η/n without), n the
+        senders of the last round applied (1 before any): own work counts at once, at the
+        weight it will have, and the peers' arrives one round later."""
+        if self.hyper.overlap == "half":
+            return self.hyper.in_flight_weight
+        outer = self.hyper.outer
+        step = outer.outer_lr * ((1 + outer.momentum) if outer.nesterov else 1)
+        return step / max(1, self._last_group_size)
 
     def pseudo_gradient(self, fast_weights: Mapping[str, torch.Tensor]) -> NamedTensors:
         """Δ = s − θ at the end of a round: the progress of this round alone."""
         return difference(self.round_start_weights(), fast_weights)
 
     def compress(self, delta: Mapping[str, torch.Tensor], round_index: int) -> PseudoGradientMessage:
-        """c = C(Δ + e), e ← Δ + e − D(c); the message is also kept as this node's own."""
+        """c = C(Δ + β·e), e ← Δ + β·e − D(c); the message is also kept as this node's own."""
         if type(round_index) is not int or round_index <= max(self.last_compressed_round,
                                                                self.last_applied_round):
             raise ProtocolError(
@@ -206,7 +248,7 @@ class DiLoCoX:
         new_residual: NamedTensors = {}
         decoded: NamedTensors = {}
         for name, residual in self._residual.items():
-            target = delta[name].detach().to(torch.float32) + residual
+            target = delta[name].detach().to(torch.float32) + residual * self.hyper.residual_decay
             encoded[name] = self.codec.encode(target, name)
             decoded[name] = self.codec.decode(encoded[name].description, encoded[name].payload,
                                               max_elements=max(target.numel(), 1))
@@ -258,10 +300,32 @@ class DiLoCoX:
             return self.slow_weights
         self.counters.applied_messages += len(senders)
         self.counters.applied_rounds += 1
+        self._last_group_size = len(senders)
         # Sorted sender order: every node sums the same numbers in the same order.
-        return self._outer.apply_mean(mean(self._decoded(messages[s]) for s in senders))
+        scales = self._median_clip(messages, senders) if self.hyper.clip_to_median else {}
+        return self._outer.apply_mean(mean(self._scaled(self._decoded(messages[s]), scales.get(s, 1.0))
+                                           for s in senders))
 
     # ------------------------------------------------------------------ helpers
+    def _median_clip(self, messages: Mapping[str, PseudoGradientMessage],
+                     senders: tuple[str, ...]) -> dict[str, float]:
+        """min(1, median ‖D(c_j)‖ / ‖D(c_j)‖) per sender: no message outweighs the median one.
+
+        One decoding at a time (memory stays one message); the norms are Python floats summed in
+        name order, so every node computes the same factors from the same messages."""
+        norms = {s: math.sqrt(sum(float(t.square().sum()) for t in self._decoded(messages[s]).values()))
+                 for s in senders}  # names in the model's order, the same on every node
+        median = statistics.median(norms.values())
+        self.counters.clipped += sum(1 for n in norms.values() if n > median)
+        return {s: median / n for s, n in norms.items() if n > median}
+
+    @staticmethod
+    def _scaled(decoded: NamedTensors, scale: float) -> NamedTensors:
+        if scale != 1.0:
+            for tensor in decoded.values():
+                tensor.mul_(scale)
+        return decoded
+
     def _admission(self, message: PseudoGradientMessage) -> ReceiveOutcome:
         """Duplicate, late, too early, or accepted; counts what it drops."""
         if message.round_index <= self.last_applied_round:
@@ -332,6 +396,7 @@ class DiLoCoX:
                               for r, d in self._in_flight.items()},
                 "last_applied_round": self.last_applied_round,
                 "last_compressed_round": self.last_compressed_round,
+                "last_group_size": self._last_group_size,
                 "counters": asdict(self.counters)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -362,5 +427,6 @@ class DiLoCoX:
             raise LayoutError(f"DiLoCoX state mangles its messages in flight ({wrong}).") from None
         self._in_flight = in_flight
         self.last_applied_round, self.last_compressed_round = int(applied), int(compressed)
+        self._last_group_size = int(state.get("last_group_size", 0))  # absent in older checkpoints
         self.counters = counters
 

@@ -75,9 +75,41 @@ class ProtocolSection:
     delay: int = spec(1, "DiLoCoX: 1 applies round r's messages at the end of round r+1; 0 waits",
                       choices=(0, 1))
     codec: str = spec("lowrank", "DiLoCoX pseudo-gradient codec",
-                      choices=("lowrank", "blockwise", "bf16", "fp16", "identity"))
+                      choices=("lowrank", "topk", "blockwise", "bf16", "fp16", "identity"))
     rank: int = spec(4, "DiLoCoX starting rank of the low-rank codec", min=1, max=4096)
     bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
+    # topk: SparseLoCo's production point, 64 of every 4096 (1.6%), 2-bit values (protocol/codecs/topk.py)
+    topk_k: int = spec(64, "DiLoCoX topk codec: entries sent per chunk (starting value)",
+                       min=1, max=65536)
+    topk_chunk: int = spec(4096, "DiLoCoX topk codec: elements per chunk", min=1, max=65536)
+    topk_bits: int = spec(2, "DiLoCoX topk codec: bits per value (a sign and bits - 1 of "
+                          "magnitude)", choices=(2, 4, 8))
+    overlap: str = spec("half", "DiLoCoX with delay 1: how much of a node's own round in flight "
+                        "its next round starts from: half (λ = 1/2) or eager (the share its "
+                        "message will have in the outer step; protocol/dilocox.py)",
+                        choices=("half", "eager"))
+    # measured (benchmarks/RESULTS.md, issue 18 pilots): most of the delay's cost goes
+    apply_on_arrival: bool = spec(True, "DiLoCoX with delay 1: take the outer step as soon as "
+                                  "every member's message of the last round is here, shifting "
+                                  "the weights mid-round, rather than at the round's end")
+    residual_decay: float = spec(1.0, "DiLoCoX error feedback e ← β·e + Δ: β (1 keeps every "
+                                 "unsent value; SparseLoCo uses 0.95)", min=0.0, max=1.0,
+                                 min_exclusive=True)
+    clip_to_median: bool = spec(False, "DiLoCoX: scale each message down to the median norm of "
+                                "its round's messages before averaging")
+    # the adaptive controller (protocol/controller.py, node/rounds/dilocox/adapt.py)
+    controller: bool = spec(False, "DiLoCoX: adapt the codec's strength (topk k, lowrank rank) and "
+                            "bits each round to the energy kept and the link's send time")
+    controller_energy_target: float = spec(0.8, "DiLoCoX controller: energy kept below this "
+                                           "raises the strength", min=0.0, max=1.0, min_exclusive=True)
+    controller_energy_high: float = spec(0.95, "DiLoCoX controller: energy kept above this lowers "
+                                         "the strength", min=0.0, max=1.0, min_exclusive=True)
+    controller_send_budget: float = spec(0.8, "DiLoCoX controller: the share of a round's compute "
+                                         "a send may take before it compresses harder",
+                                         min=0.0, max=100.0, min_exclusive=True)
+    max_density: float = spec(0.0625, "DiLoCoX topk codec: messages sending more than this share "
+                              "of a chunk (k / chunk) are refused", min=0.0, max=1.0,
+                              min_exclusive=True)
     fan_out: int = spec(32, "DiLoCoX: most peers a message is sent to", min=1, max=4096)
     message_deadline_s: float = spec(120.0, "DiLoCoX: a message later than this is dropped",
                                      min=0.0, max=3600.0, min_exclusive=True)
@@ -172,8 +204,18 @@ def check_snapshot(protocol: ProtocolSection, contributions: ContributionSection
                           "set protocol.snapshot = 'phi_delta' or min_alignment_sigmas = 0")
 
 
+def check_topk(protocol: ProtocolSection) -> None:
+    """The topk codec's k must fit its chunk and the density bound every member decodes to."""
+    if protocol.topk_k > protocol.topk_chunk or protocol.topk_k > protocol.max_density * protocol.topk_chunk:
+        raise ConfigError(f"manifest key 'protocol.topk_k' = {protocol.topk_k} exceeds "
+                          f"min(topk_chunk, max_density * topk_chunk) = "
+                          f"{min(protocol.topk_chunk, protocol.max_density * protocol.topk_chunk):g}: "
+                          "lower topk_k or raise max_density")
+
+
 def _validate(manifest: Manifest) -> Manifest:
     check_snapshot(manifest.protocol, manifest.contributions)
+    check_topk(manifest.protocol)
     if not SWARM_ID.match(manifest.swarm.id):
         raise ConfigError(f"manifest key 'swarm.id' = {manifest.swarm.id!r} is not a valid "
                           f"swarm id: use lowercase letters, digits, '-' and '_' (1-63 chars)")

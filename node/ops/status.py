@@ -41,6 +41,7 @@ Fields, units and meaning (None = not known yet):
     bytes_sent_total         int    bytes sent since the daemon started
     bytes_received_total     int    bytes received since the daemon started
     compression_ratio        float  raw fp32 bytes / wire bytes of the last exchanged payload
+    compression              str    DiLoCoX's controller: its choice for the next round, one line
     refused                  {str: int} refused incoming messages by reason, since start
     last_exchange_at         float  unix time (s) of the last successful exchange
     pair_interval            int    NoLoCo: pairs once every this many rounds (1: every round;
@@ -111,6 +112,7 @@ class NodeStatus:
     bytes_sent_total: int = 0
     bytes_received_total: int = 0
     compression_ratio: float | None = None
+    compression: str | None = None
     refused: dict[str, int] = field(default_factory=dict)
     last_exchange_at: float | None = None
     pair_interval: int | None = None

@@ -19,6 +19,7 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
                                                    tensors over the bytes received (so a
                                                    quantized wire_dtype shows its real ratio:
                                                    int8 3.76x, int4 7.1x, bf16 2x)
+    compression                                    RoundEnded: DiLoCoX's controller choice, if on
     checkpoint_at, checkpoint_step                 Checkpointed
     pair_interval                                  PairingPaced (NoLoCo: how often it pairs)
     state=stopping                                 Stopping
@@ -90,6 +91,9 @@ class StatusFeed:
                       rounds_per_minute=(event.round + 1 - self._first_round) * 60 / elapsed)
         if outcome.refused:
             status.count_refused("contribution", len(outcome.refused))
+        choice = getattr(outcome, "compression", None)  # DiLoCoX with its controller on
+        if choice:
+            status.update(compression=f"{choice['codec']} {choice['summary']}")
 
     def _payload(self, event: Swapped | Sent) -> None:
         # fp32 size over wire size of one payload: NoLoCo's θ or (φ, Δ), DiLoCoX's coded Δ

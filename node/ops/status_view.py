@@ -147,6 +147,7 @@ def sections(doc: dict, *, narrow: bool = False,
             ("sent total", human_bytes(doc.get("bytes_sent_total"))),
             ("recv total", human_bytes(doc.get("bytes_received_total"))),
             ("compression", _ratio(doc.get("compression_ratio"))),
+            *([("controller", doc["compression"])] if doc.get("compression") else []),
         ]),
         ("Refused", _refused_rows(doc)),
         ("Checkpoint", [

@@ -72,10 +72,11 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     dilocox = p.add_argument_group("DiLoCoX")
     dilocox.add_argument("--delay", type=int, choices=(0, 1), help="rounds between sending and "
                          "applying the pseudo-gradients (default 1)")
-    dilocox.add_argument("--codec", help="pseudo-gradient codec: lowrank (default), blockwise, "
+    dilocox.add_argument("--codec", help="pseudo-gradient codec: lowrank (default), topk, blockwise, "
                          "bf16, fp16, identity")
     dilocox.add_argument("--rank", type=int, help="lowrank: rank k (default: the codec's, 4)")
-    dilocox.add_argument("--bits", type=int, choices=(4, 8), help="lowrank, blockwise: bits (default 8)")
+    dilocox.add_argument("--bits", type=int, choices=(2, 4, 8), help="lowrank, blockwise: bits "
+                         "(4 or 8, default 8); topk: bits per value (default 2)")
     cfg = p.add_argument_group("model, data and inner optimizer (the node config)")
     cfg.add_argument("--model", metavar="PRESET", help="model preset in configs/models/ (default tiny)")
     cfg.add_argument("--config", type=Path, metavar="PATH", help="a node config TOML file")

@@ -104,3 +104,19 @@ class DiLoCoXMemoryLink:
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.network.refused[reason] += 1
+
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        """Every other replica's message of `round_index` has arrived by this replica's step:
+        taken now, without the rendezvous (the replicas train one after another, not together);
+        the round's end still meets the others in `collect`, which then finds nothing new."""
+        exchange = self.network.exchange
+        if len({e.sender for e in exchange.arrived(self.name, TOPIC, round_index)}) \
+                < len(self.network.names) - 1:
+            return None
+        return [GroupMessage(e.sender, round_index, e.payload)
+                for e in exchange.collect(self.name, TOPIC, round_index)]
+
+    def send_ratio(self) -> float | None:
+        """None: the in-memory exchange models latency, not bandwidth (the controller sees a
+        free link, so only the energy rule moves the strength)."""
+        return None

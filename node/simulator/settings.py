@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from node.config.manifest import WIRE_DTYPE_CHOICES, ContributionSection, ProtocolSection, \
-    check_snapshot
+    check_snapshot, check_topk
 from node.config.schema import ConfigError, build_section
+from protocol.diloco import DiLoCoHyperParameters
 
 PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
 TIMINGS = ("overlap", "blocking")
@@ -25,7 +26,14 @@ SNAPSHOTS = ("theta", "phi_delta")
 # H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (PROTOCOLS.md §1, §2); for
 # data-parallel and local training a "round" is only the interval between evaluations.
 DEFAULT_INNER_STEPS = {"data-parallel": 100, "diloco": 100, "noloco": 50, "dilocox": 100, "local": 100}
-CODEC_PARAMETERS = {"lowrank": ("rank", "bits"), "blockwise": ("bits",)}
+CODEC_PARAMETERS = {"lowrank": ("rank", "bits"), "blockwise": ("bits",), "topk": ("bits",)}
+# the manifest key each codec parameter sets, where it is not the parameter's own name
+MANIFEST_KEY = {("topk", "bits"): "topk_bits"}
+# DiLoCoX's defaults are the swarm manifest's (node/config/manifest.py ProtocolSection), so a
+# simulation and a daemon on a default manifest run the same protocol; DiLoCo's baseline takes
+# protocol/diloco.py's (PROTOCOLS.md §2).
+DILOCOX_DEFAULTS = ProtocolSection()
+DILOCO_DEFAULTS = DiLoCoHyperParameters()
 
 
 class SimulationError(ValueError):
@@ -43,9 +51,9 @@ class SimulationSettings:
     # the exchange
     latency_steps: int = 0                 # one message's travel time, in inner steps
     drop_probability: float = 0.0          # per point-to-point message (noloco, dilocox)
-    # DiLoCo and DiLoCoX outer Nesterov (PROTOCOLS.md §2 defaults)
-    outer_lr: float = 0.7
-    outer_momentum: float = 0.9
+    # DiLoCo and DiLoCoX outer Nesterov; None: DILOCO_DEFAULTS or DILOCOX_DEFAULTS
+    outer_lr: float | None = None
+    outer_momentum: float | None = None
     # NoLoCo (PROTOCOLS.md §1 defaults)
     timing: str = "overlap"
     # the longest wait for a message (NoLoCo blocking: the partner's snapshot; DiLoCoX: the
@@ -58,11 +66,11 @@ class SimulationSettings:
     # what a snapshot sends: "theta" or "phi_delta"; None: theta when β = γ, else phi_delta
     snapshot: str | None = None
     max_staleness: int = 2
-    # DiLoCoX (PROTOCOLS.md §3)
-    delay: int = 1
-    codec: str = "lowrank"
-    rank: int | None = None                # lowrank only; None: the codec's default
-    bits: int | None = None                # lowrank and blockwise; None: the codec's default
+    # DiLoCoX (PROTOCOLS.md §3); None: the manifest's default (DILOCOX_DEFAULTS)
+    delay: int | None = None
+    codec: str | None = None
+    rank: int | None = None                # lowrank only
+    bits: int | None = None                # lowrank, blockwise (bits) and topk (topk_bits)
     # any other key of the manifest's [protocol] section, e.g. {"fan_out": 4}
     protocol_values: dict[str, Any] = field(default_factory=dict)
 
@@ -75,6 +83,11 @@ class SimulationSettings:
         return {name: getattr(self, name) for name in CODEC_PARAMETERS.get(self.codec, ())
                 if getattr(self, name) is not None}
 
+    def codec_manifest_values(self) -> dict[str, int]:
+        """`codec_parameters` under their manifest keys (ProtocolSection's fields)."""
+        return {MANIFEST_KEY.get((self.codec, name), name): value
+                for name, value in self.codec_parameters().items()}
+
     def validated(self) -> SimulationSettings:
         """A copy with defaults filled in; SimulationError on the first problem found."""
         s = dataclasses.replace(self)
@@ -82,6 +95,12 @@ class SimulationSettings:
             raise SimulationError(f"protocol {s.protocol!r} is unknown: choose one of {', '.join(PROTOCOLS)}.")
         if s.inner_steps is None:
             s.inner_steps = DEFAULT_INNER_STEPS[s.protocol]
+        outer = (DILOCOX_DEFAULTS.outer_lr, DILOCOX_DEFAULTS.outer_momentum) \
+            if s.protocol == "dilocox" else (DILOCO_DEFAULTS.outer_lr, DILOCO_DEFAULTS.momentum)
+        for name, default in (("outer_lr", outer[0]), ("outer_momentum", outer[1]),
+                              ("delay", DILOCOX_DEFAULTS.delay), ("codec", DILOCOX_DEFAULTS.codec)):
+            if getattr(s, name) is None:
+                setattr(s, name, default)
         if s.deadline_steps is None:
             s.deadline_steps = s.inner_steps
         for name, low in (("workers", 1), ("inner_steps", 1), ("rounds", 1), ("eval_every", 1),
@@ -126,7 +145,7 @@ class SimulationSettings:
             max_staleness=self.max_staleness, pair_deadline_s=float(self.deadline_steps),
             wire_dtype=self.wire_dtype, outer_lr=self.outer_lr,
             outer_momentum=self.outer_momentum, delay=self.delay, codec=self.codec,
-            message_deadline_s=float(self.deadline_steps), **self.codec_parameters())
+            message_deadline_s=float(self.deadline_steps), **self.codec_manifest_values())
         if self.snapshot is not None:
             protocol.snapshot = self.snapshot
         build_section(ProtocolSection, self.protocol_values, "protocol.", protocol)
@@ -136,6 +155,7 @@ class SimulationSettings:
             protocol.snapshot = "theta" if equal else "phi_delta"
         contributions = ContributionSection()
         check_snapshot(protocol, contributions)
+        check_topk(protocol)
         return protocol, contributions
 
     def describe(self) -> str:
@@ -146,7 +166,11 @@ class SimulationSettings:
             wire = f", {wire} snapshots" if wire != "int8" else ""
             return f"NoLoCo H={self.inner_steps} {self.timing}{latency}{wire}"
         if self.protocol == "dilocox":
-            params = ", ".join(f"{k}={v}" for k, v in self.codec_parameters().items())
+            values = dict(self.codec_parameters())
+            if self.codec == "topk":
+                protocol, _ = self.validated().sections()
+                values = {"k": protocol.topk_k, "chunk": protocol.topk_chunk, "bits": protocol.topk_bits}
+            params = ", ".join(f"{k}={v}" for k, v in values.items())
             codec = f"{self.codec}({params})" if params else self.codec
             return f"DiLoCoX H={self.inner_steps} {codec} delay {self.delay}"
         if self.protocol == "diloco":

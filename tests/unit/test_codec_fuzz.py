@@ -23,24 +23,28 @@ from protocol.codecs import CodecError, decode, get_codec
 CODECS = [get_codec("identity"), get_codec("fp16"), get_codec("bf16"),
           get_codec("blockwise", bits=8), get_codec("blockwise", bits=4, block_size=16),
           get_codec("lowrank", rank=3, bits=8, min_elements=0),
-          get_codec("lowrank", rank=2, bits=4, min_elements=0)]
+          get_codec("lowrank", rank=2, bits=4, min_elements=0),
+          get_codec("topk", k=3, chunk=8, bits=2), get_codec("topk", k=64, chunk=4096, bits=8)]
 MAX_ELEMENTS = 4096
-FIELDS = ["codec", "shape", "bits", "block", "rank"]
+FIELDS = ["codec", "shape", "bits", "block", "rank", "chunk", "k"]
 FUZZ = settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 plain_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=8)
-    | st.binary(max_size=8) | st.sampled_from(["identity", "fp16", "bf16", "blockwise", "lowrank"]),
+    | st.binary(max_size=8) | st.sampled_from(["identity", "fp16", "bf16", "blockwise", "lowrank", "topk"]),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=8)
 shapes = st.lists(st.integers(-3, 70), max_size=4) | st.lists(st.integers(-2**64, 2**64), max_size=3)
 descriptions = st.one_of(
     plain_values,
-    st.fixed_dictionaries({"codec": st.sampled_from(["identity", "fp16", "bf16", "blockwise", "lowrank"]),
+    st.fixed_dictionaries({"codec": st.sampled_from(["identity", "fp16", "bf16", "blockwise", "lowrank",
+                                                      "topk"]),
                            "shape": shapes | plain_values},
                           optional={"bits": st.sampled_from([4, 8, 0, 16, True]) | plain_values,
                                     "block": st.integers(-5, 300) | plain_values,
                                     "rank": st.integers(-2, 80) | plain_values,
+                                    "chunk": st.integers(-2, 70) | plain_values,
+                                    "k": st.integers(-2, 70) | plain_values,
                                     "extra": plain_values}))
 payloads = st.binary(max_size=600) | st.sampled_from([None, "text", 3, bytearray(b"\x01" * 40),
                                                       memoryview(b"\x00" * 64),
@@ -120,6 +124,9 @@ def test_mutated_valid_encodings(index: int, field: str, value: Any, payload_edi
     ({"codec": "lowrank", "shape": [2**20, 2**20], "rank": 1, "bits": 4}, b"\0" * 8 + b"\x88" * 2**20),
     ({"codec": "blockwise", "shape": [MAX_ELEMENTS], "bits": 8, "block": 2**20}, b"\0" * 4),
     ({"codec": "lowrank", "shape": [64, 64], "rank": 64, "bits": 8}, b"\0" * (512 + 8192)),
+    ({"codec": "topk", "shape": [2**40], "chunk": 4096, "k": 64, "bits": 2}, b""),
+    ({"codec": "topk", "shape": [MAX_ELEMENTS], "chunk": 1, "k": 1, "bits": 8},
+     b"\0" * (8 * MAX_ELEMENTS + MAX_ELEMENTS // 8 + MAX_ELEMENTS)),
     ({"codec": "blockwise", "shape": [MAX_ELEMENTS], "bits": 4, "block": 1},
      b"\0" * (4 * MAX_ELEMENTS) + b"\x88" * (MAX_ELEMENTS // 2)),
 ])

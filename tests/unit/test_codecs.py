@@ -12,7 +12,8 @@ from protocol.codecs import CodecError, Encoded, LowRankCodec, codec_names, deco
 
 ALL_CODECS = [("identity", {}), ("fp16", {}), ("bf16", {}), ("blockwise", {"bits": 8}),
               ("blockwise", {"bits": 4, "block_size": 256}), ("lowrank", {"rank": 4, "bits": 8}),
-              ("lowrank", {"rank": 2, "bits": 4, "min_elements": 16})]
+              ("lowrank", {"rank": 2, "bits": 4, "min_elements": 16}),
+              ("topk", {"k": 2, "chunk": 16, "bits": 2}), ("topk", {"k": 64, "bits": 4})]
 SHAPES = [(), (0,), (1,), (7,), (3, 5), (64, 48), (16, 3, 3, 3), (0, 4)]
 
 
@@ -177,7 +178,7 @@ def test_encode_refuses_bad_tensors() -> None:
 
 
 def test_registry() -> None:
-    assert codec_names() == ["bf16", "blockwise", "fp16", "identity", "lowrank"]
+    assert codec_names() == ["bf16", "blockwise", "fp16", "identity", "lowrank", "topk"]
     for name, params in ALL_CODECS:
         codec = get_codec(name, **params)
         assert get_codec(name, **codec.params()).params() == codec.params()

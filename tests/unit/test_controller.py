@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from protocol.codecs import LowRankCodec
+from protocol.codecs import LowRankCodec, TopKCodec
 from protocol.controller import AdaptiveController, CompressionSettings, ControllerConfig, \
     RoundMeasurements, apply_settings, settings_of
 from protocol.errors import ConfigurationError
@@ -86,7 +86,7 @@ def test_decision_record_reads_in_one_line() -> None:
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"min_rank": 0}, "min_rank"), ({"min_rank": 9, "max_rank": 8}, "min_rank"),
-    ({"bits_choices": (8, 4)}, "bits_choices"), ({"bits_choices": (2,)}, "bits_choices"),
+    ({"bits_choices": (8, 4)}, "bits_choices"), ({"bits_choices": (3,)}, "bits_choices"),
     ({"min_inner_steps": 0}, "inner steps"), ({"energy_target": 0.99}, "energy_target"),
     ({"overlap_budget": 0.0}, "overlap_budget"), ({"slack_ratio": 1.0}, "slack_ratio"),
     ({"rank_factor": 1.0}, "rank_factor"),
@@ -110,3 +110,14 @@ def test_settings_travel_to_and_from_the_codec() -> None:
     apply_settings(codec, decision.settings)
     encoded = codec.encode(torch.randn(64, 64), "w")
     assert encoded.description["rank"] == 8 and codec.rank_of("w") == 8
+
+
+def test_topk_strength_is_k_per_tensor() -> None:
+    codec = TopKCodec(k=16, chunk=256, bits=2)
+    settings = settings_of(codec, ["w"], inner_steps=100)
+    assert settings.ranks == {"w": 16} and settings.bits == 2
+    decision = AdaptiveController(ControllerConfig(
+        min_rank=1, max_rank=64, bits_choices=(2, 4, 8), min_inner_steps=100,
+        max_inner_steps=100)).decide(settings, RoundMeasurements({"w": 0.1}, 1.0, 10.0))
+    apply_settings(codec, decision.settings)
+    assert codec.encode(torch.randn(512), "w").description["k"] == 32

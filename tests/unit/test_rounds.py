@@ -377,6 +377,7 @@ class ScriptedDiLoCoXLink:
         self.digests: list[tuple[int, str]] = []
         self.resync: dict[int, dict] = {}
         self.refusals: list[tuple[str, str]] = []
+        self.ratio: float | None = None  # what send_ratio reports
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
@@ -392,6 +393,13 @@ class ScriptedDiLoCoXLink:
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.refusals.append((peer, reason))
+
+    def send_ratio(self) -> float | None:
+        return self.ratio
+
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        return self.inbox.pop(round_index, None)
+
 
 
 def dilocox(config, corpus, name: str, stream: int, delay: int = 1):

@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 
+from node.config.manifest import ProtocolSection
 from node.config.schema import load_config
 from node.data.corpus import load_corpus, stream_seed
 from node.simulator import Simulation, SimulationError, SimulationSettings
@@ -102,9 +103,21 @@ def test_local_only_sends_nothing_and_replicas_drift_apart(config, corpus):
 
 
 # ---------------------------------------------------------------------------- DiLoCoX
+def test_dilocox_simulation_defaults_are_the_manifests():
+    """One set of defaults: a simulation and a daemon on a default manifest run the same protocol."""
+    protocol, _ = SimulationSettings("dilocox").validated().sections()
+    manifest = ProtocolSection()
+    for key in ("outer_lr", "outer_momentum", "delay", "codec", "rank", "bits", "topk_k",
+                "topk_chunk", "topk_bits", "max_density", "fan_out"):
+        assert getattr(protocol, key) == getattr(manifest, key), key
+    diloco = SimulationSettings("diloco").validated()
+    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)  # PROTOCOLS.md §2
+
+
 def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):
-    diloco, diloco_result = simulate(config, corpus, "diloco")
-    dilocox, dilocox_result = simulate(config, corpus, "dilocox", delay=0, codec="identity")
+    diloco, diloco_result = simulate(config, corpus, "diloco", outer_momentum=0.3)
+    dilocox, dilocox_result = simulate(config, corpus, "dilocox", delay=0, codec="identity",
+                                       outer_momentum=0.3)
     for ours, theirs in zip(diloco.method.replica_weights(), dilocox.method.replica_weights()):
         assert weights_digest(ours) == weights_digest(theirs)
     assert [r.val_loss_mean for r in diloco_result.records] == [r.val_loss_mean for r in dilocox_result.records]
@@ -117,9 +130,11 @@ def message_bytes(policy, trainer) -> int:
     return sum(t.data.nbytes for t in encode_message(message))
 
 
-def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus):
-    simulation, result = simulate(config, corpus, "dilocox", codec="lowrank", rank=2, delay=1,
-                                  outer_momentum=0.3)
+@pytest.mark.parametrize("codec", [{"codec": "lowrank", "rank": 2},
+                                   {"codec": "topk", "protocol_values": {"overlap": "eager"}},
+                                   {"codec": "topk", "protocol_values": {"apply_on_arrival": True}}])
+def test_dilocox_counts_exact_message_sizes_and_compresses(config, corpus, codec):
+    simulation, result = simulate(config, corpus, "dilocox", delay=1, outer_momentum=0.3, **codec)
     method = simulation.method
     phis = {weights_digest(p.outer.slow_weights) for p in method.rounds.values()}
     size = message_bytes(method.rounds["replica-0"], method.replicas[0].trainer)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 
 from node.config.manifest import ProtocolSection
@@ -59,9 +60,16 @@ class DiLoCoXExchange:
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
+        self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
+        # the controller's link measurement (send_ratio): plain floats, written on one thread
+        # each, read on the other
+        self._send_called_at: float | None = None  # training thread: the last send_round
+        self._round_seconds: float | None = None   # between the last two send_round calls
+        self._send_started_at: float | None = None  # loop: the send in flight, if any
+        self._last_send_seconds: float | None = None
 
     def start(self, round_index: int) -> None:
         self.oldest_wanted = max(0, round_index - 1)
@@ -85,12 +93,20 @@ class DiLoCoXExchange:
 
     # ------------------------------------------------------------------ training thread side
     def send_round(self, round_index: int, tensors: list) -> None:
+        now = time.monotonic()
+        if self._send_called_at is not None:
+            self._round_seconds = now - self._send_called_at
+        self._send_called_at = now
         self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
                                 round_index, tensors)
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
                                       round_index, wait_s, wait_s=wait_s)
+
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        return self.swarm.bridge.call(f"round {round_index} if complete", self._take_if_complete,
+                                      round_index)
 
     def publish_digest(self, round_index: int, digest: str) -> None:
         self.swarm.bridge.post(self._after_round, round_index, digest)
@@ -101,10 +117,21 @@ class DiLoCoXExchange:
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
 
+    def send_ratio(self) -> float | None:
+        """The last send's seconds (or the one in flight, if it has run longer) over the last
+        round's: a send slower than its round shows at once, not after it finishes."""
+        started, took = self._send_started_at, self._last_send_seconds
+        in_flight = time.monotonic() - started if started is not None else None
+        seconds = max((t for t in (took, in_flight) if t is not None), default=None)
+        if seconds is None or not self._round_seconds:
+            return None
+        return seconds / self._round_seconds
+
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, tensors: list) -> None:
         message = OutgoingMessage(PGRAD, round_index, tensors)
         group = self.group()
+        started = self._send_started_at = time.monotonic()
 
         async def send(peer: str) -> None:
             try:
@@ -112,6 +139,9 @@ class DiLoCoXExchange:
             except P2PError as exc:
                 self.publish(SendFailed(round=round_index, peer=peer, error=str(exc)))
         await asyncio.gather(*(send(p) for p in group))
+        self._last_send_seconds = time.monotonic() - started
+        if self._send_started_at == started:
+            self._send_started_at = None
         self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
 
     async def _on_message(self, received: ReceivedMessage) -> None:
@@ -135,7 +165,25 @@ class DiLoCoXExchange:
         return {r.peer_id for r in self.members.eligible() if r.round == round_index
                 and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
+    async def _take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        return await self._collect(round_index, 0.0) if self._complete(round_index) else None
+
+    def _complete(self, round_index: int) -> bool:
+        """Every member that took part in the round (finished it or still in it) has sent us its
+        message, and no consensus check is running (a resync it brings must be adopted before
+        the next outer step, which `apply_on_arrival` would take early). Never true for the
+        rounds a (re)joining node may have missed, nor beyond the fan-out, where not every
+        member sends to us: those wait for the round's end as before."""
+        if round_index < self.first_round or round_index <= self.collected or self._checks \
+                or len(self._members()) > self.fan_out:
+            return False
+        box = self.inbox.get(round_index, {})
+        return not (self._finished(round_index) | self._in_round(round_index)) - set(box)
+
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        if round_index <= self.collected:
+            return []  # taken mid-round (apply_on_arrival): what came since is for no one
+        self.collected = round_index
         now = self.loop.time()
         pace = now - self.last_collect_at if self.last_collect_at is not None else 0.0
         self.last_collect_at = now

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from node.rounds.contributions import ContributionRefused
 from p2p.messages import OutgoingTensor
 from protocol.codecs.base import Encoded
 from protocol.dilocox import PseudoGradientMessage
@@ -50,3 +51,17 @@ def decode_message(peer: str, round_index: int, received: Any) -> PseudoGradient
         raise ValueError(f"DiLoCoX message from {peer} is malformed ({exc.__class__.__name__})") \
             from None
     return PseudoGradientMessage(peer, round_index, tensors)
+
+
+def check_density(message: PseudoGradientMessage, max_density: float) -> None:
+    """A topk message may carry at most `max_density` of each chunk (the manifest's bound, so
+    that no member sends more than every other budgets for); ContributionRefused("too_dense")."""
+    for name, encoded in message.tensors.items():
+        description = encoded.description
+        if isinstance(description, dict) and description.get("codec") == "topk":
+            k, chunk = description.get("k"), description.get("chunk")
+            if type(k) is int and type(chunk) is int and chunk > 0 and k > max_density * chunk:
+                raise ContributionRefused(
+                    "too_dense", f"DiLoCoX message from {message.sender} sends {k} of every "
+                    f"{chunk} entries of {name!r}, above the manifest's density bound "
+                    f"{max_density:g}: its sender must lower topk_k")

@@ -8,6 +8,13 @@ Every node applies the same messages in the same order, so φ stays identical; a
 digest disagrees with the majority re-downloads φ and m from a majority peer (the link arranges
 it) and adopts them before its next outer step.
 
+With `apply_on_arrival` (delay 1), the outer step of round r − 1's messages is taken as soon as
+all of them are here (checked before each inner step of round r, `between_steps`), and θ is shifted by
+what the step moved the round's start; the round's end then only publishes the digest. The
+messages, their order and φ are the same; the node's weights see the group's work a few steps
+after it was sent instead of a round later. With `controller`, node/rounds/dilocox/adapt.py
+sets the codec's strength and bits for the next round after each message is encoded.
+
 What travels is encoded in node/rounds/dilocox/payload.py.
 """
 
@@ -22,13 +29,14 @@ from typing import Any, Protocol
 from node.config.manifest import ContributionSection, ProtocolSection
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.dilocox import payload
+from node.rounds.dilocox.adapt import CompressionAdapter
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
 from protocol.diloco import DiLoCoHyperParameters
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, ReceiveOutcome
 from protocol.errors import ProtocolError
-from protocol.tensors import weights_digest
+from protocol.tensors import difference, shift_in_place, weights_digest
 
 
 @dataclass
@@ -45,7 +53,12 @@ class DiLoCoXLink(Protocol):
         """Sends this node's compressed message of the round to the group (in the background)."""
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
-        """The group's messages of `round_index` that arrived, waiting at most `wait_s`."""
+        """The group's messages of `round_index` that arrived, waiting at most `wait_s`; nothing,
+        at once, for a round already collected."""
+
+    def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
+        """The messages of `round_index` if every one the link would wait for is here, taken as
+        `collect` takes them; else None, at once."""
 
     def publish_digest(self, round_index: int, digest: str) -> None:
         """Announces φ's digest after the round (the link compares it with the majority)."""
@@ -56,6 +69,10 @@ class DiLoCoXLink(Protocol):
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
 
+    def send_ratio(self) -> float | None:
+        """Seconds the last finished send took over the seconds of the round it overlapped;
+        None when the link has no clock for it (the controller then sees a free link)."""
+
 
 @dataclass(frozen=True)
 class DiLoCoXOutcome(RoundOutcome):
@@ -63,8 +80,10 @@ class DiLoCoXOutcome(RoundOutcome):
     group: list[str]              # their senders, this node included
     sent_bytes: int               # our message's codec payload
     resyncs: int                  # running total of φ re-downloaded from the majority
-    energy_kept: dict[str, float]  # low-rank: the share of each tensor's energy our message kept
+    energy_kept: dict[str, float]  # low-rank, top-k: the share of each tensor's energy our message kept
     late: int                     # running total of messages that came after their round
+    compression: dict | None = None  # the controller's choice for the next round (adapt.py); None: off
+    stepped_mid_round: bool = False  # apply_on_arrival took the outer step before the round's end
 
     @property
     def partners(self) -> list[str]:
@@ -74,6 +93,7 @@ class DiLoCoXOutcome(RoundOutcome):
 def codec_for(config: ProtocolSection) -> Codec:
     """The manifest's pseudo-gradient codec, with the parameters it takes."""
     parameters = {"lowrank": {"rank": config.rank, "bits": config.bits},
+                  "topk": {"k": config.topk_k, "chunk": config.topk_chunk, "bits": config.topk_bits},
                   "blockwise": {"bits": config.bits}}.get(config.codec, {})
     return get_codec(config.codec, **parameters)
 
@@ -89,8 +109,14 @@ class DiLoCoXRound:
         # Nesterov needs momentum; μ = 0 is plain SGD on the mean pseudo-gradient.
         outer = DiLoCoHyperParameters(config.outer_lr, config.outer_momentum,
                                       nesterov=config.outer_momentum > 0)
+        # the simulator wraps the node's codec to share decodings: the controller adapts the node's own
+        self.adapter = CompressionAdapter(config, getattr(self.codec, "inner", self.codec)) \
+            if config.controller else None
         self.outer = DiLoCoX({k: v.detach() for k, v in trainer.named_parameters().items()},
-                             self.codec, node_id, DiLoCoXHyperParameters(outer, config.delay))
+                             self.codec, node_id, DiLoCoXHyperParameters(
+                                 outer=outer, delay=config.delay, overlap=config.overlap,
+                                 residual_decay=config.residual_decay,
+                                 clip_to_median=config.clip_to_median))
         self.resyncs = 0
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too
@@ -98,9 +124,27 @@ class DiLoCoXRound:
         # The last two post-step states: a diverged peer asks for the round it compared, and we
         # may have finished another round by the time its request arrives.
         self.history: deque = deque(maxlen=2)
+        self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
+        self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
 
     def between_steps(self, round_index: int) -> None:
-        """Nothing to do mid-round: the group's messages are applied at the round's end."""
+        """With `apply_on_arrival` (delay 1): once every message of round r − 1 is here (the
+        link says so without waiting), take the outer step now instead of at the round's end,
+        and shift θ by what that moved the round's start (φ's step, and our own message leaving
+        f): the rest of the round trains on the group's work, so the delay costs the messages'
+        travel time rather than a round. Δ at the round's end is still this round's progress
+        alone (it is measured from the shifted start)."""
+        target = round_index - self.outer.hyper.delay
+        if not self.config.apply_on_arrival or self.outer.hyper.delay == 0 or target < 0 \
+                or self.stepped_round >= round_index:
+            return None
+        arrived = self.link.take_if_complete(target)
+        if arrived is None:
+            return None
+        before = self.outer.round_start_weights()
+        _, self.early_refused = self._take_step(round_index, arrived)
+        shift_in_place(self.trainer.named_parameters(),
+                       difference(self.outer.round_start_weights(), before))
         return None
 
     def end_round(self, round_index: int) -> DiLoCoXOutcome:
@@ -108,12 +152,16 @@ class DiLoCoXRound:
         own = self.outer.compress(delta, round_index)
         self.own_norm = global_norm(delta)
         self.link.send_round(round_index, payload.encode_message(own))
+        compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
+        early = self.stepped_round == round_index
         step, refused, waited = self._apply_group(round_index)
+        refused, self.early_refused = self.early_refused + refused, []
         return DiLoCoXOutcome(
             phi_digest=self.phi_digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
-            resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late)
+            resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
+            compression=compression, stepped_mid_round=early)
 
     def finish(self, round_index: int) -> None:
         """Applies what is still owed when training stops before round `round_index` (delay 1:
@@ -122,14 +170,28 @@ class DiLoCoXRound:
         self._apply_group(round_index)
 
     def _apply_group(self, round_index: int):
-        """Collects round `round_index − delay`, checks each message against our own last Δ,
-        adopts a pending resync, takes the outer step, announces φ's digest and loads the next
-        round's start into θ. Returns (the outer step's record, refusals, seconds waited)."""
+        """Collects round `round_index − delay` and takes the outer step (unless `between_steps`
+        took it already: then a message that came since is late), announces φ's digest and
+        loads the next round's start into θ. Returns (the outer step's record, refusals,
+        seconds waited)."""
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
         arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
         waited = time.monotonic() - waited
-        refused = []
+        refused: list[str] = []
+        if self.stepped_round < round_index:
+            _, refused = self._take_step(round_index, arrived)
+        else:
+            self.outer.counters.late += len(arrived)
+        self.link.publish_digest(round_index, self.phi_digest)
+        # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
+        self.trainer.load_parameters(self.outer.round_start_weights())
+        return self.outer.last_step, refused, waited
+
+    def _take_step(self, round_index: int, arrived: list[GroupMessage]):
+        """Checks each message against our own last Δ, adopts a pending resync, takes the outer
+        step of `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
+        refused: list[str] = []
         for item in arrived:
             self._admit(item, self.own_norm, refused)
         with self.lock:
@@ -140,13 +202,10 @@ class DiLoCoXRound:
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
-            self.state_round, self.phi_digest = round_index, digest
+            self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
             self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
                                  digest))
-        self.link.publish_digest(round_index, digest)
-        # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
-        self.trainer.load_parameters(self.outer.round_start_weights())
-        return self.outer.last_step, refused, waited
+        return self.outer.last_step, refused
 
     def _resync_usable(self, resync: dict) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within
@@ -166,6 +225,7 @@ class DiLoCoXRound:
     def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:
         try:
             message = payload.decode_message(item.peer, item.round_index, item.message)
+            payload.check_density(message, self.config.max_density)
             params = self.trainer.named_parameters()  # names and shapes only
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))

@@ -1,0 +1,70 @@
+"""DiLoCoX's adaptive compression in a round: protocol/controller.py fed with the round's numbers.
+
+After each round's message is encoded, the controller reads what it kept (ε per tensor, from
+the sender's encoder) and how long the last send took against the round's compute (the link
+measures both; None where it has no clock for it, e.g. the simulator's in-memory links), and
+sets the codec's strength (top-k: k per tensor; low-rank: rank) and bits for the next round.
+
+Bounds come from the manifest, so every member can decode every other's messages: top-k's k up
+to `max_density · topk_chunk` (the density a receiver accepts), its bits any of 2, 4, 8; low-rank
+ranks 1-64, bits 4 or 8. H stays the manifest's: the daemon numbers rounds by step // H, so a
+node that changed H alone would leave its swarm's rounds (the controller's H rule is bounded
+to H = H). Each round's choice is returned as a plain dict, for metrics.jsonl, the status view
+and telemetry.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from node.config.manifest import ProtocolSection
+from protocol.codecs import Codec, LowRankCodec, TopKCodec
+from protocol.controller import AdaptiveController, ControllerConfig, RoundMeasurements, \
+    apply_settings, settings_of
+from protocol.dilocox import PseudoGradientMessage
+
+LOWRANK_MAX_RANK = 64
+
+
+def controller_config(config: ProtocolSection, codec: Codec) -> ControllerConfig | None:
+    """The controller's bounds for this manifest and codec; None for codecs it cannot adapt."""
+    common = {"min_inner_steps": config.inner_steps, "max_inner_steps": config.inner_steps,
+              "energy_target": config.controller_energy_target,
+              "energy_high": config.controller_energy_high,
+              "overlap_budget": config.controller_send_budget}
+    if isinstance(codec, TopKCodec):
+        return ControllerConfig(min_rank=1, max_rank=max(1, math.floor(config.max_density * codec.chunk)),
+                                bits_choices=(2, 4, 8), **common)
+    if isinstance(codec, LowRankCodec):
+        return ControllerConfig(min_rank=1, max_rank=LOWRANK_MAX_RANK, bits_choices=(4, 8), **common)
+    return None
+
+
+class CompressionAdapter:
+    """The controller and the codec it adapts, one decision per round."""
+
+    def __init__(self, config: ProtocolSection, codec: Codec) -> None:
+        bounds = controller_config(config, codec)
+        if bounds is None:
+            raise ValueError(f"protocol.controller needs the topk or lowrank codec, not {codec.name!r}")
+        self.codec, self.inner_steps = codec, config.inner_steps
+        self.controller = AdaptiveController(bounds)
+
+    def after_send(self, message: PseudoGradientMessage, send_ratio: float | None) -> dict[str, Any]:
+        """Decide the next round's settings from this round's message; returns the record."""
+        energy = {name: min(1.0, max(0.0, e)) for name, e in message.energy_kept.items()}
+        bounds = self.controller.config
+        settings = settings_of(self.codec, sorted(energy), self.inner_steps)
+        clamped = {n: min(max(k, bounds.min_rank), bounds.max_rank) for n, k in settings.ranks.items()}
+        settings = type(settings)(clamped, settings.bits, settings.inner_steps)
+        measured = RoundMeasurements(energy, send_seconds=send_ratio or 0.0, compute_seconds=1.0)
+        decision = self.controller.decide(settings, measured)
+        apply_settings(self.codec, decision.settings)
+        strengths = list(decision.settings.ranks.values()) or [0]
+        strength = "k" if isinstance(self.codec, TopKCodec) else "rank"
+        return {"codec": self.codec.name, "bits": decision.settings.bits,
+                f"{strength}_min": min(strengths), f"{strength}_max": max(strengths),
+                "energy_kept": sum(energy.values()) / len(energy) if energy else None,
+                "send_ratio": send_ratio, "budget": decision.budget,
+                "changes": len(decision.changes), "summary": decision.summary()}

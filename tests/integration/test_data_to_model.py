@@ -31,6 +31,7 @@ def cli(*args: str, timeout: float = 240) -> str:
     return done.stdout
 
 
+@pytest.mark.timeout(900)  # two preparations, three daemons, four CLI runs, transformers
 def test_prepared_shards_train_in_a_swarm_and_export_to_transformers(harness_factory, tmp_path):
     inputs = [arg for part in STDLIB_PARTS for arg in ("--input", str(stdlib_dir() / part))]
     data, other = tmp_path / "data", tmp_path / "other-tokenizer"
@@ -44,7 +45,7 @@ def test_prepared_shards_train_in_a_swarm_and_export_to_transformers(harness_fac
         setattr(m.data, key, value)
     m.train.eval_every = 10
     harness = harness_factory(m)
-    nodes = harness.start(2)
+    nodes = harness.start(2, timeout=240)
     for node in nodes:
         node.wait_rounds(3, timeout=240)
     for node in nodes:

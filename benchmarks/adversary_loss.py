@@ -32,15 +32,15 @@ NODES = 4
 
 
 def run_arm(base: Path, kind: str | None, rounds: int, inner_steps: int,
-            identities: list[NodeIdentity], defaults: bool = False) -> dict:
+            identities: list[NodeIdentity], defaults: bool = False, protocol: str = "noloco") -> dict:
     """Node i has the same key in every arm, so the same batch stream (its seed comes from the
     key): the arms differ in node 3 being an adversary, and in the pairing's randomness.
     `defaults`: the shipped contribution checks (alignment off, θ-only snapshots), not the
     adversary tests' (alignment on, φ and Δ)."""
     for i, identity in enumerate(identities):
         identity.save(identity_path(base / f"node-{i}"))
-    make = (lambda swarm: small_manifest(swarm, "noloco", inner_steps)) if defaults else \
-        (lambda swarm: adversary_manifest(swarm, inner_steps=inner_steps))
+    make = (lambda swarm: small_manifest(swarm, protocol, inner_steps)) if defaults else \
+        (lambda swarm: adversary_manifest(swarm, protocol, inner_steps=inner_steps))
     manifest = make(f"adv-loss-{kind or 'none'}")
     manifest.train.eval_every = inner_steps * rounds  # once, at the end (node-local schedule)
     harness = FaultHarness(base, manifest)
@@ -63,7 +63,7 @@ def run_arm(base: Path, kind: str | None, rounds: int, inner_steps: int,
             finals.append([r["val_loss"] for r in rounds_ if "val_loss" in r][-1])
             if kind is None:
                 continue
-            used += sum(1 for r in rounds_ if r.get("partner") == bad_id)
+            used += sum(1 for r in rounds_ if r.get("partner") == bad_id or bad_id in (r.get("group") or []))
             counters = node.events("transport")[-1]
             refused.update(counters.get("refused_incoming", {}))
             refused["contribution"] += sum(1 for r in rounds_ if r.get("refused"))
@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--defaults", action="store_true",
                         help="the shipped contribution checks (alignment off, θ-only snapshots)")
     parser.add_argument("--json", type=Path, help="also write the arms here")
+    parser.add_argument("--protocol", default="noloco", choices=("noloco", "dilocox"))
     args = parser.parse_args()
     started = time.time()
     arms: dict[str, dict] = {}
@@ -90,13 +91,13 @@ def main() -> None:
         for name in ["none", *args.kinds.split(","), "none-again"]:
             kind = None if name.startswith("none") else name
             arms[name] = run_arm(Path(tmp) / name, kind, args.rounds, args.inner_steps,
-                                 identities, args.defaults)
+                                 identities, args.defaults, args.protocol)
             print(f"{name}: {arms[name]}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                          "arms": arms}, indent=1))
     reference = arms["none"]["mean"]
-    print(f"{NODES} nodes, NoLoCo overlap, H = {args.inner_steps}, {args.rounds} rounds; whole run "
+    print(f"{NODES} nodes, {args.protocol}, H = {args.inner_steps}, {args.rounds} rounds; whole run "
           f"{(time.time() - started) / 60:.1f} min, load average now {os.getloadavg()[0]:.1f}")
     print("| arm | honest nodes' final val loss (mean) | vs no adversary | rounds using its snapshot | refusals | banned by |")
     print("|---|---|---|---|---|---|")

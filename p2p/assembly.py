@@ -24,7 +24,10 @@ from p2p.wire import MessageHeader
 class Assembly:
     """Frames of one message (sender, nonce) being received."""
 
-    def __init__(self, sender: PeerID, first: MessageHeader, deadline_s: float, release: Callable[[], None]):
+    def __init__(self, sender: PeerID, first: MessageHeader, deadline_s: float, release: Callable[[], None],
+                 on_expired: Callable[[Refusal], None] | None = None):
+        """`on_expired(refusal)`: told when the deadline, not a stream, failed the message (no
+        stream's handler sees that failure first, so the receiver counts it there)."""
         self.sender = sender
         self.first = first
         self.key = first.message_key()
@@ -44,8 +47,9 @@ class Assembly:
         self.reply: asyncio.Future = asyncio.get_running_loop().create_future()
         self.reply.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.failure: Refusal | None = None
+        self.on_expired = on_expired
         self._timer = asyncio.get_running_loop().call_later(
-            deadline_s, self.fail, Refusal(Reason.TIMEOUT, f"message not complete within {deadline_s:.0f} s"))
+            deadline_s, self._expire, Refusal(Reason.TIMEOUT, f"message not complete within {deadline_s:.0f} s"))
 
     @property
     def done(self) -> bool:
@@ -106,6 +110,10 @@ class Assembly:
         self._buffer = self._view = None
         self._release()
         return True
+
+    def _expire(self, refusal: Refusal) -> None:
+        if self.fail(refusal) and self.on_expired is not None:
+            self.on_expired(refusal)
 
     def _check_same_message(self, header: MessageHeader) -> None:
         if header.message_key() != self.key:

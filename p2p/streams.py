@@ -457,7 +457,7 @@ class Transport:
         key = (peer.to_bytes(), header.nonce)
         assembly = self._assemblies.get(key)
         if assembly is None:
-            assembly = self._new_assembly(peer, header)
+            assembly = self._new_assembly(peer, header, on_expired=lambda refusal: self._expired(peer, refusal))
             self._assemblies[key] = assembly
             assembly.complete.add_done_callback(lambda _: self._assemblies.pop(key, None))
             self.counters.messages_received += 1
@@ -466,13 +466,21 @@ class Transport:
             self._spawn(assembly, self._deliver(assembly, handler))
         return assembly, assembly.attach_stream(header)
 
-    def _new_assembly(self, peer: PeerID, header: MessageHeader) -> Assembly:
+    def _expired(self, peer: PeerID, refusal: Refusal) -> None:
+        """An incoming message its streams left incomplete past its deadline: a refusal like any
+        other (the fuzzer found these went uncounted, so a staller was never struck)."""
+        self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
+        logger.info("refused a message from %s: %s (%s)", _short(peer), refusal.reason.name, refusal.detail)
+
+    def _new_assembly(self, peer: PeerID, header: MessageHeader,
+                      on_expired: Callable[[Refusal], None] | None = None) -> Assembly:
         if header.tensors is None:
             raise Refusal(Reason.MALFORMED, "the first frame of a stream must carry the tensor manifest")
         peer_bytes, total = peer.to_bytes(), header.total
         if not self._ledger.try_reserve(peer_bytes, total):
             raise Refusal(Reason.BUSY, f"cannot hold {total} more bytes for you now")
-        return Assembly(peer, header, self.limits.deadline_s(total), lambda: self._ledger.release(peer_bytes, total))
+        return Assembly(peer, header, self.limits.deadline_s(total), lambda: self._ledger.release(peer_bytes, total),
+                        on_expired)
 
     def _spawn(self, assembly: Assembly, coroutine: Coroutine) -> None:
         task = asyncio.create_task(coroutine)

@@ -8,7 +8,8 @@ daemon. Kinds:
 
 - nan, inf:   every NoLoCo snapshot it offers carries NaN (or +Inf) in its progress Δ;
 - scale:      its Δ is multiplied by 1000 (a poisoned or runaway update);
-- noise:      its Δ is replaced by Gaussian noise of the same per-tensor norm;
+- noise:      its Δ is replaced by Gaussian noise of the same per-tensor norm (NoLoCo: in its
+              snapshot; DiLoCoX: before compression, so with any codec);
 - replay:     after each message it sends a peer, it sends that peer the very first signed
               message of the same kind again (same nonce, same signature: a byte-exact replay);
 - stall:      it keeps opening streams to every member and never writes a byte on them;
@@ -80,6 +81,16 @@ def _poison(kind: str):
         return honest(bad, wire_dtype, layout)  # θ = φ + the corrupted Δ, or φ and it
 
     noloco_payload.encode_snapshot = encode_snapshot
+
+    if kind == "noise":  # DiLoCoX, any codec: noise of Δ's norm goes into the compression
+        from protocol import dilocox
+
+        honest_compress = dilocox.DiLoCoX.compress
+
+        def compress(self, delta, round_index):
+            log.warning("adversary: compressing noise in place of the pseudo-gradient")
+            return honest_compress(self, corrupt(dict(delta)), round_index)
+        dilocox.DiLoCoX.compress = compress
 
     if kind in ("nan", "inf", "scale"):  # DiLoCoX with the bf16 codec: poison its payloads
         from node.rounds.dilocox import payload as dilocox_payload

@@ -61,7 +61,7 @@ SLACK_BYTES = 1 * MiB    # headers (16 KiB bound), socket reads, Python objects 
 WIRE = WireLimits(max_header_bytes=16 * KiB, max_message_bytes=64 * MiB, max_tensors=16,
                   min_frame_bytes=64, max_frame_bytes=32 * MiB, max_streams_per_message=4)
 LIMITS = TransferLimits(max_inflight_bytes_per_peer=PEER_BYTES, max_inflight_bytes=2 * PEER_BYTES,
-                        idle_timeout_s=2.0, base_timeout_s=0.5, min_rate_bytes_per_s=64 * MiB,
+                        idle_timeout_s=2.0, base_timeout_s=3.0, min_rate_bytes_per_s=64 * MiB,
                         reply_timeout_s=2.0, frame_bytes=256)
 SETTLE_S = 10.0          # every deadline above, with room for a loaded machine
 ATTACKER = NodeIdentity.generate()
@@ -193,11 +193,11 @@ def check_example(victim: Victim, data: bytes, cuts: list[int], stats: dict) -> 
             stats["reasons"].add(Reason(code).name)
 
 
-def valid_stream(mode: int, payload_bytes: int, frame_size: int) -> tuple[bytes, list[int]]:
-    """A valid one-stream message from the attacker, and where each of its frames starts."""
+def valid_stream(mode: int, payload_bytes: int, frame_size: int, streams: int = 1) -> tuple[bytes, list[int]]:
+    """Stream 0 of a valid message from the attacker, and where each of its frames starts."""
     message = OutgoingMessage.from_arrays("fuzz", 3, {"x": np.arange(payload_bytes, dtype=np.uint8)})
     plan = SendPlan(ATTACKER, swarm=SWARM, manifest=MANIFEST, recipient=VICTIM_ID[0], message=message,
-                    mode=mode, streams=1, limits=TransferLimits(frame_bytes=frame_size), wire=WIRE)
+                    mode=mode, streams=streams, limits=TransferLimits(frame_bytes=frame_size), wire=WIRE)
     out, starts = bytearray(), []
     for position, frame in enumerate(plan.stream_frames(0)):
         views = plan.frame_views(frame)
@@ -296,3 +296,17 @@ def test_the_receive_path_refuses_every_bad_stream_with_a_reason_in_bounded_memo
     # the memory measured saw the largest buffer allowed, so the bound is tested, not vacuous.
     assert {"MALFORMED", "BAD_SIGNATURE", "STALE_ROUND", "BUSY", "TRUNCATED", "BAD_DIGEST"} <= stats["reasons"]
     assert stats["peak"] > PEER_BYTES * 3 // 4   # (the baseline holds garbage freed meanwhile)
+
+
+def test_a_message_whose_other_streams_never_come_is_refused_and_counted_at_its_deadline(victim):
+    """Found by the fuzzer: a message one of whose streams is complete and whose other stream
+    never opens was failed by its deadline uncounted (its sender never struck for it)."""
+    VICTIM_ID[:] = [victim.host.peer_id.to_bytes()]
+    stats = {"peak": 0, "examples": 0, "reasons": set()}
+    data, _ = valid_stream(Mode.PUSH, 200, 64, streams=2)   # stream 0 of 2, nothing of stream 1
+    tracemalloc.start()
+    try:
+        check_example(victim, data, [], stats)
+    finally:
+        tracemalloc.stop()
+    assert stats["reasons"] == {"TIMEOUT"} and victim.transport.counters.refused_incoming["TIMEOUT"] == 1

@@ -21,6 +21,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="the joined JSON")
     p.add_argument("runs", nargs="+", metavar="NAME=DIR", help="a convergence.py --out-dir")
+    p.add_argument("--diloco-loss", type=float, help="DiLoCo's final loss, where its run left a "
+                   "log but no JSON (the table says so)")
+    p.add_argument("--diloco-bytes", type=float, help="DiLoCo's bytes per replica per round, with it")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     runs = {}
     for item in args.runs:
@@ -28,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         (result,) = json.loads((Path(folder) / "convergence.json").read_text())
         runs[name] = result
     diloco, local = runs.get("diloco"), runs.get("local")
+    if diloco is None and args.diloco_loss:  # a reference from a log: loss and bytes only
+        diloco = {"final_val_loss": args.diloco_loss, "settings": {"rounds": 1},
+                  "rounds": [{"bytes_sent_per_replica": args.diloco_bytes}]}
+        print(f"(DiLoCo: {args.diloco_loss} and {args.diloco_bytes:,.0f} bytes a round, from its log)\n")
 
     def per_round(result: dict) -> float:
         return result["rounds"][-1]["bytes_sent_per_replica"] / result["settings"]["rounds"]
@@ -40,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         gap = lambda ref: f"{100 * (loss - ref['final_val_loss']) / ref['final_val_loss']:+.2f}%" \
             if ref else "-"  # noqa: E731
         sent = per_round(result)
-        ratio = f"{per_round(diloco) / sent:.0f}x" if diloco and sent else "-"
+        ratio = f"{per_round(diloco) / sent:.3g}x" if diloco and sent else "-"
         extra = result["settings"].get("protocol_values") or {}
         label = result["method"] + (" " + ", ".join(f"{k}={v}" for k, v in extra.items()) if extra else "")
         if result["settings"].get("latency_steps"):

@@ -88,8 +88,9 @@ class ProtocolSection:
                         "its next round starts from: half (λ = 1/2) or eager (the share its "
                         "message will have in the outer step; protocol/dilocox.py)",
                         choices=("half", "eager"))
-    # measured (benchmarks/RESULTS.md, issue 18 pilots): most of the delay's cost goes
-    apply_on_arrival: bool = spec(True, "DiLoCoX with delay 1: take the outer step as soon as "
+    # off until the DiLoCoX integration tests ran with it on (pilots: most of the delay's cost
+    # goes; benchmarks/RESULTS.md, issue 18)
+    apply_on_arrival: bool = spec(False, "DiLoCoX with delay 1: take the outer step as soon as "
                                   "every member's message of the last round is here, shifting "
                                   "the weights mid-round, rather than at the round's end")
     residual_decay: float = spec(1.0, "DiLoCoX error feedback e ← β·e + Δ: β (1 keeps every "

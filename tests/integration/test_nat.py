@@ -31,7 +31,13 @@ from tests.swarm_harness import NodeHandle, small_manifest
 
 # every node imports torch and starts p2pd twice (the reachability probe): on a loaded shared
 # machine a join alone took over 2 minutes, so the waits are long and the tests' limit too
-pytestmark = [pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""), pytest.mark.timeout(900)]
+# About 6 minutes on a quiet 2-core machine, more than the suite's 20-minute budget leaves: run
+# on demand, as root: LOWCOMM_NAT_TESTS=1 .venv/bin/python -m pytest tests/integration/test_nat.py
+NAT_TESTS = "LOWCOMM_NAT_TESTS"
+pytestmark = [pytest.mark.skipif(not os.environ.get(NAT_TESTS),
+                                 reason=f"the NAT testbed's tests run on demand: set {NAT_TESTS}=1 (root)"),
+              pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
+              pytest.mark.timeout(900)]
 JOIN_S = 300
 EXCHANGES = 3  # home-to-home exchanges each home must complete
 

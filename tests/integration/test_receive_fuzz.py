@@ -95,7 +95,8 @@ class Victim:
         self.transport.on_push("fuzz", deliver, accept_round=lambda r: r < 100)
         self.transport.on_swap("fuzz", reply, deliver=deliver, accept_round=lambda r: r < 100)
         await self.transport.start()
-        info = SimpleNamespace(peer_id=ATTACKER.peer_id)
+        # what p2pd says of a stream: its peer and the connection's address (a direct one)
+        info = SimpleNamespace(peer_id=ATTACKER.peer_id, addr="/ip4/127.0.0.1/tcp/4001")
         self.server = await asyncio.start_server(
             lambda reader, writer: self.transport._serve(info, reader, writer), "127.0.0.1", 0)
         self.port = self.server.sockets[0].getsockname()[1]

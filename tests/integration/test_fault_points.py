@@ -65,13 +65,15 @@ def test_sigkill_mid_late_join_transfer_the_joiner_takes_another_members_state(h
     first = harness.start_node(0, extra=paced)
     first.wait_for(has("joined"), 90, "joining")
     second = harness.start_node(1, [first.address], paced)
-    # unpaced, so several rounds ahead: the joiner asks the most advanced member first
-    server = harness.start_adversary(2, "serve-kill", [first.address], ["--min-peers", "2"])
+    # the joiner asks every member (node/daemon/state_quorum.py); paced too, because a member
+    # more than 4x + 16 rounds ahead of the majority is banned as a liar and never asked
+    server = harness.start_adversary(2, "serve-kill", [first.address],
+                                     ["--min-peers", "2", "--set", "train.min_step_seconds=0.1"])
     server_id = server.peer_id
     for node in (first, second):
         node.wait_rounds(2, timeout=90)
     server.wait_for(lambda ev: sum(e["event"] == "round" for e in ev) >= 5, 60,
-                    "the serving member to run ahead")
+                    "the serving member to train")
     joiner = harness.start_node(3, [first.address])
     assert wait_exit(server, 120) == -signal.SIGKILL, server.log_tail()
     assert "SIGKILL mid late-join transfer" in server.log_tail(100_000)

@@ -4,8 +4,8 @@ Every cell runs, on the convergence table's budget (800 inner steps of 3×64 tok
 replica, inner lr 1e-3, the tiny model): NoLoCo as it was (φ and Δ in bf16), NoLoCo's new payload
 (θ alone, quantized), DiLoCo at H with outer momentum μ ∈ {0.3, 0.6, 0.9} (its best is the
 reference), and local-only (one run per N: local training does not depend on H). The cell
-N = 8, H = 25 (32 rounds) runs two seeds. Jobs run in parallel processes, each written to
-its own JSON file as it ends, so that an interrupted grid resumes where it stopped.
+N = 8, H = 25 (32 rounds) runs two seeds. Jobs run in parallel processes (benchmarks/grid_jobs.py),
+each in its own JSON file in benchmarks/grid_runs/.
 
     .venv/bin/python benchmarks/noloco_grid.py              # the grid, 2 processes
     .venv/bin/python benchmarks/noloco_grid.py --report     # the table from finished jobs
@@ -19,18 +19,14 @@ import argparse
 import json
 import statistics
 import sys
-import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from convergence import node_config, parse_args as convergence_args, write_block  # noqa: E402
-from node.data.corpus import load_corpus  # noqa: E402
-from node.simulator import SimulationSettings, run_simulation  # noqa: E402
+from convergence import write_block  # noqa: E402
+from grid_jobs import STEPS, Job, load_finished, per_round_bytes, run_jobs  # noqa: E402
 from node.simulator.report import human_bytes  # noqa: E402
 
 CELLS = [(8, 25), (8, 50), (4, 25), (4, 50)]
@@ -38,40 +34,7 @@ DILOCO_MOMENTA = (0.3, 0.6, 0.9)
 # NoLoCo's own outer settings tried where DiLoCo's best beat its defaults most (N = 8, H = 25):
 # "a<α>-g<β = γ>", both within the pair's stability condition α < γ < √(2 + α²)
 NOLOCO_TUNING = ("a0.6-g0.7", "a0.6-g0.9")
-STEPS = 800
-NEW_PAYLOAD = {"snapshot": "theta", "wire_dtype": "int8"}
-OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
 TWO_SEED_CELL = (8, 25)
-
-
-@dataclass(frozen=True)
-class Job:
-    workers: int
-    inner_steps: int
-    method: str          # "noloco-new", "noloco-old", "noloco-new-a0.6-g0.7", "diloco-0.3", "local"
-    seed: int
-
-    @property
-    def key(self) -> str:
-        return f"N{self.workers}-H{self.inner_steps}-{self.method}-s{self.seed}"
-
-    def settings(self) -> SimulationSettings:
-        common = {"workers": self.workers, "seed": self.seed, "inner_steps": self.inner_steps,
-                  "rounds": STEPS // self.inner_steps,
-                  # evaluate every 50 steps in every cell: the same evaluation cost per token
-                  "eval_every": max(1, 50 // self.inner_steps)}
-        if self.method.startswith("noloco"):
-            payload = NEW_PAYLOAD if self.method.startswith("noloco-new") else OLD_PAYLOAD
-            outer = {}
-            if self.method.count("-") == 3:  # noloco-new-a<α>-g<γ>
-                alpha, gamma = (float(part[1:]) for part in self.method.split("-")[2:])
-                outer = {"noloco_momentum": alpha, "noloco_progress_weight": gamma,
-                         "noloco_consensus_weight": gamma}
-            return SimulationSettings("noloco", timing="overlap", **payload, **outer, **common)
-        if self.method.startswith("diloco"):
-            return SimulationSettings("diloco", outer_lr=0.7,
-                                      outer_momentum=float(self.method.split("-")[1]), **common)
-        return SimulationSettings("local", **common)
 
 
 def all_jobs() -> list[Job]:
@@ -92,26 +55,6 @@ def all_jobs() -> list[Job]:
                 jobs.append(Job(workers, 50, "local", seed))
     # the longest first, so that two processes end together
     return sorted(jobs, key=lambda j: (-j.workers, j.seed))
-
-
-def run_job(job: Job, out_dir: Path) -> str:
-    args = convergence_args([])
-    config = node_config(args)
-    result = run_simulation(job.settings(), config, load_corpus(config.data))
-    data = {"job": job.__dict__, **result.to_dict()}
-    path = out_dir / f"{job.key}.json"
-    path.with_suffix(".tmp").write_text(json.dumps(data) + "\n", encoding="utf-8")
-    path.with_suffix(".tmp").rename(path)
-    return f"{job.key}: {result.final_val_loss:.4f} ({result.final.wall_seconds / 60:.1f} min)"
-
-
-def load_finished(out_dir: Path) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in out_dir.glob("*.json")}
-
-
-def per_round_bytes(run: dict) -> float:
-    last = run["rounds"][-1]
-    return last["bytes_sent_per_replica"] / last["round"]
 
 
 def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
@@ -183,18 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--processes", type=int, default=2)
     p.add_argument("--report", action="store_true", help="only the table, from finished jobs")
-    p.add_argument("--jobs-dir", type=Path, default=HERE / "noloco_grid_jobs")
+    p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
     p.add_argument("--no-results", action="store_true")
     args = p.parse_args(argv)
-    args.jobs_dir.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     if not args.report:
-        todo = [j for j in all_jobs() if not (args.jobs_dir / f"{j.key}.json").exists()]
-        print(f"{len(todo)} jobs to run, {args.processes} at a time", flush=True)
-        with ProcessPoolExecutor(args.processes) as pool:
-            futures = [pool.submit(run_job, j, args.jobs_dir) for j in todo]
-            for future in as_completed(futures):
-                print(f"[{(time.perf_counter() - started) / 60:5.1f} min] {future.result()}", flush=True)
+        run_jobs(all_jobs(), args.jobs_dir, args.processes)
     text, summary = report(load_finished(args.jobs_dir), ".venv/bin/python benchmarks/noloco_grid.py")
     print(text)
     (HERE / "noloco_grid.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")

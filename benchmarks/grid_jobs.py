@@ -1,0 +1,125 @@
+"""One simulated run of a grid (benchmarks/noloco_grid.py, benchmarks/dilocox_grid.py), named by
+its method string, written to its own JSON file as it ends, so that an interrupted grid resumes
+where it stopped and both grids share their DiLoCo and local-only references.
+
+Every job runs on the convergence table's budget: STEPS inner steps of 3×64 tokens per replica,
+inner lr 1e-3, the tiny model, evaluated every 50 steps.
+
+Method strings:
+- "local"; "diloco-<μ>" (η = 0.7, Nesterov);
+- "noloco-new" (θ alone in int8), "noloco-old" (φ and Δ in bf16), "noloco-new-a<α>-g<β = γ>";
+- "dilocox-<codec>[-arr][-d0][-m<μ>][-l<steps>]": codec "lr<rank>b<bits>" (low-rank), "topk" (the
+  manifest's k, chunk and bits) or "id" (identity); "arr" takes the outer step as the group's
+  messages arrive (apply_on_arrival); "d0" waits for the round's messages (delay 0); "m<μ>" the
+  outer momentum (the manifest's 0.3 otherwise); "l<steps>" a message's travel time in inner
+  steps (0 otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from convergence import node_config, parse_args as convergence_args  # noqa: E402
+from node.data.corpus import load_corpus  # noqa: E402
+from node.simulator import SimulationSettings, run_simulation  # noqa: E402
+
+STEPS = 800
+NEW_PAYLOAD = {"snapshot": "theta", "wire_dtype": "int8"}
+OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
+
+
+def dilocox_settings(method: str) -> dict:
+    """SimulationSettings keywords of a "dilocox-..." method string."""
+    codec, *options = method.split("-")[1:]
+    if codec.startswith("lr"):
+        rank, bits = codec[2:].split("b")
+        kwargs = {"codec": "lowrank", "rank": int(rank), "bits": int(bits)}
+    else:
+        kwargs = {"codec": {"topk": "topk", "id": "identity"}[codec]}
+    values = {}
+    for option in options:
+        if option == "arr":
+            values["apply_on_arrival"] = True
+        elif option == "d0":
+            kwargs["delay"] = 0
+        elif option.startswith("m"):
+            kwargs["outer_momentum"] = float(option[1:])
+        elif option.startswith("l"):
+            kwargs["latency_steps"] = int(option[1:])
+        else:
+            raise ValueError(f"DiLoCoX option {option!r} of {method!r} is unknown: use arr, d0, "
+                             "m<μ> or l<steps>.")
+    return {**kwargs, "protocol_values": values}
+
+
+@dataclass(frozen=True)
+class Job:
+    workers: int
+    inner_steps: int
+    method: str          # see the module's docstring
+    seed: int
+
+    @property
+    def key(self) -> str:
+        return f"N{self.workers}-H{self.inner_steps}-{self.method}-s{self.seed}"
+
+    def settings(self) -> SimulationSettings:
+        common = {"workers": self.workers, "seed": self.seed, "inner_steps": self.inner_steps,
+                  "rounds": STEPS // self.inner_steps,
+                  # evaluate every 50 steps in every cell: the same evaluation cost per token
+                  "eval_every": max(1, 50 // self.inner_steps)}
+        if self.method.startswith("noloco"):
+            payload = NEW_PAYLOAD if self.method.startswith("noloco-new") else OLD_PAYLOAD
+            outer = {}
+            if self.method.count("-") == 3:  # noloco-new-a<α>-g<γ>
+                alpha, gamma = (float(part[1:]) for part in self.method.split("-")[2:])
+                outer = {"noloco_momentum": alpha, "noloco_progress_weight": gamma,
+                         "noloco_consensus_weight": gamma}
+            return SimulationSettings("noloco", timing="overlap", **payload, **outer, **common)
+        if self.method.startswith("dilocox"):
+            return SimulationSettings("dilocox", **dilocox_settings(self.method), **common)
+        if self.method.startswith("diloco"):
+            return SimulationSettings("diloco", outer_lr=0.7,
+                                      outer_momentum=float(self.method.split("-")[1]), **common)
+        return SimulationSettings("local", **common)
+
+
+def run_job(job: Job, out_dir: Path) -> str:
+    args = convergence_args([])
+    config = node_config(args)
+    result = run_simulation(job.settings(), config, load_corpus(config.data))
+    data = {"job": job.__dict__, **result.to_dict()}
+    path = out_dir / f"{job.key}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(data) + "\n", encoding="utf-8")
+    path.with_suffix(".tmp").rename(path)
+    return f"{job.key}: {result.final_val_loss:.4f} ({result.final.wall_seconds / 60:.1f} min)"
+
+
+def run_jobs(jobs: list[Job], out_dir: Path, processes: int) -> None:
+    """Runs the jobs not yet finished in `out_dir`, `processes` at a time, in the given order."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    todo = [j for j in jobs if not (out_dir / f"{j.key}.json").exists()]
+    print(f"{len(todo)} jobs to run, {processes} at a time", flush=True)
+    with ProcessPoolExecutor(processes) as pool:
+        futures = [pool.submit(run_job, j, out_dir) for j in todo]
+        for future in as_completed(futures):
+            print(f"[{(time.perf_counter() - started) / 60:5.1f} min] {future.result()}", flush=True)
+
+
+def load_finished(out_dir: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text(encoding="utf-8")) for p in out_dir.glob("*.json")}
+
+
+def per_round_bytes(run: dict) -> float:
+    last = run["rounds"][-1]
+    return last["bytes_sent_per_replica"] / last["round"]

@@ -24,13 +24,11 @@ by atexit; namespaces of a crashed earlier run are swept at the next start.
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import signal
 import subprocess
 
-from benchmarks.netns import sweep_stale_namespaces
+from benchmarks.netns import NamespaceSet
 
 PREFIX = "nat-"
 INTERNET = "11.22.0"  # public-looking, used only inside these namespaces (see above)
@@ -51,18 +49,18 @@ def unavailable() -> str | None:
     return f"missing tools: {', '.join(missing)}" if missing else None
 
 
-class NatTestbed:
+class NatTestbed(NamespaceSet):
+    prefix = PREFIX
+    stop_timeout_s = 30.0
+
     def __init__(self, publics: int = 1, homes: int = 2, rate: str | None = None,
                  burst: str = "256kb", queue_latency: str = "100ms"):
         if not (1 <= publics <= 50 and 0 <= homes <= 50):
             raise ValueError(f"a testbed has 1-50 public namespaces and 0-50 homes, not {publics}/{homes}")
-        self.tag = f"{PREFIX}{os.getpid()}"
+        super().__init__()
         self.publics, self.homes, self.rate = publics, homes, rate
         self.burst, self.queue_latency = burst, queue_latency
         self.internet = f"{self.tag}-inet"
-        self._created: list[str] = []
-        self._processes: list[subprocess.Popen] = []
-        self._old_handlers: dict[int, object] = {}
 
     # ------------------------------------------------------------------ names and addresses
     def public(self, i: int) -> str:
@@ -85,31 +83,8 @@ class NatTestbed:
         return f"192.168.{j + 1}.2"
 
     # ------------------------------------------------------------------ building
-    def __enter__(self) -> "NatTestbed":
-        reason = unavailable()
-        if reason:
-            raise PermissionError(reason)
-        sweep_stale_namespaces(PREFIX)
-        for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            self._old_handlers[signum] = signal.signal(signum, self._on_signal)
-        atexit.register(self.close)
-        try:
-            self._build()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def _on_signal(self, signum, frame) -> None:
-        raise SystemExit(128 + signum)
-
-    def _namespace(self, name: str) -> None:
-        _run("ip", "netns", "add", name)
-        self._created.append(name)
-        _run("ip", "-n", name, "link", "set", "lo", "up")
+    def unavailable(self) -> str | None:
+        return unavailable()
 
     def _plug(self, namespace: str, device: str, port: str, address: str) -> None:
         """A veth from `namespace` (as `device`, with `address`/24) to the internet's bridge."""
@@ -164,9 +139,7 @@ class NatTestbed:
     # ------------------------------------------------------------------ using
     def popen(self, namespace: str, argv: list[str], **options) -> subprocess.Popen:
         """Start a process in `namespace`; it is killed when the testbed closes."""
-        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], **options)
-        self._processes.append(process)
-        return process
+        return self._popen_in(namespace, argv, **options)
 
     def tcp_reachable(self, namespace: str, address: str, port: int, timeout_s: float = 2.0) -> bool:
         """Whether a TCP connection from `namespace` to address:port opens within the timeout."""
@@ -191,21 +164,3 @@ class NatTestbed:
 
     def namespaces(self) -> list[str]:
         return list(self._created)
-
-    def close(self) -> None:
-        for process in self._processes:
-            if process.poll() is None:
-                process.terminate()
-        for process in self._processes:
-            try:
-                process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        self._processes.clear()
-        for namespace in reversed(self._created):  # takes its veths, qdiscs and rules with it
-            _run("ip", "netns", "del", namespace, check=False)
-        self._created.clear()
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
-        self._old_handlers.clear()

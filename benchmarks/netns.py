@@ -65,36 +65,39 @@ def sweep_stale_namespaces(prefix: str = PREFIX) -> list[str]:
     return removed
 
 
-class ShapedSwarm:
-    """`n` namespaces on one bridge, each node's access link limited to `rate` both ways."""
+class NamespaceSet:
+    """The life of a set of network namespaces made for one run: built on entry, and on exit (or
+    SIGINT/SIGTERM/SIGHUP, turned into SystemExit so that `finally` runs, or atexit) every process
+    started in them stopped, then every namespace deleted with its veths, qdiscs and rules.
+    Subclasses name their namespaces `<prefix><pid>-...`, build them in `_build` and say in
+    `unavailable` why they cannot be built here."""
 
-    def __init__(self, n: int, rate: str = "100mbit", delay_ms: float = 0.0, subnet: str = "10.78.0",
-                 burst: str = "128kb", queue_latency: str = "100ms", rates: dict[int, str] | None = None):
-        """`rates`: nodes whose access link differs from `rate`, e.g. {3: "1mbit"}."""
-        if not 1 <= n <= 200:
-            raise ValueError(f"a shaped swarm has 1 to 200 nodes, not {n}")
-        self.rates = [(rates or {}).get(i, rate) for i in range(n)]
-        tag = f"{PREFIX}{os.getpid()}"
-        self.n, self.rate, self.delay_ms = n, rate, delay_ms
-        self.namespaces = [f"{tag}-{i}" for i in range(n)]
-        self.bridge_namespace = f"{tag}-br"
-        self.subnet, self.burst, self.queue_latency = subnet, burst, queue_latency
+    prefix = PREFIX
+    stop_timeout_s = 0.0  # how long a process has to exit after SIGTERM before SIGKILL
+
+    def __init__(self) -> None:
+        self.tag = f"{self.prefix}{os.getpid()}"
         self._processes: list[subprocess.Popen] = []
         self._created: list[str] = []
         self._old_handlers: dict[int, object] = {}
 
-    def address(self, i: int) -> str:
-        return f"{self.subnet}.{i + 1}"
+    def unavailable(self) -> str | None:
+        return None if os.geteuid() == 0 else \
+            "network namespaces need root (ip netns, tc); run this as root."
+
+    def _build(self) -> None:
+        raise NotImplementedError
 
     def __enter__(self):
-        if os.geteuid() != 0:
-            raise PermissionError("the shaped network needs root (ip netns, tc); run the benchmark as root.")
-        sweep_stale_namespaces()
+        reason = self.unavailable()
+        if reason:
+            raise PermissionError(reason)
+        sweep_stale_namespaces(self.prefix)
         for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             self._old_handlers[signum] = signal.signal(signum, self._on_signal)
         atexit.register(self.close)
         try:
-            self._create()
+            self._build()
         except BaseException:
             self.close()
             raise
@@ -111,11 +114,57 @@ class ShapedSwarm:
         self._created.append(name)
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
+    def _popen_in(self, namespace: str, argv: list[str], **options) -> subprocess.Popen:
+        """Start a process in `namespace`; it is stopped when the set closes."""
+        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], **options)
+        self._processes.append(process)
+        return process
+
+    def close(self) -> None:
+        for process in self._processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in self._processes:
+            try:
+                process.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                try:
+                    process.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    pass
+        self._processes.clear()
+        for namespace in reversed(self._created):
+            _run("ip", "netns", "del", namespace, check=False)
+        self._created.clear()
+        for signum, handler in self._old_handlers.items():
+            signal.signal(signum, handler)
+        self._old_handlers.clear()
+
+
+class ShapedSwarm(NamespaceSet):
+    """`n` namespaces on one bridge, each node's access link limited to `rate` both ways."""
+
+    def __init__(self, n: int, rate: str = "100mbit", delay_ms: float = 0.0, subnet: str = "10.78.0",
+                 burst: str = "128kb", queue_latency: str = "100ms", rates: dict[int, str] | None = None):
+        """`rates`: nodes whose access link differs from `rate`, e.g. {3: "1mbit"}."""
+        if not 1 <= n <= 200:
+            raise ValueError(f"a shaped swarm has 1 to 200 nodes, not {n}")
+        super().__init__()
+        self.rates = [(rates or {}).get(i, rate) for i in range(n)]
+        self.n, self.rate, self.delay_ms = n, rate, delay_ms
+        self.namespaces = [f"{self.tag}-{i}" for i in range(n)]
+        self.bridge_namespace = f"{self.tag}-br"
+        self.subnet, self.burst, self.queue_latency = subnet, burst, queue_latency
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
     def _shape(self, namespace: str, device: str, rate: str) -> None:
         _run("ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "root", "tbf",
              "rate", rate, "burst", self.burst, "latency", self.queue_latency)
 
-    def _create(self) -> None:
+    def _build(self) -> None:
         bridge = self.bridge_namespace
         self._namespace(bridge)
         _run("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
@@ -135,10 +184,7 @@ class ShapedSwarm:
     def popen(self, i: int | str, argv: list[str], **options) -> subprocess.Popen:
         """Start a process inside node i's namespace (or a namespace by name); it is killed when
         the swarm closes."""
-        namespace = self.namespaces[i] if isinstance(i, int) else i
-        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], **options)
-        self._processes.append(process)
-        return process
+        return self._popen_in(self.namespaces[i] if isinstance(i, int) else i, argv, **options)
 
     def relay(self, i: int, listen_port: int, target: tuple[str, int]) -> subprocess.Popen:
         """A delaying relay on node i's address:`listen_port` in front of `target` (inside node
@@ -160,22 +206,6 @@ class ShapedSwarm:
         namespace = self.namespaces[i] if isinstance(i, int) else i
         return _run("ip", "netns", "exec", namespace, "tc", "-s", "qdisc", "show", "dev", "eth0",
                     check=False).stdout
-
-    def close(self) -> None:
-        for process in self._processes:
-            if process.poll() is None:
-                process.kill()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        self._processes.clear()
-        for namespace in reversed(self._created):
-            _run("ip", "netns", "del", namespace, check=False)
-        self._created.clear()
-        for signum, handler in self._old_handlers.items():
-            signal.signal(signum, handler)
-        self._old_handlers.clear()
 
 
 class ShapedLink(ShapedSwarm):

@@ -7,8 +7,7 @@ inner lr 1e-3, the tiny model, evaluated every 50 steps.
 
 Method strings:
 - "local"; "diloco-<μ>" (η = 0.7, Nesterov);
-- "noloco-new" (θ alone in int8), "noloco-old" (φ and Δ in bf16), "noloco-new-a<α>-g<β = γ>",
-  "noloco-new-hc" (pairs from the hypercube schedule, protocol/matching.py);
+- "noloco-new" (θ alone in int8), "noloco-old" (φ and Δ in bf16), "noloco-new-a<α>-g<β = γ>";
 - "dilocox-<codec>[-arr][-d0][-m<μ>][-l<steps>]": codec "lr<rank>b<bits>" (low-rank), "topk" (the
   manifest's k, chunk and bits) or "id" (identity); "arr" takes the outer step as the group's
   messages arrive (apply_on_arrival); "d0" waits for the round's messages (delay 0); "m<μ>" the
@@ -80,15 +79,12 @@ class Job:
                   "eval_every": max(1, 50 // self.inner_steps)}
         if self.method.startswith("noloco"):
             payload = NEW_PAYLOAD if self.method.startswith("noloco-new") else OLD_PAYLOAD
-            outer, options = {}, self.method.split("-")[2:]
-            pairing = {"pairing": "hypercube"} if "hc" in options else {}
-            options = [o for o in options if o != "hc"]
-            if options:  # noloco-new-a<α>-g<γ>
-                alpha, gamma = (float(part[1:]) for part in options)
+            outer = {}
+            if self.method.count("-") == 3:  # noloco-new-a<α>-g<γ>
+                alpha, gamma = (float(part[1:]) for part in self.method.split("-")[2:])
                 outer = {"noloco_momentum": alpha, "noloco_progress_weight": gamma,
                          "noloco_consensus_weight": gamma}
-            return SimulationSettings("noloco", timing="overlap", **payload, **outer,
-                                      protocol_values=pairing, **common)
+            return SimulationSettings("noloco", timing="overlap", **payload, **outer, **common)
         if self.method.startswith("dilocox"):
             return SimulationSettings("dilocox", **dilocox_settings(self.method), **common)
         if self.method.startswith("diloco"):

@@ -2,7 +2,7 @@
 
 Every cell runs, on the convergence table's budget (800 inner steps of 3×64 tokens per
 replica, inner lr 1e-3, the tiny model): NoLoCo as it was (φ and Δ in bf16), NoLoCo's new payload
-(θ alone, quantized), the same with hypercube pairs (protocol/matching.py), DiLoCo at H with outer momentum μ ∈ {0.3, 0.6, 0.9} (its best is the
+(θ alone, quantized), DiLoCo at H with outer momentum μ ∈ {0.3, 0.6, 0.9} (its best is the
 reference), and local-only (one run per N: local training does not depend on H). The cell
 N = 8, H = 25 (32 rounds) runs two seeds. Jobs run in parallel processes (benchmarks/grid_jobs.py),
 each in its own JSON file in benchmarks/grid_runs/.
@@ -46,7 +46,7 @@ def all_jobs() -> list[Job]:
             # μ = 0.3 (the NoLoCo paper's DiLoCo baseline) ran first, in the first cell only: it
             # ended 5.6% above μ = 0.6 there, so the other cells try 0.6 and 0.9
             momenta = DILOCO_MOMENTA if (workers, h, seed) == (*TWO_SEED_CELL, 0) else DILOCO_MOMENTA[1:]
-            methods = ["noloco-new", "noloco-new-hc", "noloco-old", *(f"diloco-{m}" for m in momenta)]
+            methods = ["noloco-new", "noloco-old", *(f"diloco-{m}" for m in momenta)]
             if (workers, h, seed) == (*TWO_SEED_CELL, 0):
                 methods += [f"noloco-new-{t}" for t in NOLOCO_TUNING]
             jobs += [Job(workers, h, m, seed) for m in methods]
@@ -76,7 +76,7 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
             continue
         best_mu = min(diloco, key=diloco.get)
         local = mean("local", 50)
-        new, old, hc = mean("noloco-new"), mean("noloco-old"), mean("noloco-new-hc")
+        new, old = mean("noloco-new"), mean("noloco-old")
         if None in (local, new, old):
             continue
         diloco_run = finished[Job(workers, h, f"diloco-{best_mu}", 0).key]
@@ -85,7 +85,6 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
         cell = {"workers": workers, "inner_steps": h, "rounds": STEPS // h, "seeds": list(seeds),
                 "diloco_by_momentum": diloco, "diloco_best_momentum": best_mu,
                 "diloco": diloco[best_mu], "local": local, "noloco_new": new, "noloco_old": old,
-                "noloco_new_hypercube": hc,
                 "bytes_per_round": {"diloco_fp32_ring": per_round_bytes(diloco_run),
                                     "noloco_new": per_round_bytes(new_run),
                                     "noloco_old": per_round_bytes(old_run)}}
@@ -100,13 +99,11 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
             + f" (μ = {best_mu}) | "
             f"{old:.4f} | {new:.4f} | {local:.4f} | {pct(new, old)} | {pct(new, diloco[best_mu])} | "
             f"{pct(old, diloco[best_mu])} | {pct(new, local)} | "
-            + (f"{hc:.4f} ({pct(hc, diloco[best_mu])}) | " if hc is not None else "- | ")
-            + f"{human_bytes(b['noloco_new'])} ({b['diloco_fp32_ring'] / b['noloco_new']:.1f}x) |")
+            f"{human_bytes(b['noloco_new'])} ({b['diloco_fp32_ring'] / b['noloco_new']:.1f}x) |")
     header = ("| N | H | rounds | seeds | DiLoCo μ = " + " / ".join(map(str, DILOCO_MOMENTA))
               + " (best) | NoLoCo φ,Δ bf16 | NoLoCo θ int8 | local | θ int8 vs φ,Δ | θ int8 vs DiLoCo"
-              " | φ,Δ vs DiLoCo | θ int8 vs local | θ int8, hypercube pairs (vs DiLoCo) "
-              "| θ int8 per round (DiLoCo's / these) |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+              " | φ,Δ vs DiLoCo | θ int8 vs local | θ int8 per round (DiLoCo's / these) |\n"
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     tuning = [(t, finished.get(Job(*TWO_SEED_CELL, f"noloco-new-{t}", 0).key)) for t in NOLOCO_TUNING]
     tuned = "\n".join(f"| {t.split('-')[0][1:]} | {t.split('-')[1][1:]} | {run['final_val_loss']:.4f} |"
                       for t, run in tuning if run is not None)

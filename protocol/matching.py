@@ -52,7 +52,6 @@ Invariants (checked by tests/unit/test_matching.py):
 from __future__ import annotations
 
 import enum
-import hashlib
 import random
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -60,7 +59,6 @@ from dataclasses import dataclass, field
 from protocol.errors import ConfigurationError, ProtocolError
 
 DEFAULT_MAX_STALENESS = 2
-SCHEDULES = ("random", "hypercube")
 
 
 class MessageKind(enum.Enum):
@@ -164,28 +162,6 @@ def catch_up_round(next_round: int, peer_rounds: Iterable[int], max_staleness: i
     return median if median - next_round > max_staleness else None
 
 
-def hypercube_partner(node_id: str, members: Iterable[str], round_index: int) -> str | None:
-    """The peer `node_id` pairs with first in `round_index` under the "hypercube" schedule:
-
-        k = ⌈log2 |members|⌉,  order = members sorted by sha256("<round // k>:<id>"),
-        partner = order[index(node_id) XOR 2^(round mod k)]  (none past the end of the order)
-
-    Over k consecutive rounds of one epoch every node meets one partner in each dimension of a
-    hypercube: with |members| = 2^k and every pair formed, k rounds of pairwise averaging average
-    over all members, where uniformly random pairs leave a spread that shrinks by a constant
-    factor a round. The order is reshuffled every epoch (from public ids: nobody chooses their
-    neighbours), and the choice is mutual: i's partner is j exactly when j's is i, for members
-    that see the same member set in the same round; others fall back to random proposals."""
-    members = set(members) | {node_id}
-    k = (len(members) - 1).bit_length()
-    if k == 0:
-        return None
-    epoch = round_index // k
-    order = sorted(members, key=lambda m: hashlib.sha256(f"{epoch}:{m}".encode()).digest())
-    other = order.index(node_id) ^ (1 << (round_index % k))
-    return order[other] if other < len(order) else None
-
-
 @dataclass
 class MatchingState:
     """One node's matching for its current round. Pure: decisions only, no I/O, no clock.
@@ -201,9 +177,6 @@ class MatchingState:
     round_index: int = 0
     max_staleness: int = DEFAULT_MAX_STALENESS
     counters: MatchingCounters = field(default_factory=MatchingCounters)
-    # whom a node proposes to first: "random" (PROTOCOLS.md §1) or "hypercube" (its partner in
-    # `hypercube_partner`, when that one is a candidate; random after a decline)
-    schedule: str = "random"
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
@@ -213,9 +186,6 @@ class MatchingState:
                 f"matching max_staleness must be an int >= 0, got {self.max_staleness!r}.")
         if type(self.round_index) is not int or self.round_index < 0:
             raise ConfigurationError(f"matching round must be an int >= 0, got {self.round_index!r}.")
-        if self.schedule not in SCHEDULES:
-            raise ConfigurationError(f"matching schedule {self.schedule!r} is unknown: choose one "
-                                     f"of {', '.join(SCHEDULES)}.")
         self._reset()
 
     def _reset(self) -> None:
@@ -245,21 +215,13 @@ class MatchingState:
     # ------------------------------------------------------------------ proposing
     def choose_candidate(self, announcements: Iterable[ReadyAnnouncement],
                          rng: random.Random) -> MatchMessage | None:
-        """A PROPOSE to a candidate, or None if paired, waiting, or no one is left: the schedule's
-        partner first (hypercube), else a uniformly random one."""
+        """A PROPOSE to a uniformly random candidate, or None if paired, waiting, or no one is left."""
         if not self.wants_partner:
             return None
-        announcements = list(announcements)
         candidates = self.candidates(announcements)
         if not candidates:
             return None
         target = candidates[rng.randrange(len(candidates))]
-        if self.schedule == "hypercube" and not self._proposed:
-            members = {a.peer_id for a in announcements
-                       if self.eligible(a.peer_id, a.manifest_digest, a.round_index)}
-            preferred = hypercube_partner(self.node_id, members, self.round_index)
-            if preferred in candidates:
-                target = preferred
         self.outstanding = target
         self._proposed.add(target)
         self.counters.proposals_sent += 1

@@ -46,10 +46,6 @@ class ProtocolSection:
     timing: str = spec("overlap", "overlap: use the pair formed during a round at its end; "
                        "blocking: wait for a pair after the round", choices=("overlap", "blocking"))
     max_staleness: int = spec(2, "largest round difference between partners", min=0, max=1000)
-    # protocol/matching.py hypercube_partner: mixes like an all-reduce every log2(N) rounds
-    pairing: str = spec("random", "NoLoCo: whom a node proposes to first: random, or its "
-                        "partner in a hypercube reshuffled every log2(N) rounds",
-                        choices=("random", "hypercube"))
     pair_deadline_s: float = spec(60.0, "blocking timing: longest wait for a partner",
                                   min=0.0, max=3600.0, min_exclusive=True)
     # a node whose swaps outlast its rounds pairs less often (node/rounds/noloco/pacing.py)

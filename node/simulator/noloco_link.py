@@ -34,10 +34,9 @@ MANIFEST = "simulation"  # every replica runs the same manifest
 
 class NoLoCoMemoryNetwork:
     def __init__(self, names: list[str], exchange: InMemoryExchange, lockstep: Lockstep,
-                 timing: str, max_staleness: int, seed: int, schedule: str = "random"):
+                 timing: str, max_staleness: int, seed: int):
         self.exchange, self.lockstep, self.timing = exchange, lockstep, timing
-        self.matching = {name: MatchingState(name, MANIFEST, 0, max_staleness, schedule=schedule)
-                         for name in names}
+        self.matching = {name: MatchingState(name, MANIFEST, 0, max_staleness) for name in names}
         self._pairing_rng = random.Random(seed)
         self._delivery_rng = random.Random(seed + 1)
         self.offers: dict[str, tuple[int, InMemoryMessage]] = {}  # name -> its latest snapshot

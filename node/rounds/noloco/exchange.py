@@ -60,8 +60,7 @@ class NoLoCoExchange:
         self.timing = config.timing
         self.swap_timeout_s = config.pair_deadline_s
         self.control_timeout_s = swarm.timeouts.match_message_s
-        self.matching = MatchingState(self.peer_id, self.manifest, 0, config.max_staleness,
-                                      schedule=config.pairing)
+        self.matching = MatchingState(self.peer_id, self.manifest, 0, config.max_staleness)
         self.offered: OutgoingMessage | None = None
         self.accepting = self.timing == "overlap"  # blocking: only while waiting at a round's end
         self.partners: dict[int, PartnerSnapshot] = {}
@@ -87,7 +86,7 @@ class NoLoCoExchange:
     # ------------------------------------------------------------------ life
     def start(self, round_index: int) -> None:
         self.matching = MatchingState(self.peer_id, self.manifest, round_index,
-                                      self.matching.max_staleness, schedule=self.matching.schedule)
+                                      self.matching.max_staleness)
         accept_any = lambda _round: True  # the matching checks rounds itself (staleness)
         self.transport.on_push(MATCH, self._on_match, accept_round=accept_any)
         self.transport.on_swap(SNAPSHOT, self._snapshot_reply, accept_round=accept_any,

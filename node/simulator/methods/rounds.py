@@ -37,8 +37,7 @@ class RoundSwarm(Method):
         self.decodings = DecodingCache()
         if settings.protocol == "noloco":
             self.network = NoLoCoMemoryNetwork(names, exchange, self.lockstep, settings.timing,
-                                               settings.max_staleness, settings.seed,
-                                               protocol.pairing)
+                                               settings.max_staleness, settings.seed)
             self.rounds = {r.name: NoLoCoRound(protocol, contributions, r.trainer,
                                                self.network.link(r.name)) for r in replicas}
         else:

@@ -36,18 +36,20 @@ DILOCO_MOMENTA = (0.3, 0.6, 0.9)
 CANDIDATES = ("dilocox-lr4b4-arr-l1", "dilocox-lr4b4-arr-l1-m0.6")
 # each change alone, at N = 8, H = 25, seed 0: the codec with no delay, the overlap with the
 # identity codec, today's overlap (λ = ½) with the codec
-DIAGNOSTICS = ("dilocox-lr4b4-d0", "dilocox-id-arr-l1", "dilocox-lr4b4-l1")
+DIAGNOSTICS = ("dilocox-id-arr-l1", "dilocox-lr4b4-d0", "dilocox-lr4b4-l1")
+# SparseLoCo's recipe (arXiv 2508.15706: top-k, 2-bit values, no outer momentum, η = 1, a
+# decaying error buffer) at the bytes that meet 50x at N = 8: 40 of every 4096
+SPARSELOCO = ("dilocox-topk40-arr-l1-m0-e1-r0.95",)
 MAIN_CELL = (8, 25)
 OTHER_CELLS = [(8, 50), (4, 25), (4, 50)]
 
 
 def all_jobs(best: str) -> list[Job]:
-    """In the order they run: the candidates, the second seed of `best`, the other cells, the
-    diagnostics."""
-    jobs = [Job(*MAIN_CELL, m, 0) for m in CANDIDATES]
+    """In the order they run: the candidates, the overlap alone, SparseLoCo's recipe, the other
+    diagnostics, the second seed of `best`, the other cells."""
+    jobs = [Job(*MAIN_CELL, m, 0) for m in CANDIDATES + DIAGNOSTICS[:1] + SPARSELOCO + DIAGNOSTICS[1:]]
     jobs.append(Job(*MAIN_CELL, best, 1))
     jobs += [Job(n, h, best, 0) for n, h in OTHER_CELLS]
-    jobs += [Job(*MAIN_CELL, m, 0) for m in DIAGNOSTICS]
     return jobs
 
 
@@ -61,7 +63,7 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
         return None if None in runs else statistics.fmean(r["final_val_loss"] for r in runs)
 
     rows, summary = [], {}
-    methods = list(dict.fromkeys([*CANDIDATES, *DIAGNOSTICS]))
+    methods = list(dict.fromkeys([*CANDIDATES, *DIAGNOSTICS, *SPARSELOCO]))
     for n, h in [MAIN_CELL, *OTHER_CELLS]:
         for method in methods:
             seeds = [s for s in (0, 1) if Job(n, h, method, s).key in finished]

@@ -8,11 +8,12 @@ inner lr 1e-3, the tiny model, evaluated every 50 steps.
 Method strings:
 - "local"; "diloco-<μ>" (η = 0.7, Nesterov);
 - "noloco-new" (θ alone in int8), "noloco-old" (φ and Δ in bf16), "noloco-new-a<α>-g<β = γ>";
-- "dilocox-<codec>[-arr][-d0][-m<μ>][-l<steps>]": codec "lr<rank>b<bits>" (low-rank), "topk" (the
-  manifest's k, chunk and bits) or "id" (identity); "arr" takes the outer step as the group's
-  messages arrive (apply_on_arrival); "d0" waits for the round's messages (delay 0); "m<μ>" the
-  outer momentum (the manifest's 0.3 otherwise); "l<steps>" a message's travel time in inner
-  steps (0 otherwise).
+- "dilocox-<codec>[-arr][-d0][-m<μ>][-e<η>][-r<decay>][-l<steps>]": codec "lr<rank>b<bits>"
+  (low-rank), "topk[<k>]" (k of every 4096, the manifest's 64 and 2 bits otherwise) or "id"
+  (identity); "arr" takes the outer step as the group's messages arrive (apply_on_arrival);
+  "d0" waits for the round's messages (delay 0); "m<μ>" and "e<η>" the outer momentum and
+  learning rate (the manifest's 0.3 and 0.7 otherwise); "r<decay>" the error feedback's decay
+  (1 otherwise); "l<steps>" a message's travel time in inner steps (0 otherwise).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ def dilocox_settings(method: str) -> dict:
     if codec.startswith("lr"):
         rank, bits = codec[2:].split("b")
         kwargs = {"codec": "lowrank", "rank": int(rank), "bits": int(bits)}
+    elif codec.startswith("topk"):
+        kwargs = {"codec": "topk"}
+        values = {"topk_k": int(codec[4:])} if codec[4:] else {}
     else:
-        kwargs = {"codec": {"topk": "topk", "id": "identity"}[codec]}
-    values = {}
+        kwargs = {"codec": {"id": "identity"}[codec]}
+    values = values if codec.startswith("topk") else {}
     for option in options:
         if option == "arr":
             values["apply_on_arrival"] = True
@@ -55,9 +59,13 @@ def dilocox_settings(method: str) -> dict:
             kwargs["outer_momentum"] = float(option[1:])
         elif option.startswith("l"):
             kwargs["latency_steps"] = int(option[1:])
+        elif option.startswith("e"):
+            kwargs["outer_lr"] = float(option[1:])
+        elif option.startswith("r"):
+            values["residual_decay"] = float(option[1:])
         else:
             raise ValueError(f"DiLoCoX option {option!r} of {method!r} is unknown: use arr, d0, "
-                             "m<μ> or l<steps>.")
+                             "m<μ>, e<η>, r<decay> or l<steps>.")
     return {**kwargs, "protocol_values": values}
 
 

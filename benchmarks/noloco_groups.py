@@ -1,0 +1,84 @@
+"""Does NoLoCo's gap to DiLoCo close with groups larger than a pair? (issue 19, an experiment)
+
+The N × H grid (benchmarks/noloco_grid.py) has NoLoCo 4.4% above DiLoCo at N = 4 and 6.8-8.7%
+at N = 8; pairs drawn on a hypercube (which average over 2^k members in k rounds) did not
+change that (+0.18%, benchmarks/grid_runs/N8-H25-noloco-new-hc-s0.json). What grows with N in
+DiLoCo and not in a pair is how many replicas' progress each outer step averages. PROTOCOLS.md
+§1 allows a group G of any size n; this measures the update with n ∈ {2, 4, 8} before anyone
+builds asynchronous group matching: every round a shared random permutation cuts the replicas
+into groups of n (the paper's own scheme), each member applies protocol/noloco.py's outer step
+with its group's snapshots of this round (blocking timing, exact fp32 θ: the group size alone
+changes), on the grid's budget (benchmarks/grid_jobs.py). Bytes: a member sends its θ to the
+n − 1 others, (n − 1) · 1.06 bytes a parameter in int8, against the fp32 ring's 2(N − 1)/N · 4.
+
+    .venv/bin/python benchmarks/noloco_groups.py --workers 8 --inner-steps 25 --group 4 --seed 0
+
+Writes benchmarks/grid_runs/N<N>-H<H>-noloco-groups<n>-s<seed>.json (the grid's format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from grid_jobs import Job  # noqa: E402
+from convergence import node_config, parse_args as convergence_args  # noqa: E402
+from node.data.corpus import load_corpus  # noqa: E402
+from node.simulator.methods.base import Method  # noqa: E402
+from node.simulator.runner import Simulation  # noqa: E402
+from protocol.noloco import NoLoCo  # noqa: E402
+
+
+class NoLoCoGroups(Method):
+    """Blocking NoLoCo where a shared permutation cuts the replicas into groups of `group`."""
+
+    def __init__(self, settings, replicas, exchange, group: int) -> None:
+        super().__init__(settings, replicas, exchange)
+        self.group = group
+        self.outer = {r.name: NoLoCo(r.trainer.named_parameters()) for r in replicas}
+        self.permutation = random.Random(settings.seed)
+
+    def run_round(self, round_index: int) -> None:
+        self.inner_phase()
+        snapshots = {r.name: self.outer[r.name].snapshot(r.trainer.named_parameters())
+                     for r in self.replicas}
+        names = sorted(snapshots)
+        self.permutation.shuffle(names)
+        groups = [names[i:i + self.group] for i in range(0, len(names), self.group)]
+        by_name = {r.name: r for r in self.replicas}
+        for members in groups:
+            for name in members:
+                partners = [snapshots[other] for other in members if other != name]
+                by_name[name].load(self.outer[name].outer_step(snapshots[name], partners))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--inner-steps", type=int, default=25)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
+    args = p.parse_args(argv)
+    job = Job(args.workers, args.inner_steps, "local", args.seed)  # the grid's budget and evaluation
+    config = node_config(convergence_args([]))
+    simulation = Simulation(job.settings(), config, load_corpus(config.data))
+    method = simulation.method
+    simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group)
+    result = simulation.run()
+    key = f"N{args.workers}-H{args.inner_steps}-noloco-groups{args.group}-s{args.seed}"
+    data = {"job": {**job.__dict__, "method": f"noloco-groups{args.group}"}, **result.to_dict()}
+    (args.jobs_dir / f"{key}.json").write_text(json.dumps(data) + "\n", encoding="utf-8")
+    print(f"{key}: {result.final_val_loss:.4f} ({result.final.wall_seconds / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

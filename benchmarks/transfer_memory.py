@@ -7,7 +7,7 @@ The payloads have exactly the tensor manifests a member of the swarm sends (node
 message_sizes.py: θ in int8, and the late-join state, φ and momentum in fp32) but hold synthetic
 bytes: a `medium` training node does not fit this machine's memory budget, so the transport's
 part is measured alone. The asking process ("A") swaps snapshots with the serving one ("B"),
-then downloads B's state. B's state is served from untouched (zero) pages, which the kernel does
+then downloads B's state and decodes it as a joiner does (node/rounds/state.py). B's state is served from untouched (zero) pages, which the kernel does
 not count as resident: B's figure for the state is not a member's (a member holds φ and momentum
 anyway; sending them in fp32 copies nothing, benchmarks/node_memory.py), A's is the receiver's.
 Peaks are VmHWM, reset through /proc/self/clear_refs before each phase. Writes
@@ -36,6 +36,8 @@ from p2p.host import P2PHost, run_event_loop  # noqa: E402
 from p2p.identity import NodeIdentity, identity_path  # noqa: E402
 from p2p.messages import NUMPY_DTYPES, OutgoingMessage, OutgoingTensor  # noqa: E402
 from p2p.streams import Transport  # noqa: E402
+from node.rounds.state import decode_state  # noqa: E402
+from node.rounds.wire_tensors import from_wire  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "transfer_memory.json"
 SNAPSHOT, STATE = "noloco.snapshot", "state"
@@ -118,7 +120,16 @@ async def side(args) -> None:
             report["state_seconds"] = round(time.perf_counter() - began, 1)
             assert len(state.payload) == state_bound.total_bytes
             report["peak_state_gb"] = round(phase_peak_gb(), 2)
-            del state
+            # decoding it as a joiner does: its tensors must be views of the buffer (else this
+            # process would hold the state twice, past the budget: checked on one tensor first)
+            first = state.tensors[0].name
+            view = next(iter(from_wire(state, first, share=True).values()))
+            assert view.data_ptr() == np.frombuffer(state.payload, np.uint8).ctypes.data
+            phase_start()
+            groups, digest = decode_state(state)
+            report["peak_decoded_gb"] = round(phase_peak_gb(), 2)
+            report["decoded_tensors"] = sum(len(g) for g in groups.values())
+            del state, groups, view
         report["refused"] = transport.counters.snapshot()["refused_incoming"]
         print(json.dumps(report), flush=True)
     finally:

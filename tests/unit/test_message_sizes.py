@@ -136,3 +136,24 @@ def test_a_refused_message_is_remembered_for_its_other_streams_only():
     for nonce in (b"a", b"b", b"c"):
         refused.remember(b"peer", nonce, 2, reason)
     assert refused.earlier(b"peer", b"a") is None and refused.earlier(b"peer", b"c") is reason
+
+
+def test_a_received_state_is_held_once_its_tensors_are_views_of_the_receive_buffer():
+    """Decoding copied the whole state: a `medium` joiner held its 10.8 GB twice."""
+    from node.rounds.state import decode_state
+    from p2p.messages import ReceivedMessage
+    from protocol.tensors import weights_digest
+    m = manifest()
+    params = tiny_parameters(m)
+    momentum = {n: torch.randn_like(p) for n, p in params.items()}
+    sent = OutgoingMessage("state", 0, encode_state({"phi": params, "momentum": momentum}))
+    buffer = np.empty(sent.total_bytes, np.uint8)  # what the transport receives into
+    buffer[:] = np.frombuffer(b"".join(bytes(s) for s in sent.segments()), np.uint8)
+    groups, digest = decode_state(ReceivedMessage(None, None, sent.manifest(), memoryview(buffer)))
+    start, end = buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes
+    for group in groups.values():
+        for tensor in group.values():
+            assert start <= tensor.data_ptr() < end and tensor.dtype == torch.float32
+    with torch.no_grad():
+        assert digest == weights_digest(params)
+        assert all(torch.equal(groups["momentum"][n], momentum[n]) for n in momentum)

@@ -157,3 +157,13 @@ def test_a_received_state_is_held_once_its_tensors_are_views_of_the_receive_buff
     with torch.no_grad():
         assert digest == weights_digest(params)
         assert all(torch.equal(groups["momentum"][n], momentum[n]) for n in momentum)
+
+
+def test_doctor_says_whether_the_swarms_messages_fit_in_one_sentence():
+    from node.ops.doctor import check_messages
+    ok = check_messages(manifest())
+    assert ok.level == "ok" and ok.text.startswith("the swarm's largest message (0.01 GB, 54 tensors) fits")
+    crowded = load_manifest(MANIFEST, {"model": {"n_layers": 1024, "dim": 8, "n_heads": 1, "ffn_hidden": 8}})
+    refused = check_messages(crowded)
+    assert refused.level == "fail" and refused.text.startswith("the late-join state") and \
+        refused.text.endswith("or join from a machine with more memory.")

@@ -19,6 +19,7 @@ transport on this machine: the daemon calls it before it builds its model.
 
 from __future__ import annotations
 
+import math
 import os
 
 from node.config.manifest import Manifest
@@ -48,10 +49,7 @@ def parameter_shapes(manifest: Manifest, vocab_size: int) -> dict[str, tuple[int
 def _entries(shapes: dict[str, tuple[int, ...]], prefix: str, wire_dtype: str) -> list[TensorEntry]:
     out = []
     for name, shape in shapes.items():
-        count = 1
-        for dim in shape:
-            count *= dim
-        nbytes = tensor_wire_bytes(count, wire_dtype)
+        nbytes = tensor_wire_bytes(math.prod(shape), wire_dtype)
         if wire_dtype in QUANTIZED_BITS:  # one flat uint8 tensor (node/rounds/wire_tensors.py)
             out.append(TensorEntry(prefix + name, "uint8", (nbytes,), nbytes))
         else:

@@ -320,7 +320,7 @@ class Sent(Event, kind="sent"):
 
 
 @dataclass(frozen=True)
-class SendFailed(Event, kind="send_failed"):
+class SendFailed(Event, kind="send_failed", logged=True):
     round: int
     peer: str
     error: str

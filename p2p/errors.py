@@ -24,7 +24,7 @@ class Reason(enum.IntEnum):
     BAD_DIGEST = 7        # payload bytes do not match the signed BLAKE2b digest
     MALFORMED = 8         # undecodable or inconsistent header or frame
     TRUNCATED = 9         # stream ended before the declared bytes arrived
-    BUSY = 10             # per-peer or global limit on streams or bytes in flight reached
+    BUSY = 10             # per-peer limit on concurrent streams, or on recent messages, reached
     BANNED = 11           # the sender is banned for a while
     REPLAYED = 12         # this exact message (sender, nonce, frame) was already accepted
     WRONG_VERSION = 13    # unknown protocol version
@@ -36,6 +36,7 @@ class Reason(enum.IntEnum):
     INTERNAL = 19         # the receiver failed while handling the message (its bug, not ours)
     NOT_ADMITTED = 20     # the swarm admits only listed keys, and the sender's is not listed
     NOT_PAIRED = 21       # a NoLoCo swap from a peer the receiver holds no pair with
+    NO_ROOM = 22          # the receiver holds too many incoming bytes now (capacity, not misbehaviour)
 
     @classmethod
     def from_wire(cls, code: int) -> "Reason":
@@ -87,6 +88,10 @@ class ReplyRejected(P2PError):
         self.peer, self.kind, self.reason, self.detail = peer, kind, Reason(reason), detail
         super().__init__(f"the reply of peer {peer} to our {kind!r} message was rejected: "
                          f"{self.reason.name}" + (f" ({detail})" if detail else "") + ".")
+
+
+class LimitsError(P2PError):
+    """A message, or the largest message a swarm exchanges, does not fit the transport's bounds."""
 
 
 class TransferFailed(P2PError):

@@ -63,3 +63,34 @@ class ReplayGuard:
 
     def __len__(self) -> int:
         return self._count
+
+
+class RefusedMessages:
+    """Messages refused at their first stream, remembered so that their other streams get the
+    same answer without counting the offence again: one refused message is one refusal to the
+    node's strikes, whatever the number of streams it was split over (a 4-stream message refused
+    once per stream made honest peers ban each other after one refused swap).
+
+    A message is remembered for as many more streams as its signed header declares; a stream
+    beyond those is counted anew. Bounded: the oldest entries are forgotten first.
+    """
+
+    def __init__(self, max_entries: int = 4096):
+        self.max_entries = max_entries
+        self._refused: OrderedDict[tuple[bytes, bytes], list] = OrderedDict()
+
+    def remember(self, sender: bytes, nonce: bytes, streams: int, refusal: Exception) -> None:
+        if streams > 1:
+            self._refused[(sender, nonce)] = [refusal, streams - 1]
+            while len(self._refused) > self.max_entries:
+                self._refused.popitem(last=False)
+
+    def earlier(self, sender: bytes, nonce: bytes) -> Exception | None:
+        """The refusal this message already got, for one more of its streams; else None."""
+        entry = self._refused.get((sender, nonce))
+        if entry is None:
+            return None
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del self._refused[(sender, nonce)]
+        return entry[0]

@@ -14,6 +14,7 @@ import time
 from concurrent.futures import Executor
 
 from p2p import wire
+from p2p.errors import LimitsError
 from p2p.framing import StreamIO
 from p2p.identity import NodeIdentity
 from p2p.limits import TransferLimits, WireLimits
@@ -52,8 +53,8 @@ class SendPlan:
         self.swarm, self.manifest_digest, self.recipient, self.reply_to = swarm, manifest, recipient, reply_to
         self.total = message.total_bytes
         if self.total > wire.max_message_bytes:
-            raise ValueError(f"message {message.kind!r} of {self.total} bytes exceeds the "
-                             f"{wire.max_message_bytes}-byte bound peers accept.")
+            raise LimitsError(f"the {message.kind!r} message of {self.total} bytes was not sent: it "
+                              f"exceeds the {wire.max_message_bytes}-byte bound this swarm's peers accept.")
         self.streams = max(1, min(streams, wire.max_streams_per_message))
         self.frame_size = choose_frame_size(self.total, self.streams, limits.frame_bytes, wire)
         self.frames = max(self.streams, frame_count(self.total, self.frame_size))

@@ -31,14 +31,14 @@ from hivemind.p2p import P2P, PeerID
 
 from p2p.assembly import Assembly, run_bound
 from p2p.counters import TransportCounters
-from p2p.errors import (HostError, Reason, Refusal, RemoteRefused, ReplyRejected, TransferFailed,
-                        TransferTimeout)
+from p2p.errors import (HostError, LimitsError, Reason, Refusal, RemoteRefused, ReplyRejected,
+                        TransferFailed, TransferTimeout)
 from p2p.framing import PeerStatus, StreamIO
 from p2p.identity import NodeIdentity
 from p2p.limits import InflightLedger, TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.paths import RelayLimits
-from p2p.replay import ReplayGuard
+from p2p.replay import RefusedMessages, ReplayGuard
 from p2p.sending import SendPlan, choose_streams, send_stream_frames
 from p2p.wire import Expectations, MessageHeader, Mode, check_head
 
@@ -99,6 +99,7 @@ class Transport:
         self._expect = Expectations(swarm, manifest, identity.peer_id.to_bytes(), wire_limits)
         self._ledger = InflightLedger(limits)
         self._replay = ReplayGuard(wire_limits.max_clock_skew_s)
+        self._refused = RefusedMessages()
         self._handlers: dict[tuple[str, int], _Handler] = {}
         self._assemblies: dict[tuple[bytes, bytes], Assembly] = {}
         self._bans: dict[bytes, float] = {}
@@ -365,7 +366,7 @@ class Transport:
         relayed = self.counters.paths.note(peer.to_base58(), info.addr)
         assembly: Assembly | None = None
         bound: list[asyncio.Future] = []
-        opened = False
+        opened = repeated = False
         try:
             if self.admit is not None and not self.admit(peer.to_base58()):
                 raise Refusal(Reason.NOT_ADMITTED, "this swarm admits only the keys on its "
@@ -376,8 +377,17 @@ class Transport:
                 raise Refusal(Reason.BUSY, f"more than {self.limits.max_streams_per_peer} streams from you")
             opened = True
             raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
-            header, handler = self._check_request_head(raw, signature, peer_bytes)
-            assembly, stream = self._join_incoming(peer, header, handler)
+            header = check_head(raw, signature, peer_bytes, self._expect, time.time())
+            earlier = self._refused.earlier(peer_bytes, header.nonce)
+            if earlier is not None:  # another stream of a message refused already: counted once
+                repeated = True
+                raise earlier
+            try:
+                handler = self._check_request(header)
+                assembly, stream = self._join_incoming(peer, header, handler)
+            except Refusal as refusal:
+                self._refused.remember(peer_bytes, header.nonce, header.streams, refusal)
+                raise
             check = lambda raw, sig: self._check_request_head(raw, sig, peer_bytes)[0]  # noqa: E731
             bound.append(run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
             if header.mode == Mode.SWAP:
@@ -401,7 +411,7 @@ class Transport:
                 elif stream == 0:
                     self.counters.messages_sent += 1
         except Refusal as refusal:
-            if assembly is None or assembly.fail(refusal):
+            if not repeated and (assembly is None or assembly.fail(refusal)):
                 self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
                 logger.info("refused a stream from %s: %s (%s)", _short(peer), refusal.reason.name, refusal.detail)
             if not io.frame_open:
@@ -436,6 +446,10 @@ class Transport:
 
     def _check_request_head(self, raw: bytes, signature: bytes, peer: bytes) -> tuple[MessageHeader, _Handler]:
         header = check_head(raw, signature, peer, self._expect, time.time())
+        return header, self._check_request(header)
+
+    def _check_request(self, header: MessageHeader) -> _Handler:
+        """The handler of a checked header, after the checks that need this node's state."""
         handler = self._handlers.get((header.kind, header.mode))
         if handler is None:
             raise Refusal(Reason.UNSUPPORTED, f"this node does not accept {Mode.NAMES[header.mode]} "
@@ -444,7 +458,7 @@ class Transport:
             raise Refusal(Reason.STALE_ROUND, f"round {header.round} is not acceptable here")
         _check_size(header, handler.accept_bytes)
         self._remember(header)
-        return header, handler
+        return handler
 
     def _remember(self, header: MessageHeader) -> None:
         verdict = self._replay.check_and_remember(header.sender, header.nonce, header.frame, time.time())
@@ -478,7 +492,11 @@ class Transport:
             raise Refusal(Reason.MALFORMED, "the first frame of a stream must carry the tensor manifest")
         peer_bytes, total = peer.to_bytes(), header.total
         if not self._ledger.try_reserve(peer_bytes, total):
-            raise Refusal(Reason.BUSY, f"cannot hold {total} more bytes for you now")
+            # Capacity, not misbehaviour: every size the swarm's manifest allows fits one message
+            # (p2p/sizing.py); more at once from one peer, or from many, waits for room.
+            raise Refusal(Reason.NO_ROOM, f"this node holds {self._ledger.reserved_bytes(peer_bytes)} "
+                                          f"bytes of your messages and {self._ledger.total_bytes} in all, "
+                                          f"and cannot take {total} more now; try again later")
         return Assembly(peer, header, self.limits.deadline_s(total), lambda: self._ledger.release(peer_bytes, total),
                         on_expired)
 
@@ -503,6 +521,9 @@ class Transport:
                 assembly.reply.set_result(plan)
         except Refusal as refusal:
             assembly.fail(refusal)
+        except LimitsError as error:  # our reply exceeds what peers accept: a refusal, said once
+            logger.warning("did not answer %s's %r request: %s", _short(assembly.sender), first.kind, error)
+            assembly.fail(Refusal(Reason.REFUSED, str(error)))
         except TimeoutError:
             assembly.fail(Refusal(Reason.TIMEOUT, "no reply was ready in time"))
         except Exception:

@@ -41,6 +41,7 @@ from node.events import (Checkpointed, EventBus, Joined, PairCorrected, RoundEnd
                          Stopping, log_event)
 from node.loop import BackgroundTasks, LoopBridge
 from node.ops.status_feed import StatusFeed
+from node.rounds.message_sizes import transport_limits
 from node.rounds.policy import RoundPolicy
 from node.rounds.swarm import Swarm
 from node.train.checkpoint import CheckpointStore
@@ -60,6 +61,10 @@ class Daemon:
         self.worker: TrainingWorker | None = None
         self.status_feed: StatusFeed | None = None
         self.not_admitted = False  # a member refused us NOT_ADMITTED: we stop with exit 1
+        # (WireLimits, TransferLimits) from the manifest's messages (node/rounds/message_sizes.py),
+        # set by `run` before anything starts; None: the transport's defaults (a benchmark that
+        # drives join.connect with payloads of its own, benchmarks/sync_time.py)
+        self.transport_limits = None
 
     def bind_loop(self) -> None:
         """Takes the running event loop, and the bridge the training thread calls it through.
@@ -83,6 +88,8 @@ class Daemon:
             if train_config.threads:
                 torch.set_num_threads(train_config.threads)
             corpus = load_corpus(m.data)
+            # a swarm whose messages cannot fit the transport stops here, in one sentence
+            self.transport_limits = transport_limits(m, corpus.vocab_size)
             trainer = InnerTrainer(m.model, train_config, corpus, m.data.seq_len,
                                    stream_seed(identity.public_key_bytes, train_config.seed),
                                    pick_device(train_config.device))

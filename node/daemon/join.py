@@ -61,7 +61,9 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
         nat_port_map=settings.port_mapping, startup_timeout_s=settings.timeouts.p2pd_start_s,
         reachability=ReachabilityOptions(settings.reachability, tuple(settings.relays)))
     node.events.publish(ReachabilityFound(**host.reachability.to_dict()))
-    network.transport = transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest)
+    limits = {} if node.transport_limits is None else dict(zip(("wire_limits", "limits"), node.transport_limits))
+    network.transport = transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest,
+                                              **limits)
     admit = None
     if m.admission.mode == "allowlist":  # members refuse, and never call, unlisted keys
         admit = transport.admit = set(m.admission.public_keys).__contains__

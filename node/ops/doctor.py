@@ -2,7 +2,8 @@
 
 Each finding is one sentence, and says what to do when something is wrong. Checks, in order:
 Python and torch, the training device, the manifest and its digest, free disk for two
-checkpoints, p2pd's start (timed, on loopback), then a real start of this node's network parts
+checkpoints, the swarm's largest message against the transport and this machine's memory,
+p2pd's start (timed, on loopback), then a real start of this node's network parts
 as `join` would (bootstrap, the dial-back reachability check, relay slots), each bootstrap peer
 on its own, and the clock against theirs. The exit code is 0 only when no finding is a failure,
 that is when `join` would get in. Nothing is written to the data directory: the check runs under
@@ -88,6 +89,20 @@ def checkpoint_bytes(manifest: Manifest) -> int:
     vocab = manifest.model.vocab_size or manifest.data.vocab_size or 256
     model = build_model(manifest.model, vocab, "meta")
     return CHECKPOINT_BYTES_PER_PARAM * sum(p.numel() for p in model.parameters())
+
+
+def check_messages(manifest: Manifest) -> Finding:
+    """The swarm's largest message against the transport and this machine's memory, as `join`
+    checks it at start (node/rounds/message_sizes.py)."""
+    from node.rounds.message_sizes import transport_limits
+    from p2p.errors import LimitsError
+
+    try:
+        wire, _ = transport_limits(manifest, manifest.model.vocab_size or manifest.data.vocab_size or 256)
+    except LimitsError as error:
+        return Finding("messages", "fail", f"{error}.")
+    return Finding("messages", "ok", f"the swarm's largest message ({wire.max_message_bytes / 1e9:.2f} GB, "
+                                     f"{wire.max_tensors} tensors) fits the transport and this machine.")
 
 
 def check_disk(manifest: Manifest, data_dir: Path) -> Finding:
@@ -207,7 +222,7 @@ async def run_doctor(manifest: Manifest, options: DoctorOptions) -> list[Finding
     if findings[0].level == "fail":
         return findings
     findings += [check_device(manifest), check_manifest(manifest, options.peers),
-                 check_disk(manifest, options.data_dir)]
+                 check_disk(manifest, options.data_dir), check_messages(manifest)]
     with tempfile.TemporaryDirectory(prefix="lowcomm-doctor-") as scratch:
         identity = NodeIdentity.generate()
         identity.save(Path(scratch) / "identity.key")

@@ -47,6 +47,9 @@ def announced_phi(extra: dict[str, Any], round_index: int) -> str | None:
 
 
 def decode_state(received: Any) -> tuple[dict[str, dict[str, torch.Tensor]], str]:
-    """({"phi": φ, "momentum": ...} as fp32 copies, the digest of φ as received)."""
-    groups = {group: from_wire(received, f"{group}/") for group in GROUPS}
+    """({"phi": φ, "momentum": ...} in fp32, the digest of φ as received). The tensors are views
+    of the received message's buffer, not copies (a model-sized state is held once): callers
+    only read them, and adopting one copies out of them (protocol/noloco.py, protocol/diloco.py
+    load_state_dict; InnerTrainer.load_parameters)."""
+    groups = {group: from_wire(received, f"{group}/", share=True) for group in GROUPS}
     return groups, weights_digest(groups["phi"])

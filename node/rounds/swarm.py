@@ -19,6 +19,7 @@ from node.config.settings import NodeTimeouts
 from node.events import Event
 from node.loop import BackgroundTasks, LoopBridge
 from node.rounds.contributions import BanList
+from p2p.errors import P2PError
 
 
 @dataclass
@@ -41,6 +42,12 @@ class Swarm:
     def refuse_from_thread(self, peer: str, reason: str, sentence: str) -> None:
         """The same, from the training thread (the round classes' `link.refused`)."""
         self.bridge.post(self.refuse, peer, reason, sentence)
+
+
+def failure_sentence(error: BaseException) -> str:
+    """One sentence for a failed exchange: the network's own sentence, or the error's type and
+    text for anything else (a bug, an encoding error) so that it is not mistaken for the network."""
+    return str(error) if isinstance(error, P2PError) else f"{type(error).__name__}: {error}"
 
 
 def peer_name(raw: bytes | PeerID | str) -> str:

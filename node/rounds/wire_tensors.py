@@ -82,9 +82,12 @@ def _to_wire_quantized(tensors: Mapping[str, torch.Tensor], bits: int,
     return out
 
 
-def from_wire(received, prefix: str = "") -> dict[str, torch.Tensor]:
+def from_wire(received, prefix: str = "", share: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of a ReceivedMessage whose names start with `prefix`, as fp32 copies.
 
+    `share`: fp32 tensors are views of the message's own (writable) buffer instead of copies, so
+    that a model-sized message is held once, not twice (a `medium` late-join state: 10.8 GB);
+    only for a caller that copies out of them and never writes into them (node/rounds/state.py).
     Only the float dtypes above are accepted; the network layer already checked every size.
     """
     result = {}
@@ -93,7 +96,8 @@ def from_wire(received, prefix: str = "") -> dict[str, torch.Tensor]:
             continue
         if entry.dtype not in TORCH_OF_WIRE:
             raise ValueError(f"tensor {full_name} arrived as {entry.dtype}, not a float dtype")
-        raw = torch.frombuffer(bytearray(view), dtype=TORCH_OF_WIRE[entry.dtype])
+        source = view if share and not view.readonly else bytearray(view)
+        raw = torch.frombuffer(source, dtype=TORCH_OF_WIRE[entry.dtype])
         result[full_name[len(prefix):]] = raw.view(entry.shape).to(torch.float32)
     return result
 

@@ -112,7 +112,7 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
                 (OutgoingMessage("nope", 5, small.tensors), Reason.UNSUPPORTED),
                 (OutgoingMessage("grad", 5, small.tensors, {"refuse": True}), Reason.REFUSED),
                 (OutgoingMessage("grad", 5, small.tensors, {"slow": True}), Reason.TIMEOUT),
-                (OutgoingMessage.from_arrays("grad", 5, {"g": np.zeros(3 * MB, np.uint8)}), Reason.BUSY),
+                (OutgoingMessage.from_arrays("grad", 5, {"g": np.zeros(3 * MB, np.uint8)}), Reason.NO_ROOM),
             ]
             for message, reason in cases:
                 with pytest.raises(RemoteRefused) as refused:
@@ -123,7 +123,7 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
             with pytest.raises(RemoteRefused, match="REFUSED.*no state yet"):
                 await ta.request(b.peer_id, "state", 9, meta={"missing": True})
             assert tb.counters.refused_incoming["STALE_ROUND"] == 1
-            assert ta.counters.refused_outgoing["BUSY"] == 1
+            assert ta.counters.refused_outgoing["NO_ROOM"] == 1
             await wait_until(lambda: settled(tb), 5.0, what="b released its buffers")
             await ta.stop()
             await tb.stop()

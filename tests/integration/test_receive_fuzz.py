@@ -267,8 +267,8 @@ def test_the_receive_path_refuses_every_bad_stream_with_a_reason_in_bounded_memo
 
     @FUZZ
     @example(claim(PEER_BYTES), Mode.PUSH, b"", [])       # reserved and allocated, then TRUNCATED
-    @example(claim(PEER_BYTES + 1), Mode.PUSH, b"", [])   # past what this peer may hold: BUSY
-    @example(claim(16 * MiB), Mode.PUSH, b"", [])          # far past it: BUSY, nothing allocated
+    @example(claim(PEER_BYTES + 1), Mode.PUSH, b"", [])   # past what this peer may hold: NO_ROOM
+    @example(claim(16 * MiB), Mode.PUSH, b"", [])          # far past it: NO_ROOM, nothing allocated
     @example({"round": 100}, Mode.SWAP, b"abc", [2])        # STALE_ROUND
     @given(st.dictionaries(st.sampled_from(fields), sizes | msgpack_values, min_size=1, max_size=3),
            st.sampled_from([Mode.PUSH, Mode.SWAP]), st.binary(max_size=2048), cuts)
@@ -295,7 +295,7 @@ def test_the_receive_path_refuses_every_bad_stream_with_a_reason_in_bounded_memo
               f"(bound {(PEER_BYTES + SLACK_BYTES) / KiB:.0f} KiB), reasons on the wire: {sorted(stats['reasons'])}")
     # The streams reached every stage (signature, header bounds, reservation, payload digest), and
     # the memory measured saw the largest buffer allowed, so the bound is tested, not vacuous.
-    assert {"MALFORMED", "BAD_SIGNATURE", "STALE_ROUND", "BUSY", "TRUNCATED", "BAD_DIGEST"} <= stats["reasons"]
+    assert {"MALFORMED", "BAD_SIGNATURE", "STALE_ROUND", "NO_ROOM", "TRUNCATED", "BAD_DIGEST"} <= stats["reasons"]
     assert stats["peak"] > PEER_BYTES * 3 // 4   # (the baseline holds garbage freed meanwhile)
 
 

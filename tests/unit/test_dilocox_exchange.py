@@ -166,3 +166,28 @@ def test_among_three_voters_a_lone_digest_never_wins_a_resync():
         await ex._check_consensus(5, "f" * 32)
         assert [e.round for e in events if isinstance(e, Diverged)] == [5]
     asyncio.run(main())
+
+
+class FailingTransport:
+    """One peer's push fails with the network's error, another's with any other error (a bound
+    the send planner enforces raised ValueError, which escaped the send and vanished)."""
+
+    async def push(self, peer, message, timeout):
+        if peer == "b":
+            raise ValueError("the send planner failed")
+        raise P2PError("the stream broke")
+
+
+def test_a_send_failing_with_any_error_is_a_counted_send_failure():
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+        swarm = unit_swarm(loop, [member("a", 0), member("b", 0)], transport=FailingTransport(),
+                           events=events)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        await ex._send_all(0, [])
+        failed = sorted((e.peer, e.error) for e in events if e.kind == "send_failed")
+        assert failed == [("a", "the stream broke"), ("b", "ValueError: the send planner failed")]
+        assert all(e.logged for e in events if e.kind == "send_failed")
+        assert [e.kind for e in events][-1] == "sent" and ex._send_started_at is None
+    asyncio.run(main())

@@ -201,3 +201,25 @@ def test_a_node_whose_swaps_outlast_its_rounds_rests_then_pairs_again():
         next_round(3)  # three rounds after it last paired: it pairs again
         assert ex.accepting and events.count("rested") == 2
     asyncio.run(main())
+
+
+class BrokenTransport(RefusingTransport):
+    """A swap that fails with an error that is not the network's (an encoding bug, a bound the
+    send planner enforces): it escaped `except P2PError` and vanished as a failed task."""
+
+    async def swap(self, peer, message, timeout, expected_reply_bytes, accept_bytes=None):
+        raise ValueError("the send planner failed")
+
+
+def test_a_swap_failing_with_any_error_is_a_counted_swap_failure():
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+        ex = blocking_exchange(loop, BrokenTransport(), events)
+        ex._handle(MatchMessage(MessageKind.PROPOSE, HIGHER, ME, 0, 0, "m"))  # we open the swap
+        await asyncio.wait_for(wait_until(lambda: ex.failed_round == 0), 2.0)
+        failed = [e for e in events if e.kind == "swap_failed"]
+        assert [e.error for e in failed] == ["ValueError: the send planner failed"]
+        assert failed[0].logged and not [e for e in events if e.kind == "task_failed"]
+        assert ex.open_pairs == {}  # the pacer measured it; nothing waits on it
+    asyncio.run(main())

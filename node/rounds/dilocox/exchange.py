@@ -40,7 +40,7 @@ from node.config.manifest import ProtocolSection
 from node.events import Diverged, Missing, ResyncReady, SendFailed, Sent
 from node.rounds.dilocox.round import GroupMessage
 from node.rounds.state import STATE_KIND, announced_phi, decode_state
-from node.rounds.swarm import Swarm, peer_name
+from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from protocol.dilocox import winning_digest
@@ -136,8 +136,8 @@ class DiLoCoXExchange:
         async def send(peer: str) -> None:
             try:
                 await self.transport.push(peer, message, timeout=self.deadline_s)
-            except P2PError as exc:
-                self.publish(SendFailed(round=round_index, peer=peer, error=str(exc)))
+            except Exception as exc:  # whatever broke it, a failed send is counted and logged once
+                self.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
         await asyncio.gather(*(send(p) for p in group))
         self._last_send_seconds = time.monotonic() - started
         if self._send_started_at == started:

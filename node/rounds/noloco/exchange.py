@@ -32,7 +32,7 @@ from node.events import (NoPartner, PairCancelled, Paired, PairingPaced, Rested,
                          SwapLate, Swapped)
 from node.rounds.noloco.pacing import SwapPacer
 from node.rounds.noloco.round import PartnerSnapshot
-from node.rounds.swarm import Swarm, peer_name
+from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.wire import MessageHeader
@@ -308,14 +308,14 @@ class NoLoCoExchange:
             received = await self.transport.swap(partner, offered, timeout=self.swap_timeout_s,
                                                  expected_reply_bytes=offered.total_bytes,
                                                  accept_bytes=self._snapshot_size)
-        except P2PError as exc:
+        except Exception as exc:  # whatever broke it, a failed swap is counted and logged once
             self._swap_ended(partner, round_index)
             if isinstance(exc, RemoteRefused) and exc.reason is Reason.NOT_PAIRED:
                 if self.matching.pair is pair and self.matching.drop_pair(partner):
                     self._pair_dropped(pair, "the partner refused our swap as not paired")
                 if pair is self.dropped_pair:  # half-formed (here or by its cancel): no swap owed
                     return
-            self.publish(SwapFailed(round=round_index, partner=partner, error=str(exc)))
+            self.publish(SwapFailed(round=round_index, partner=partner, error=failure_sentence(exc)))
             self.failed_round = round_index  # one pair a round: blocking need not wait on
             self.changed.set()
             return

@@ -1,0 +1,169 @@
+"""Transport limits that follow the swarm's manifest (node/rounds/message_sizes.py, p2p/sizing.py):
+every message an honest member sends fits them, exactly where sizes are known, and a swarm whose
+messages cannot fit the transport is refused in one sentence."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from node.config.manifest import load_manifest
+from node.rounds.dilocox.payload import encode_message
+from node.rounds.dilocox.round import codec_for
+from node.rounds.message_sizes import message_bounds, parameter_shapes, transport_limits
+from node.rounds.noloco.payload import encode_snapshot
+from node.rounds.state import encode_state
+from node.train.model import build_model
+from p2p.errors import LimitsError, P2PError
+from p2p.identity import NodeIdentity
+from p2p.limits import TransferLimits, WireLimits
+from p2p.messages import OutgoingMessage
+from p2p.replay import RefusedMessages
+from p2p.sending import SendPlan
+from p2p.sizing import CONCURRENT_PER_PEER, MessageBound, limits_for
+from p2p.wire import Mode, TensorEntry
+from protocol.dilocox import PseudoGradientMessage
+from protocol.noloco import NoLoCoSnapshot
+
+MANIFEST = "configs/swarms/local.toml"
+GB = 10**9
+
+
+def manifest(model: str = "tiny", **protocol):
+    return load_manifest(MANIFEST, {"model": model, "protocol": protocol})
+
+
+def tiny_parameters(m) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return dict(build_model(m.model, 256).named_parameters())
+
+
+def bound_of(bounds, prefix: str) -> MessageBound:
+    return next(b for b in bounds if b.what.startswith(prefix))
+
+
+@pytest.mark.parametrize("wire_dtype,layout", [("int8", "theta"), ("int4", "theta"), ("bf16", "theta"),
+                                               ("fp32", "phi_delta"), ("bf16", "phi_delta")])
+def test_the_snapshot_and_state_bounds_are_exactly_what_a_member_sends(wire_dtype, layout):
+    m = manifest(wire_dtype=wire_dtype, snapshot=layout)
+    params = tiny_parameters(m)
+    bounds = message_bounds(m, parameter_shapes(m, 256))
+    with torch.no_grad():
+        snapshot = NoLoCoSnapshot(params, {n: 0.01 * torch.randn_like(p) for n, p in params.items()})
+        sent = OutgoingMessage("noloco.snapshot", 0, encode_snapshot(snapshot, wire_dtype, layout))
+        state = OutgoingMessage("state", 0, encode_state({"phi": params, "momentum": params}))
+    assert bound_of(bounds, "a NoLoCo snapshot").tensors == sent.manifest()
+    assert bound_of(bounds, "the late-join state").tensors == state.manifest()
+    wire, _ = transport_limits(m, 256)
+    assert wire.max_message_bytes == state.total_bytes == 8 * sum(p.numel() for p in params.values())
+
+
+@pytest.mark.parametrize("codec", ["identity", "bf16", "blockwise", "lowrank", "topk"])
+def test_every_dilocox_codec_stays_within_the_message_bound(codec):
+    m = manifest(name="dilocox", codec=codec, rank=64)
+    params = tiny_parameters(m)
+    encoder = codec_for(m.protocol)
+    with torch.no_grad():
+        encoded = {n: encoder.encode(torch.randn_like(p), n) for n, p in params.items()}
+    sent = OutgoingMessage("dilocox.pgrad", 0, encode_message(PseudoGradientMessage("me", 0, encoded)))
+    bound = {t.name: t for t in bound_of(message_bounds(m, parameter_shapes(m, 256)), "a DiLoCoX").tensors}
+    for entry in sent.manifest():
+        assert entry.nbytes <= bound[entry.name].nbytes, entry.name
+    wire, _ = transport_limits(m, 256)
+    assert sent.total_bytes <= wire.max_message_bytes
+
+
+def test_medium_limits_follow_its_size_and_hold_two_of_its_largest_messages_per_peer():
+    m = manifest("medium", wire_dtype="bf16", snapshot="phi_delta")
+    shapes = parameter_shapes(m, 32_000)
+    n = sum(math.prod(s) for s in shapes.values())
+    assert 1.34e9 < n < 1.35e9  # the paper's medium shape with a 32k vocabulary
+    bounds = message_bounds(m, shapes)
+    assert bound_of(bounds, "a NoLoCo snapshot").total_bytes == 4 * n  # φ and Δ in bf16: 5.38 GB
+    wire, transfer = transport_limits(m, 32_000, memory_bytes=24 * 2**30)
+    assert wire.max_message_bytes == 8 * n  # the fp32 state, 10.8 GB: above the old 8 GiB constant
+    assert transfer.max_inflight_bytes_per_peer == CONCURRENT_PER_PEER * 8 * n  # above the old 4 GiB
+    assert transfer.max_inflight_bytes >= transfer.max_inflight_bytes_per_peer
+    tiny_wire, tiny_transfer = transport_limits(manifest(), 256)
+    assert tiny_wire.max_message_bytes < 20 * 10**6  # a tiny swarm accepts no 8 GiB message
+    assert tiny_transfer == TransferLimits()
+
+
+def test_a_swarm_whose_largest_message_exceeds_this_machines_memory_is_refused_in_one_sentence():
+    with pytest.raises(LimitsError) as refused:
+        transport_limits(manifest("medium"), 32_000, memory_bytes=8 * 2**30)
+    text = str(refused.value)
+    assert text.count(". ") == 0 and text.startswith("the late-join state (φ and outer momentum in fp32) "
+                                                     "is 10.76 GB")
+    assert "8.59 GB of memory: swarm 'local' cannot run here; choose a smaller model" in text
+
+
+def test_a_model_with_more_tensors_than_a_header_can_list_is_refused_in_one_sentence():
+    m = load_manifest(MANIFEST, {"model": {"n_layers": 1024, "dim": 8, "n_heads": 1, "ffn_hidden": 8}})
+    with pytest.raises(LimitsError, match=r"^the late-join state .* has 12294 tensors, whose manifest "
+                                          r"takes \d+ bytes, more than the \d+ a frame header holds"):
+        transport_limits(m, 256)
+
+
+def test_a_message_over_the_bound_is_a_network_error_not_a_value_error(tmp_path):
+    """It escaped `except P2PError` in the exchanges, and its swap or send vanished uncounted."""
+    identity = NodeIdentity.load_or_create(tmp_path / "key")
+    too_big = OutgoingMessage.from_arrays("state", 0, {"phi": np.zeros(2048, np.uint8)})
+    with pytest.raises(P2PError, match=r"^the 'state' message of 2048 bytes was not sent: it exceeds "
+                                       r"the 1024-byte bound"):
+        SendPlan(identity, swarm="s", manifest="m", recipient=b"peer", message=too_big, mode=Mode.PUSH,
+                 streams=1, limits=TransferLimits(), wire=WireLimits(max_message_bytes=1024))
+
+
+def test_limits_for_without_bounds_keeps_the_defaults_and_with_them_holds_the_largest():
+    assert limits_for([]) == (WireLimits(), TransferLimits())
+    big = MessageBound("big", (TensorEntry("w", "uint8", (3 * GB,), 3 * GB),))
+    wire, transfer = limits_for([big, MessageBound("empty", ())])
+    assert (wire.max_message_bytes, wire.max_tensors, wire.max_tensor_elements) == (3 * GB, 1, 3 * GB)
+    assert transfer.max_inflight_bytes_per_peer == 6 * GB
+
+
+def test_a_refused_message_is_remembered_for_its_other_streams_only():
+    refused = RefusedMessages(max_entries=2)
+    reason = LimitsError("no")
+    refused.remember(b"peer", b"nonce", 4, reason)
+    assert [refused.earlier(b"peer", b"nonce") for _ in range(4)] == [reason, reason, reason, None]
+    refused.remember(b"peer", b"single", 1, reason)  # one stream: nothing more to answer
+    assert refused.earlier(b"peer", b"single") is None
+    for nonce in (b"a", b"b", b"c"):
+        refused.remember(b"peer", nonce, 2, reason)
+    assert refused.earlier(b"peer", b"a") is None and refused.earlier(b"peer", b"c") is reason
+
+
+def test_a_received_state_is_held_once_its_tensors_are_views_of_the_receive_buffer():
+    """Decoding copied the whole state: a `medium` joiner held its 10.8 GB twice."""
+    from node.rounds.state import decode_state
+    from p2p.messages import ReceivedMessage
+    from protocol.tensors import weights_digest
+    m = manifest()
+    params = tiny_parameters(m)
+    momentum = {n: torch.randn_like(p) for n, p in params.items()}
+    sent = OutgoingMessage("state", 0, encode_state({"phi": params, "momentum": momentum}))
+    buffer = np.empty(sent.total_bytes, np.uint8)  # what the transport receives into
+    buffer[:] = np.frombuffer(b"".join(bytes(s) for s in sent.segments()), np.uint8)
+    groups, digest = decode_state(ReceivedMessage(None, None, sent.manifest(), memoryview(buffer)))
+    start, end = buffer.ctypes.data, buffer.ctypes.data + buffer.nbytes
+    for group in groups.values():
+        for tensor in group.values():
+            assert start <= tensor.data_ptr() < end and tensor.dtype == torch.float32
+    with torch.no_grad():
+        assert digest == weights_digest(params)
+        assert all(torch.equal(groups["momentum"][n], momentum[n]) for n in momentum)
+
+
+def test_doctor_says_whether_the_swarms_messages_fit_in_one_sentence():
+    from node.ops.doctor import check_messages
+    ok = check_messages(manifest())
+    assert ok.level == "ok" and ok.text.startswith("the swarm's largest message (0.01 GB, 54 tensors) fits")
+    crowded = load_manifest(MANIFEST, {"model": {"n_layers": 1024, "dim": 8, "n_heads": 1, "ffn_hidden": 8}})
+    refused = check_messages(crowded)
+    assert refused.level == "fail" and refused.text.startswith("the late-join state") and \
+        refused.text.endswith("or join from a machine with more memory.")

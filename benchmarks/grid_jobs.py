@@ -41,15 +41,16 @@ OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
 def dilocox_settings(method: str) -> dict:
     """SimulationSettings keywords of a "dilocox-..." method string."""
     codec, *options = method.split("-")[1:]
+    values = {}  # manifest [protocol] keys the settings have no field for
     if codec.startswith("lr"):
         rank, bits = codec[2:].split("b")
         kwargs = {"codec": "lowrank", "rank": int(rank), "bits": int(bits)}
     elif codec.startswith("topk"):
         kwargs = {"codec": "topk"}
-        values = {"topk_k": int(codec[4:])} if codec[4:] else {}
+        if codec[4:]:
+            values["topk_k"] = int(codec[4:])
     else:
         kwargs = {"codec": {"id": "identity"}[codec]}
-    values = values if codec.startswith("topk") else {}
     for option in options:
         if option == "arr":
             values["apply_on_arrival"] = True

@@ -33,7 +33,7 @@ CELLS = [(8, 25), (8, 50), (4, 25), (4, 50)]
 DILOCO_MOMENTA = (0.3, 0.6, 0.9)
 # NoLoCo's own outer settings tried where DiLoCo's best beat its defaults most (N = 8, H = 25):
 # "a<α>-g<β = γ>", both within the pair's stability condition α < γ < √(2 + α²)
-NOLOCO_TUNING = ("a0.6-g0.7", "a0.6-g0.9")
+NOLOCO_TUNING = ("a0.6-g0.7", "a0.6-g0.9", "a0.6-g1.1")
 TWO_SEED_CELL = (8, 25)
 
 

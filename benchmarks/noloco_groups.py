@@ -33,16 +33,16 @@ from convergence import node_config, parse_args as convergence_args  # noqa: E40
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator.methods.base import Method  # noqa: E402
 from node.simulator.runner import Simulation  # noqa: E402
-from protocol.noloco import NoLoCo  # noqa: E402
+from protocol.noloco import NoLoCo, NoLoCoHyperParameters  # noqa: E402
 
 
 class NoLoCoGroups(Method):
     """Blocking NoLoCo where a shared permutation cuts the replicas into groups of `group`."""
 
-    def __init__(self, settings, replicas, exchange, group: int) -> None:
+    def __init__(self, settings, replicas, exchange, group: int, hyper: NoLoCoHyperParameters) -> None:
         super().__init__(settings, replicas, exchange)
         self.group = group
-        self.outer = {r.name: NoLoCo(r.trainer.named_parameters()) for r in replicas}
+        self.outer = {r.name: NoLoCo(r.trainer.named_parameters(), hyper) for r in replicas}
         self.permutation = random.Random(settings.seed)
 
     def run_round(self, round_index: int) -> None:
@@ -65,16 +65,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inner-steps", type=int, default=25)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--alpha", type=float, default=0.5, help="α, NoLoCo's outer momentum")
+    p.add_argument("--beta", type=float, default=0.7, help="β = γ")
     p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
     args = p.parse_args(argv)
     job = Job(args.workers, args.inner_steps, "local", args.seed)  # the grid's budget and evaluation
     config = node_config(convergence_args([]))
     simulation = Simulation(job.settings(), config, load_corpus(config.data))
     method = simulation.method
-    simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group)
+    hyper = NoLoCoHyperParameters(args.alpha, args.beta, args.beta)
+    simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group, hyper)
     result = simulation.run()
-    key = f"N{args.workers}-H{args.inner_steps}-noloco-groups{args.group}-s{args.seed}"
-    data = {"job": {**job.__dict__, "method": f"noloco-groups{args.group}"}, **result.to_dict()}
+    tuned = "" if (args.alpha, args.beta) == (0.5, 0.7) else f"-a{args.alpha}-g{args.beta}"
+    name = f"noloco-groups{args.group}{tuned}"
+    key = f"N{args.workers}-H{args.inner_steps}-{name}-s{args.seed}"
+    data = {"job": {**job.__dict__, "method": name}, **result.to_dict()}
     (args.jobs_dir / f"{key}.json").write_text(json.dumps(data) + "\n", encoding="utf-8")
     print(f"{key}: {result.final_val_loss:.4f} ({result.final.wall_seconds / 60:.1f} min)")
     return 0

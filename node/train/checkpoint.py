@@ -54,10 +54,15 @@ class _HashingFile:
 
     def __init__(self, file, hasher):
         self.file, self.hasher = file, hasher
+        self.error: OSError | None = None  # torch.save reports a failed write as its own RuntimeError
 
     def write(self, data) -> int:
         self.hasher.update(data)
-        return self.file.write(data)
+        try:
+            return self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self.file.flush()
@@ -67,7 +72,13 @@ def write_checkpoint(state: dict, file) -> None:
     """MAGIC | checksum | torch.save(state) into the open binary `file`, streamed."""
     hasher = hashlib.blake2b(digest_size=32)
     file.write(MAGIC + bytes(32))
-    torch.save(state, _HashingFile(file, hasher))
+    sink = _HashingFile(file, hasher)
+    try:
+        torch.save(state, sink)
+    except Exception:
+        if sink.error is not None:  # a full disk: the OSError, not torch's "unexpected pos"
+            raise sink.error from None
+        raise
     file.seek(len(MAGIC))
     file.write(hasher.digest())
 

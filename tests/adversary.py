@@ -341,7 +341,7 @@ KILL_MID_SEND = {"swap-kill": ("noloco.snapshot", "SIGKILL mid-swap"),
 
 
 def _kill_mid_send(wire_kind: str, label: str) -> None:
-    from p2p import streams
+    from p2p import serving, streams
 
     original = streams.send_stream_frames
 
@@ -356,7 +356,8 @@ def _kill_mid_send(wire_kind: str, label: str) -> None:
             io.write_views = write_views
         return await original(io, plan, stream, executor, stop)
 
-    streams.send_stream_frames = send_stream_frames
+    # both halves of the transport write frames: requests and pushes (streams), replies (serving)
+    streams.send_stream_frames = serving.send_stream_frames = send_stream_frames
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -80,7 +80,8 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     def forged_record(peer: str) -> None:  # a flooder sends many: strike until banned
         if not bans.is_banned(peer):
             bans.refuse(peer, "FORGED_RECORD", f"refused a member record that {peer} stored in our "
-                        "DHT: it is not signed by the member it names (a forgery)", transport.ban)
+                        "DHT: it is not signed by the member it names (a forgery)", transport.ban,
+                        counted_elsewhere=False)
     host.validator.on_forgery = forged_record
     return Swarm(node.loop, transport, cache, bans, identity.peer_id.to_base58(), m.digest,
                  node.bridge, node.tasks, node.events.publish, settings.timeouts)

@@ -89,7 +89,9 @@ class NoLoCoExchange:
                                       self.matching.max_staleness)
         accept_any = lambda _round: True  # the matching checks rounds itself (staleness)
         self.transport.on_push(MATCH, self._on_match, accept_round=accept_any)
-        self.transport.on_swap(SNAPSHOT, self._snapshot_reply, accept_round=accept_any,
+        # counted_reply: a NOT_PAIRED refusal counts in the node's refused metrics
+        self.transport.on_swap(SNAPSHOT, self.transport.counters.counted_reply(self._snapshot_reply),
+                               accept_round=accept_any,
                                deliver=self._snapshot_delivered, accept_bytes=self._snapshot_size)
         self._task = self.swarm.tasks.spawn(self._matchmaker(), "noloco matchmaker")
 

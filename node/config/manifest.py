@@ -126,6 +126,10 @@ class AdmissionSection:
     mode: str = spec("open", "open: anyone may join; allowlist: only the keys below",
                      choices=("open", "allowlist"))
     public_keys: list[str] = spec([], "allowed members' peer ids (12D3KooW...)")
+    # The Sybil lever of open swarms (node/daemon/newcomers.py; measured in benchmarks/RESULTS.md).
+    new_members_per_hour: float = spec(0.0, "at most this many identities a node has never seen "
+                                       "become eligible partners per hour, after its first view "
+                                       "of the swarm (0: no limit)", min=0.0, max=1e6)
 
 
 @dataclass

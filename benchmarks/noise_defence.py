@@ -155,10 +155,11 @@ def main() -> None:
         # `none+check` that refused no one computed exactly what `none` does (the check uses no
         # randomness): it stands in for `none` where that arm was not run
         none = next((x for x in results if x["workers"] == r["workers"] and x["arm"] == "none"),
-                    None) or next(x for x in results if x["workers"] == r["workers"]
-                                  and x["arm"] == "none+check" and not x["honest_refused"])
+                    None) or next((x for x in results if x["workers"] == r["workers"]
+                                   and x["arm"] == "none+check" and not x["honest_refused"]), None)
         refusals = ", ".join(f"{k}: {v}" for k, v in r["refused"].items()) or "none"
-        print(f"| {r['workers']} | {r['arm']} | {r['mean']:.4f} | {r['mean'] / none['mean'] - 1:+.2%} "
+        change = f"{r['mean'] / none['mean'] - 1:+.2%}" if none else "(no reference arm run)"
+        print(f"| {r['workers']} | {r['arm']} | {r['mean']:.4f} | {change} "
               f"| {r['adversary_used'] if r['adversary'] else '-'} | {refusals} |")
 
 

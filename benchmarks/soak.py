@@ -3,6 +3,8 @@ minute, and the health of the nodes that are never faulted.
 
     sudo .venv/bin/python benchmarks/soak.py                    # 20 minutes, a fault a minute
     sudo .venv/bin/python benchmarks/soak.py --minutes 3 --fault-every 30   # a quick look
+    sudo .venv/bin/python benchmarks/soak.py --snapshot phi_delta --out benchmarks/soak_noise_check.json
+                                         # with the noise check applied (issue 24)
 
 Nodes 0 and 1 are steady: nothing is done to them, and their daemon and p2pd are sampled every
 `--sample-every` seconds for resident memory, open file descriptors and sockets. Nodes 2 and 3
@@ -62,6 +64,8 @@ class Soak:
     def __init__(self, args: argparse.Namespace, base: Path, link):
         self.args, self.link, self.rng = args, link, random.Random(args.seed)
         m = small_manifest("soak", "noloco")
+        m.protocol.snapshot = args.snapshot  # "phi_delta": the noise check applies (issue 24)
+        m.contributions.noise_ratio = args.noise_ratio
         m.train.steps = 10**6
         m.train.checkpoint_every = 40  # checkpoints are written (and may be killed) all run long
         self.harness = FaultHarness(base, m)
@@ -182,9 +186,14 @@ class Soak:
         result = {}
         for node in self.nodes.values():
             rounds = node.events("round")
+            refused = [s for r in rounds for s in (r.get("refused") or [])]
             result[f"node{node.index}"] = {"rounds": len(rounds),
                                            "with_partner": sum(bool(r.get("partner")) for r in rounds),
-                                           "caught_up": sum(r.get("caught_up_to") is not None for r in rounds)}
+                                           "caught_up": sum(r.get("caught_up_to") is not None for r in rounds),
+                                           # every node is honest: each refusal is one of an honest peer
+                                           "contributions_refused": len(refused),
+                                           "refused_as_noise": sum("looks like noise" in s for s in refused),
+                                           "refusals": refused[:10]}
         return result
 
     def in_window(self, peer: str, at: float) -> bool:
@@ -226,6 +235,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/lowcomm-soak"))
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "soak.json")
+    parser.add_argument("--snapshot", choices=("theta", "phi_delta"), default="theta",
+                        help="protocol.snapshot; the noise check needs phi_delta")
+    parser.add_argument("--noise-ratio", type=float, default=0.1, help="contributions.noise_ratio")
     args = parser.parse_args()
     args.work_dir.mkdir(parents=True, exist_ok=True)
     base = Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S")
@@ -251,6 +263,9 @@ def main() -> None:
           f"cancelled; {e['excluded_in_fault_windows']} inside windows")
     print("rounds with a partner: " + ", ".join(
         f"{key} {p['with_partner']}/{p['rounds']} (caught up {p['caught_up']}x)"
+        for key, p in result["pairing"].items()))
+    print("honest contributions refused (noise check): " + ", ".join(
+        f"{key} {p['contributions_refused']} ({p['refused_as_noise']})"
         for key, p in result["pairing"].items()))
 
 

@@ -8,10 +8,13 @@ overhead, which p2pd does not report per stream, so it is not included.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from p2p.errors import Reason
+from hivemind.p2p import PeerID
+
+from p2p.errors import Reason, Refusal
 from p2p.paths import PathCounts
 
 _MAX_TRACKED_PEERS = 1024  # peer ids are free to mint: keep per-peer counts bounded
@@ -57,3 +60,24 @@ class TransportCounters:
             "refused_outgoing": dict(self.refused_outgoing), "refusals_by_peer": dict(self.refusals_by_peer),
             **self.paths.snapshot(),
         }
+
+    def counted_reply(self, reply: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+        """`reply` (a swap's or request's reply handler, `reply(header)`), counting what it refuses.
+
+        The transport counts a refused delivery, but a refusal raised by a reply handler fails the
+        message before the stream's own handler sees it, so the transport never counted those
+        (NOT_PAIRED, "no completed round yet", ...): the node's refused metrics missed them. Here
+        each is counted once, against the header's sender (so a MISBEHAVIOUR reason strikes it as
+        any refused stream does), and a handler that fails with another error as INTERNAL,
+        against no one (our failure, not the peer's). Register every reply handler wrapped:
+        `transport.on_swap(kind, transport.counters.counted_reply(reply), ...)`."""
+        async def counted(header: Any) -> Any:
+            try:
+                return await reply(header)
+            except Refusal as refusal:
+                self.count_refusal_issued(refusal.reason, PeerID(header.sender).to_base58())
+                raise
+            except Exception:
+                self.count_refusal_issued(Reason.INTERNAL, None)
+                raise
+        return counted

@@ -9,7 +9,10 @@ messages still in flight. Round r:
     c^r = C(Δ^r + β·e) ; e ← Δ^r + β·e − D(c^r)  (`compress`; β = 1: nothing is lost, only delayed)
     f[r] = D(c^r) ; send c^r to the group; receive the others' (`receive`)
     Δ̄ = mean over the senders j of round r − delay of a_j·D(c_j), own included,
-        a_j = min(1, median_k ‖D(c_k)‖ / ‖D(c_j)‖) with `clip_to_median`, else 1
+        a_j = min(1, median_k ‖D(c_k)‖ / ‖D(c_j)‖) with `clip_to_median`, else 1;
+        with `noise_ratio` ρ > 0 and at least 3 senders, j is left out when
+        s_j = s(D(c_j), Σ_{k≠j} |D(c_k)|) < max(5/√N, ρ · median_k s_k)
+        (s: protocol/structure.py; unless that would leave no one)
     m ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)      (`outer_step`, which drops f[r − delay])
 
 λ is ½ (`overlap = "half"`) or, `overlap = "eager"` (arXiv 2502.12996), the weight the node's
@@ -18,7 +21,10 @@ without), n the senders of the last round applied. Own fresh work then counts at
 share, the peers' one round later. β < 1 is SparseLoCo's decaying error buffer (0.95 there):
 it forgets what a codec kept back for long, trading the invariant sent + e = ΣΔ for a residual
 that cannot grow without bound. Median clipping (Templar's) bounds what one sender can move φ
-by; every node computes the same factors from the same messages.
+by; every node computes the same factors from the same messages. The noise filter (issue 24)
+judges each sender against the others of its round: honest pseudo-gradients move the same
+coordinates by similar amounts, noise of a plausible norm does not; it too is computed from the
+messages alone, so every node leaves out the same senders and φ stays identical.
 
 With delay 0, the identity codec, β = 1 and no clipping, e = 0 and f is empty at every round
 start: exactly DiLoCo.
@@ -72,6 +78,7 @@ import torch
 from protocol.codecs.base import Codec, Encoded
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
+from protocol.structure import magnitude_score
 from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_clone, mean, zeros_like
 
 
@@ -102,6 +109,7 @@ class DiLoCoXHyperParameters:
     overlap: str = "half"
     residual_decay: float = 1.0
     clip_to_median: bool = False
+    noise_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
@@ -110,6 +118,10 @@ class DiLoCoXHyperParameters:
                 or not 0 < self.residual_decay <= 1:
             raise ConfigurationError(
                 f"DiLoCoX residual_decay must be a number in (0, 1], got {self.residual_decay!r}.")
+        if isinstance(self.noise_ratio, bool) or not isinstance(self.noise_ratio, (int, float)) \
+                or not 0 <= self.noise_ratio <= 1:
+            raise ConfigurationError(
+                f"DiLoCoX noise_ratio must be a number in [0, 1], got {self.noise_ratio!r}.")
         if not isinstance(self.clip_to_median, bool):
             raise ConfigurationError(f"DiLoCoX clip_to_median must be a bool, got {self.clip_to_median!r}.")
         if type(self.delay) is not int or self.delay not in (0, 1):
@@ -163,6 +175,7 @@ class DiLoCoXCounters:
     applied_rounds: int = 0
     empty_rounds: int = 0
     clipped: int = 0  # messages scaled down to the median norm (clip_to_median)
+    left_out: int = 0  # messages left out as noise (noise_ratio)
 
 
 @dataclass(frozen=True)
@@ -172,6 +185,7 @@ class OuterStepRecord:
     round_index: int
     applied_round: int | None  # None: nothing was due (round_index < delay)
     senders: tuple[str, ...]   # empty: no messages for that round, φ and m unchanged
+    left_out: tuple[str, ...] = ()  # senders whose message the noise filter left out
 
 
 class DiLoCoX:
@@ -291,10 +305,12 @@ class DiLoCoX:
             self.counters.late += len(self._pending.pop(stale_round))  # skipped: never applied
         messages = self._pending.pop(target, {})
         senders = tuple(sorted(messages))
+        left_out = self._noise(messages, senders) if self.hyper.noise_ratio > 0 else ()
+        senders = tuple(s for s in senders if s not in left_out)
         self.last_applied_round = target
         for own_round in [r for r in self._in_flight if r <= target]:
             del self._in_flight[own_round]  # φ now holds it, through the group's mean
-        self.last_step = OuterStepRecord(round_index, target, senders)
+        self.last_step = OuterStepRecord(round_index, target, senders, left_out)
         if not senders:
             self.counters.empty_rounds += 1
             return self.slow_weights
@@ -318,6 +334,30 @@ class DiLoCoX:
         median = statistics.median(norms.values())
         self.counters.clipped += sum(1 for n in norms.values() if n > median)
         return {s: median / n for s, n in norms.items() if n > median}
+
+    def _noise(self, messages: Mapping[str, PseudoGradientMessage],
+               senders: tuple[str, ...]) -> tuple[str, ...]:
+        """The senders whose message follows the magnitudes of the others' less than ρ times the
+        median sender does (or no better than noise). Two decodings per message, one at a time
+        (plus the sum of magnitudes); sums in sorted sender order: the same on every node."""
+        if len(senders) < 3:
+            return ()
+        total = zeros_like(self._residual)
+        for s in senders:
+            for name, tensor in self._decoded(messages[s]).items():
+                total[name].add_(tensor.abs())
+        scores, elements = {}, 0
+        for s in senders:
+            decoded = self._decoded(messages[s])
+            others = {name: total[name] - tensor.abs() for name, tensor in decoded.items()}
+            scores[s], elements = magnitude_score(decoded, others)
+        bar = max(5.0 / math.sqrt(max(elements, 1)),
+                  self.hyper.noise_ratio * statistics.median(scores.values()))
+        out = tuple(s for s in senders if scores[s] < bar)
+        if len(out) == len(senders):
+            return ()
+        self.counters.left_out += len(out)
+        return out
 
     @staticmethod
     def _scaled(decoded: NamedTensors, scale: float) -> NamedTensors:

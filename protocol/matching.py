@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import enum
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from protocol.errors import ConfigurationError, ProtocolError
@@ -177,6 +177,9 @@ class MatchingState:
     round_index: int = 0
     max_staleness: int = DEFAULT_MAX_STALENESS
     counters: MatchingCounters = field(default_factory=MatchingCounters)
+    # The node's own word on who may be a partner beyond the rule (its newcomer gate,
+    # node/daemon/newcomers.py): None admits everyone the rule does.
+    admitted: Callable[[str], bool] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.node_id, str) or not self.node_id:
@@ -203,7 +206,8 @@ class MatchingState:
 
     def eligible(self, peer_id: str, peer_manifest: str, peer_round: int) -> bool:
         return is_eligible(self.node_id, self.manifest_digest, self.round_index, peer_id,
-                           peer_manifest, peer_round, self.max_staleness)
+                           peer_manifest, peer_round, self.max_staleness) \
+            and (self.admitted is None or self.admitted(peer_id))
 
     def candidates(self, announcements: Iterable[ReadyAnnouncement]) -> list[str]:
         """Eligible peers not yet proposed to this round, sorted (so the draw does not depend

@@ -126,6 +126,10 @@ class AdmissionSection:
     mode: str = spec("open", "open: anyone may join; allowlist: only the keys below",
                      choices=("open", "allowlist"))
     public_keys: list[str] = spec([], "allowed members' peer ids (12D3KooW...)")
+    # The Sybil lever of open swarms (node/daemon/newcomers.py; measured in benchmarks/RESULTS.md).
+    new_members_per_hour: float = spec(0.0, "at most this many identities a node has never seen "
+                                       "become eligible partners per hour, after its first view "
+                                       "of the swarm (0: no limit)", min=0.0, max=1e6)
 
 
 @dataclass
@@ -140,6 +144,12 @@ class ContributionSection:
                                        "deviations of random noise (0: off; refuses honest "
                                        "peers at a plateau; needs protocol.snapshot = "
                                        "phi_delta)", min=0.0, max=1e4)
+    # The plausible-noise check (node/rounds/noise_check.py): measured in benchmarks/RESULTS.md
+    # ("The plausible-noise adversary: a defence").
+    noise_ratio: float = spec(0.1, "refuse a contribution whose magnitudes follow this node's own "
+                              "progress less than this fraction of the median of the swarm's "
+                              "recent contributions, or no better than random noise (0: off)",
+                              min=0.0, max=1.0)
     ban_after: int = spec(3, "refused contributions before a peer is banned", min=1, max=1000)
     ban_seconds: float = spec(600.0, "how long a ban lasts", min=0.0, max=1e7)
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from node.daemon.admission import publish_manifest
 from node.daemon.members import MemberCache
+from node.daemon.newcomers import NewcomerGate
 from node.daemon.state_quorum import StateAdoption, agreed_round
 from node.events import CheckpointSkipped, LateJoined, MinPeersTimeout, ReachabilityFound, Resumed
 from node.rounds.contributions import BanList
@@ -72,8 +73,10 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
                                     ttl_s=settings.member_ttl_s)
     await network.membership.start()
     bans = BanList(m.contributions.ban_after, m.contributions.ban_seconds)
+    gate = NewcomerGate(m.admission.new_members_per_hour) if m.admission.new_members_per_hour else None
     network.cache = cache = MemberCache(network.membership, node.tasks, manifest=m.digest, bans=bans,
-                                        refresh_s=settings.timeouts.member_refresh_s, admit=admit)
+                                        refresh_s=settings.timeouts.member_refresh_s, admit=admit,
+                                        gate=gate)
     await cache.start()
     await publish_manifest(host.dht, m)
     transport.counters.on_refusal_issued = \
@@ -82,7 +85,8 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     def forged_record(peer: str) -> None:  # a flooder sends many: strike until banned
         if not bans.is_banned(peer):
             bans.refuse(peer, "FORGED_RECORD", f"refused a member record that {peer} stored in our "
-                        "DHT: it is not signed by the member it names (a forgery)", transport.ban)
+                        "DHT: it is not signed by the member it names (a forgery)", transport.ban,
+                        counted_elsewhere=False)
     host.validator.on_forgery = forged_record
     return Swarm(node.loop, transport, cache, bans, identity.peer_id.to_base58(), m.digest,
                  node.bridge, node.tasks, node.events.publish, settings.timeouts)

@@ -17,6 +17,7 @@ from typing import Any
 
 from node.config.settings import NodeTimeouts
 from node.events import PairCorrected, RoundEnded
+from node.daemon.newcomers import NewcomerGate
 from node.loop import BackgroundTasks
 from node.rounds.contributions import BanList
 from node.rounds.state import announcement
@@ -27,11 +28,13 @@ log = logging.getLogger("lowcomm.members")
 
 class MemberCache:
     def __init__(self, membership, tasks: BackgroundTasks, *, manifest: str, bans: BanList,
-                 refresh_s: float, admit: Callable[[str], bool] | None = None):
+                 refresh_s: float, admit: Callable[[str], bool] | None = None,
+                 gate: NewcomerGate | None = None):
         """`manifest`: our manifest's digest; `admit`: in an allowlist swarm, records of unlisted
-        keys are left out of the view, so nothing here ever pairs with or sends to them."""
+        keys are left out of the view, so nothing here ever pairs with or sends to them; `gate`:
+        new identities become eligible at its rate only (admission.new_members_per_hour)."""
         self.membership, self.tasks, self.manifest, self.bans = membership, tasks, manifest, bans
-        self.refresh_s, self.admit = refresh_s, admit
+        self.refresh_s, self.admit, self.gate = refresh_s, admit, gate
         self.records: dict[str, MemberRecord] = {}
         self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order
         self.refreshed = asyncio.Event()
@@ -82,9 +85,19 @@ class MemberCache:
 
     def eligible(self) -> list[MemberRecord]:
         """The members this node may pair with, send to, count the vote of or download state
-        from: live (`peers`), on our manifest (which fixes the protocol too), not banned."""
-        return [record for record in self.peers()
-                if record.manifest == self.manifest and not self.bans.is_banned(record.peer_id)]
+        from: live (`peers`), on our manifest (which fixes the protocol too), not banned, and
+        past the newcomer gate where the swarm has one."""
+        records = [record for record in self.peers()
+                   if record.manifest == self.manifest and not self.bans.is_banned(record.peer_id)]
+        if self.gate is None:
+            return records
+        admitted = self.gate.admit(record.peer_id for record in records)
+        return [record for record in records if record.peer_id in admitted]
+
+    def admitted(self, peer: str) -> bool:
+        """Whether the newcomer gate (if any) lets `peer` in: a proposal from one it holds back
+        is declined as ineligible."""
+        return self.gate is None or self.gate.is_admitted(peer)
 
     def update(self, **fields: Any) -> None:
         """Publishes changes of our own record without waiting (order is kept by Membership).

@@ -38,7 +38,9 @@ def serve_state(node: Daemon, policy: RoundPolicy) -> None:
         round_now = node.worker.round_index if node.worker else state_round + 1
         return OutgoingMessage(STATE_KIND, 0, tensors,
                                {"round": round_now, "phi_round": state_round, "phi": digest})
-    node.network.transport.on_request(STATE_KIND, respond, accept_round=lambda _r: True)
+    transport = node.network.transport  # its refusals (no round yet) count like any other
+    transport.on_request(STATE_KIND, transport.counters.counted_reply(respond),
+                         accept_round=lambda _r: True)
 
 
 async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus_digest: str) -> int:
@@ -78,7 +80,8 @@ async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus
             continue
         await watch.check(network.cache.peers())
         reconnector.check()
-        node.status_feed.transport_refusals(dict(transport.counters.refused_incoming))
+        node.status_feed.transport_refusals({**transport.counters.refused_incoming,
+                                             **network.cache.bans.other_refusals})
         node.status_feed.transport_paths(transport.counters.paths.direct, transport.counters.paths.relayed)
         if stopping.done() and not worker.stop_requested.is_set():
             worker.request_stop()

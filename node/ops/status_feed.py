@@ -14,6 +14,10 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
     refused["contribution"]                        RoundEnded: the outcome's refusals
     refused[<transport reason>]                    `transport_refusals`, called by the daemon's
                                                    watch loop with the transport's counters
+                                                   (reply handlers' refusals included:
+                                                   p2p/counters.py counted_reply) and the ban
+                                                   list's `other_refusals` (FORGED_RECORD,
+                                                   state_*, resync_digest)
     compression_ratio                              Swapped (NoLoCo: θ, or φ and Δ) or Sent
                                                    (DiLoCoX): fp32 bytes of the payload's
                                                    tensors over the bytes received (so a
@@ -112,7 +116,8 @@ class StatusFeed:
         self.status.update(state="stopping")
 
     def transport_refusals(self, refused: dict[str, int]) -> None:
-        """The transport's refusals by reason (its counters), shown beside the contributions'."""
+        """The transport's refusals by reason (its counters) and the ban list's others, shown
+        beside the contributions'."""
         if refused != self._transport_refused:
             self.status.update(refused={**self.status.refused, **refused})
             self._transport_refused = dict(refused)

@@ -119,6 +119,9 @@ class BanList:
     strikes: dict[str, deque] = field(default_factory=dict)   # peer -> times of its strikes
     banned_until: dict[str, float] = field(default_factory=dict)
     refused_by_reason: Counter = field(default_factory=Counter)
+    # Refusals that neither a round's outcome nor the transport's counters count (a forged member
+    # record, a lying state server): the daemon adds these to the status view's `refused`.
+    other_refusals: Counter = field(default_factory=Counter)
 
     def strike(self, peer: str, reason: str) -> bool:
         """Counts one refusal; returns True when this strike bans the peer (`ban_after`
@@ -138,10 +141,13 @@ class BanList:
         return False
 
     def refuse(self, peer: str, reason: str, sentence: str,
-               ban: Callable[[str, float], None]) -> None:
+               ban: Callable[[str, float], None], counted_elsewhere: bool = True) -> None:
         """Logs a refused contribution, strikes its sender, and calls `ban` when that bans it
-        (the transport then refuses the peer's streams for `ban_seconds`)."""
+        (the transport then refuses the peer's streams for `ban_seconds`). `counted_elsewhere`
+        False: no round outcome reports it, so it goes to `other_refusals`."""
         log.warning("%s", sentence)
+        if not counted_elsewhere:
+            self.other_refusals[reason] += 1
         if self.strike(peer, reason):
             log.warning("banned %s for %.0f s after repeated refused contributions", peer,
                         self.ban_seconds)
@@ -154,6 +160,7 @@ class BanList:
         let it spoil `ban_after` - 1 more joins first."""
         log.warning("%s; banned for %.0f s", sentence, self.ban_seconds)
         self.refused_by_reason[reason] += 1
+        self.other_refusals[reason] += 1
         self.strikes.pop(peer, None)
         self.banned_until[peer] = self.clock() + self.ban_seconds
         ban(peer, self.ban_seconds)

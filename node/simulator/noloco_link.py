@@ -15,6 +15,9 @@ Each replica's NoLoCoRound (node/rounds/noloco/round.py, the daemon's own) talks
 - blocking: every replica waits until its partner's S_r arrives, at most the deadline (the
   simulated clock advances for all: idle); one not arrived by then is late: a local update.
 A lost snapshot means a local update for its receiver only; its sender still paid the bytes.
+A refused snapshot strikes its sender, and `ban_after` strikes ban it as the daemon does: the
+banning replica's matching leaves it out (never proposes to it, declines its proposals), for the
+rest of the run (the daemon's ban lasts contributions.ban_seconds; the simulator has no seconds).
 Replicas run in lockstep, so none ever falls behind its swarm (`catch_up_round` is None).
 """
 
@@ -34,15 +37,22 @@ MANIFEST = "simulation"  # every replica runs the same manifest
 
 class NoLoCoMemoryNetwork:
     def __init__(self, names: list[str], exchange: InMemoryExchange, lockstep: Lockstep,
-                 timing: str, max_staleness: int, seed: int):
+                 timing: str, max_staleness: int, seed: int, ban_after: int):
         self.exchange, self.lockstep, self.timing = exchange, lockstep, timing
-        self.matching = {name: MatchingState(name, MANIFEST, 0, max_staleness) for name in names}
+        self.ban_after = ban_after
+        self.strikes: Counter = Counter()  # (receiver, sender) -> refused contributions
+        self.matching = {name: MatchingState(name, MANIFEST, 0, max_staleness,
+                                             admitted=lambda peer, me=name: not self.banned(me, peer))
+                         for name in names}
         self._pairing_rng = random.Random(seed)
         self._delivery_rng = random.Random(seed + 1)
         self.offers: dict[str, tuple[int, InMemoryMessage]] = {}  # name -> its latest snapshot
         self.pair_history: list[list[tuple[str, str]]] = []
         self.refused: Counter = Counter()  # contributions refused, by reason
         self.late = 0  # snapshots that arrived after their round ended
+
+    def banned(self, receiver: str, sender: str) -> bool:
+        return self.strikes[(receiver, sender)] >= self.ban_after
 
     def link(self, name: str) -> NoLoCoMemoryLink:
         return NoLoCoMemoryLink(self, name)
@@ -107,6 +117,7 @@ class NoLoCoMemoryLink:
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.network.refused[reason] += 1
+        self.network.strikes[(self.name, peer)] += 1
 
     def _take(self, round_index: int) -> PartnerSnapshot | None:
         arrived = self.network.exchange.collect(self.name, TOPIC, round_index)

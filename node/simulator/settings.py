@@ -73,6 +73,8 @@ class SimulationSettings:
     bits: int | None = None                # lowrank, blockwise (bits) and topk (topk_bits)
     # any other key of the manifest's [protocol] section, e.g. {"fan_out": 4}
     protocol_values: dict[str, Any] = field(default_factory=dict)
+    # any key of the manifest's [contributions] section, e.g. {"noise_ratio": 0.0}
+    contribution_values: dict[str, Any] = field(default_factory=dict)
 
     @property
     def total_inner_steps(self) -> int:
@@ -153,7 +155,8 @@ class SimulationSettings:
             # the documented default: θ alone where it is exact, both tensors where it is not
             equal = protocol.progress_weight == protocol.consensus_weight
             protocol.snapshot = "theta" if equal else "phi_delta"
-        contributions = ContributionSection()
+        contributions = build_section(ContributionSection, self.contribution_values,
+                                      "contributions.", ContributionSection())
         check_snapshot(protocol, contributions)
         check_topk(protocol)
         return protocol, contributions

@@ -50,6 +50,18 @@ def test_refuse_bans_through_the_given_callback_on_the_last_strike():
     assert banned == [("p", 30)]
 
 
+def test_refusals_no_round_reports_are_kept_for_the_status_view():
+    """A forged member record and a lying state server are counted in `other_refusals` (the
+    daemon shows them under `refused`); a round's contribution refusals are not (the round's
+    outcome counts them)."""
+    bans = BanList(ban_after=5, ban_seconds=30)
+    bans.refuse("p", "norm", "NoLoCo progress from p has norm 1e6; dropped", lambda *a: None)
+    bans.refuse("q", "FORGED_RECORD", "a forged record", lambda *a: None, counted_elsewhere=False)
+    bans.ban_now("r", "state_round", "r claims round 10^6", lambda *a: None)
+    assert bans.other_refusals == {"FORGED_RECORD": 1, "state_round": 1}
+    assert bans.refused_by_reason == {"norm": 1, "FORGED_RECORD": 1, "state_round": 1}
+
+
 def test_strikes_far_apart_do_not_add_up_to_a_ban():
     now = [0.0]
     bans = BanList(ban_after=2, ban_seconds=60, clock=lambda: now[0])

@@ -116,7 +116,8 @@ class DiLoCoXRound:
                              self.codec, node_id, DiLoCoXHyperParameters(
                                  outer=outer, delay=config.delay, overlap=config.overlap,
                                  residual_decay=config.residual_decay,
-                                 clip_to_median=config.clip_to_median))
+                                 clip_to_median=config.clip_to_median,
+                                 noise_ratio=contributions.noise_ratio))
         self.resyncs = 0
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too
@@ -205,6 +206,13 @@ class DiLoCoXRound:
             self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
             self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
                                  digest))
+        for sender in self.outer.last_step.left_out:  # every node leaves out the same ones
+            sentence = (f"DiLoCoX pseudo-gradient from {sender} of round "
+                        f"{self.outer.last_step.applied_round} looks like noise: its magnitudes "
+                        f"follow the other senders' less than {self.contributions.noise_ratio:g}x "
+                        f"the median sender's; left out of the mean")
+            refused.append(sentence)
+            self.link.refused(sender, "noise", sentence)
         return self.outer.last_step, refused
 
     def _resync_usable(self, resync: dict) -> bool:

@@ -60,7 +60,8 @@ class NoLoCoExchange:
         self.timing = config.timing
         self.swap_timeout_s = config.pair_deadline_s
         self.control_timeout_s = swarm.timeouts.match_message_s
-        self.matching = MatchingState(self.peer_id, self.manifest, 0, config.max_staleness)
+        self.matching = MatchingState(self.peer_id, self.manifest, 0, config.max_staleness,
+                                      admitted=self.membership.admitted)
         self.offered: OutgoingMessage | None = None
         self.accepting = self.timing == "overlap"  # blocking: only while waiting at a round's end
         self.partners: dict[int, PartnerSnapshot] = {}
@@ -86,10 +87,12 @@ class NoLoCoExchange:
     # ------------------------------------------------------------------ life
     def start(self, round_index: int) -> None:
         self.matching = MatchingState(self.peer_id, self.manifest, round_index,
-                                      self.matching.max_staleness)
+                                      self.matching.max_staleness, admitted=self.membership.admitted)
         accept_any = lambda _round: True  # the matching checks rounds itself (staleness)
         self.transport.on_push(MATCH, self._on_match, accept_round=accept_any)
-        self.transport.on_swap(SNAPSHOT, self._snapshot_reply, accept_round=accept_any,
+        # counted_reply: a NOT_PAIRED refusal counts in the node's refused metrics
+        self.transport.on_swap(SNAPSHOT, self.transport.counters.counted_reply(self._snapshot_reply),
+                               accept_round=accept_any,
                                deliver=self._snapshot_delivered, accept_bytes=self._snapshot_size)
         self._task = self.swarm.tasks.spawn(self._matchmaker(), "noloco matchmaker")
 

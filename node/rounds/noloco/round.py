@@ -16,7 +16,9 @@ its encoding (a quantized wire_dtype: exact tensors and byte lengths, valid scal
 names, shapes, finite values, and a norm within max_norm_ratio of the node's own matching
 tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignment check
 (min_alignment_sigmas) compares progress Δ only, so it needs "phi_delta"; the manifest refuses
-it with "theta". A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
+it with "theta". So does the noise check (node/rounds/noise_check.py, noise_ratio): on θ alone,
+θ_j − φ_i mixes the partner's honest φ_j − φ_i into a noise sender's Δ, and honest and noise
+scores overlapped in simulation (benchmarks/RESULTS.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
 theta_only_snapshot). No partner, or a refused one, gives the local update of G = {self}, counted.
 
 A node more than max_staleness rounds behind its swarm (it started late, or stalled) could pair
@@ -37,6 +39,7 @@ from typing import Any, Protocol
 from node.config.manifest import ContributionSection, ProtocolSection, check_snapshot
 from node.events import PairCorrected
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
+from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
@@ -127,6 +130,7 @@ class NoLoCoRound:
         # a pair of that round may still land
         self.offered: dict[int, NoLoCoSnapshot] = {}
         self._applied: list[_Pair] = []  # overlap: partner snapshots applied in this round
+        self.noise_check = NoiseCheck(contributions.noise_ratio)
 
     def between_steps(self, round_index: int) -> PairCorrected | None:
         """Overlap: a partner snapshot that landed during the round corrects θ at this step
@@ -232,6 +236,9 @@ class NoLoCoRound:
                 snapshot = theta_only_snapshot(groups["theta"], self.outer.hyper)
             else:
                 snapshot = NoLoCoSnapshot(groups["phi"], groups["delta"])
+            if self.noise_check.enabled and self.config.snapshot != "theta":
+                self.noise_check.check(partner.peer, groups["delta"], reference.local_progress,
+                                       "NoLoCo snapshot")
             return _Pair(partner, [snapshot], [])
         except (ContributionRefused, ValueError) as exc:
             reason = getattr(exc, "reason", "malformed")

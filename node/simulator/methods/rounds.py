@@ -37,7 +37,8 @@ class RoundSwarm(Method):
         self.decodings = DecodingCache()
         if settings.protocol == "noloco":
             self.network = NoLoCoMemoryNetwork(names, exchange, self.lockstep, settings.timing,
-                                               settings.max_staleness, settings.seed)
+                                               settings.max_staleness, settings.seed,
+                                               contributions.ban_after)
             self.rounds = {r.name: NoLoCoRound(protocol, contributions, r.trainer,
                                                self.network.link(r.name)) for r in replicas}
         else:

@@ -13,7 +13,9 @@ n − 1 others, (n − 1) · 1.06 bytes a parameter in int8, against the fp32 ri
 
     .venv/bin/python benchmarks/noloco_groups.py --workers 8 --inner-steps 25 --group 4 --seed 0
 
-Writes benchmarks/grid_runs/N<N>-H<H>-noloco-groups<n>-s<seed>.json (the grid's format).
+Writes benchmarks/grid_runs/N<N>-H<H>-noloco-groups<n>[-a<α>-g<β>]-s<seed>.json (the grid's
+format; its `settings` are those of the local-only job whose budget and evaluation it borrows,
+`job.method` names what ran).
 """
 
 from __future__ import annotations

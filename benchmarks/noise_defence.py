@@ -71,6 +71,7 @@ def run_arm(args, workers: int, adversary: bool, ratio: float) -> dict:
     settings = SimulationSettings(args.protocol, workers=workers, inner_steps=args.inner_steps,
                                   rounds=args.rounds, seed=args.seed, eval_every=args.rounds,
                                   contribution_values={"noise_ratio": ratio},
+                                  protocol_values={"noise_filter": True} if args.protocol == "dilocox" else {},
                                   snapshot=args.snapshot if args.protocol == "noloco" else None)
     sim = Simulation(settings, cfg)
     method, bad = sim.method, replica_name(workers - 1)

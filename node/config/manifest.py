@@ -98,6 +98,10 @@ class ProtocolSection:
                                  min_exclusive=True)
     clip_to_median: bool = spec(False, "DiLoCoX: scale each message down to the median norm of "
                                 "its round's messages before averaging")
+    # off by default: with it on, a node restarted after a SIGKILL never held the survivors' φ
+    # again (tests/integration/test_fault_points.py, measured at the merge of issue 24's check)
+    noise_filter: bool = spec(False, "DiLoCoX: leave out of the mean a sender whose message looks "
+                              "like noise against the others of its round (contributions.noise_ratio)")
     # the adaptive controller (protocol/controller.py, node/rounds/dilocox/adapt.py)
     controller: bool = spec(False, "DiLoCoX: adapt the codec's strength (topk k, lowrank rank) and "
                             "bits each round to the energy kept and the link's send time")

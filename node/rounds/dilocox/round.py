@@ -117,7 +117,7 @@ class DiLoCoXRound:
                                  outer=outer, delay=config.delay, overlap=config.overlap,
                                  residual_decay=config.residual_decay,
                                  clip_to_median=config.clip_to_median,
-                                 noise_ratio=contributions.noise_ratio))
+                                 noise_ratio=contributions.noise_ratio if config.noise_filter else 0.0))
         self.resyncs = 0
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too

@@ -19,8 +19,7 @@ member's word where more than one member can be asked.
   member announced and trains from (φ and its momentum belong together); a state inside the
   honest ones' spread that wins the choice costs the joiner no more than the swarm's own spread.
   A state beyond the tolerance from the adopted one is "far from the majority": its server is
-  banned when its round is within the pairing staleness of the adopted one's (an honest member
-  rounds ahead drifts: its state is only left out). With two states they must agree within the tolerance or neither is adopted.
+  banned. With two states they must agree within the tolerance or neither is adopted.
 - Every state is checked as a contribution is (node/rounds/contributions.py): the joiner's own
   tensor names and shapes, finite values, φ's and the momentum's norm within `max_norm_ratio`
   of the joiner's own φ. A state that fails is refused and its server banned.
@@ -160,16 +159,6 @@ def choose_agreed(candidates: list[_Candidate]) -> tuple[_Candidate | None, list
     return candidates[best], far
 
 
-def comparable_rounds(a: _Candidate, b: _Candidate, max_rounds: int) -> bool:
-    """Whether two NoLoCo states are of rounds close enough (at most `max_rounds` apart, the
-    swarm's pairing staleness) for their distance to judge their servers: an honest member that
-    trained some rounds ahead, unpaired, drifts from the others (measured: 0.61 of φ's norm for
-    a member 2.5x faster than the rest in tests/integration/test_fault_points.py), and banning
-    it would cost the swarm an honest member. Such a state is still never adopted."""
-    rounds = a.meta.get("phi_round"), b.meta.get("phi_round")
-    return all(type(r) is int for r in rounds) and abs(rounds[0] - rounds[1]) <= max_rounds
-
-
 class StateAdoption:
     """One late join's choice of state (see the module's docstring); `run()` once."""
 
@@ -292,17 +281,11 @@ class StateAdoption:
         return None
 
     async def _drop_far(self, held: list[_Candidate]) -> list[_Candidate]:
-        """Bans the servers of states far from the majority's, where their rounds make them
-        comparable (`comparable_rounds`); drops every far state, keeps the others."""
+        """Bans the servers of states far from the majority's; keeps the others."""
         chosen, far = await self._off_loop(choose_agreed, held)
         if chosen is None:
             return held
         for candidate, distance in far:
-            if not comparable_rounds(candidate, chosen, self.manifest.protocol.max_staleness):
-                self.errors.append(f"member {candidate.source} served a φ of round "
-                                   f"{candidate.meta.get('phi_round')}, too many rounds from the agreed "
-                                   f"state's {chosen.meta.get('phi_round')} to judge: not adopted")
-                continue
             self._ban(candidate.source, "far", f"member {candidate.source} served a φ {distance:.2f} "
                       f"of φ's norm from the state {len(held) - len(far)} of {len(held)} members "
                       f"agree on (tolerance {SPREAD_TOLERANCE}): far from the majority")

@@ -3,7 +3,7 @@
 import torch
 
 from node.daemon.state_quorum import (SPREAD_TOLERANCE, _Candidate, agreed_round, choose_agreed,
-                                      comparable_rounds, quorum_digest, round_bound)
+                                      quorum_digest, round_bound)
 from node.rounds.state import announcement
 from p2p.records import MemberRecord
 
@@ -48,11 +48,3 @@ def test_noloco_adopts_a_state_a_majority_agrees_with_and_names_the_far_one():
     chosen, out = choose_agreed([a, b])
     assert chosen in (a, b) and out == []
     assert choose_agreed([a]) == (a, [])   # a swarm of one: nobody else to ask
-
-
-def test_a_far_state_judges_its_server_only_from_a_comparable_round():
-    phi = torch.zeros(3)
-    at = lambda r: _Candidate("m", {"phi": {"w": phi}}, "d", {"phi_round": r})  # noqa: E731
-    assert comparable_rounds(at(10), at(12), 2) and comparable_rounds(at(12), at(10), 2)
-    assert not comparable_rounds(at(10), at(13), 2)
-    assert not comparable_rounds(at(10), _Candidate("m", {}, "d", {}), 2)  # no round: never judged

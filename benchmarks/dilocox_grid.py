@@ -16,7 +16,6 @@ Writes benchmarks/dilocox_grid.json and its block of benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,8 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from convergence import write_block  # noqa: E402
-from grid_jobs import STEPS, Job, load_finished, per_round_bytes, run_jobs  # noqa: E402
+from grid_jobs import STEPS, Job, load_finished, per_round_bytes, publish, run_jobs  # noqa: E402
 from node.simulator.report import human_bytes  # noqa: E402
 
 DILOCO_MOMENTA = (0.3, 0.6, 0.9)
@@ -121,10 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         run_jobs(all_jobs(args.best)[:args.only], args.jobs_dir, args.processes)
     text, summary = report(load_finished(args.jobs_dir),
                            f".venv/bin/python benchmarks/dilocox_grid.py --best {args.best}")
-    print(text)
-    (HERE / "dilocox_grid.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    if not args.no_results:
-        write_block(HERE / "RESULTS.md", "dilocox-grid", text)
+    publish("dilocox_grid", text, summary, not args.no_results)
     return 0
 
 

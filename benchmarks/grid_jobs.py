@@ -29,7 +29,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from convergence import node_config, parse_args as convergence_args  # noqa: E402
+from convergence import node_config, parse_args as convergence_args, write_block  # noqa: E402
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator import SimulationSettings, run_simulation  # noqa: E402
 
@@ -123,6 +123,15 @@ def run_jobs(jobs: list[Job], out_dir: Path, processes: int) -> None:
         futures = [pool.submit(run_job, j, out_dir) for j in todo]
         for future in as_completed(futures):
             print(f"[{(time.perf_counter() - started) / 60:5.1f} min] {future.result()}", flush=True)
+
+
+def publish(name: str, text: str, summary: dict, write_results: bool) -> None:
+    """Prints a grid's table, writes its summary to benchmarks/<name>.json and, unless told not
+    to, its block of benchmarks/RESULTS.md (marker "<name with - for _>")."""
+    print(text)
+    (HERE / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
+    if write_results:
+        write_block(HERE / "RESULTS.md", name.replace("_", "-"), text)
 
 
 def load_finished(out_dir: Path) -> dict[str, dict]:

@@ -16,7 +16,6 @@ Writes benchmarks/noloco_grid.json and its block of benchmarks/RESULTS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -25,8 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from convergence import write_block  # noqa: E402
-from grid_jobs import STEPS, Job, load_finished, per_round_bytes, run_jobs  # noqa: E402
+from grid_jobs import STEPS, Job, load_finished, per_round_bytes, publish, run_jobs  # noqa: E402
 from node.simulator.report import human_bytes  # noqa: E402
 
 CELLS = [(8, 25), (8, 50), (4, 25), (4, 50)]
@@ -132,10 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.report:
         run_jobs(all_jobs(), args.jobs_dir, args.processes)
     text, summary = report(load_finished(args.jobs_dir), ".venv/bin/python benchmarks/noloco_grid.py")
-    print(text)
-    (HERE / "noloco_grid.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
-    if not args.no_results:
-        write_block(HERE / "RESULTS.md", "noloco-grid", text)
+    publish("noloco_grid", text, summary, not args.no_results)
     return 0
 
 

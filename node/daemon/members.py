@@ -24,6 +24,7 @@ from node.rounds.state import announcement
 from p2p.records import MemberRecord
 
 log = logging.getLogger("lowcomm.members")
+REMEMBERED_ADDRESSES = 64  # members whose addresses a node keeps to redial, the latest seen
 
 
 class MemberCache:
@@ -36,6 +37,10 @@ class MemberCache:
         self.membership, self.tasks, self.manifest, self.bans = membership, tasks, manifest, bans
         self.refresh_s, self.admit, self.gate = refresh_s, admit, gate
         self.records: dict[str, MemberRecord] = {}
+        # peer id -> addresses of the members last seen, kept after their records leave the
+        # view: what the Reconnector redials (a node that lost its routing table before its
+        # first round had none to redial, and stayed alone a minute: CI, 2026-11-26)
+        self.addresses: dict[str, tuple[str, ...]] = {}
         self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order
         self.refreshed = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -57,6 +62,11 @@ class MemberCache:
         records = await self.membership.peers()
         self.records = records if self.admit is None else \
             {peer: record for peer, record in records.items() if self.admit(peer)}
+        for peer, record in self.records.items():
+            self.addresses.pop(peer, None)  # re-inserted last: the oldest seen go first
+            self.addresses[peer] = record.addrs
+        while len(self.addresses) > REMEMBERED_ADDRESSES:
+            del self.addresses[next(iter(self.addresses))]
         self.refreshed.set()
 
     async def _loop(self) -> None:
@@ -117,14 +127,13 @@ class Reconnector:
 
     After a link outage longer than the DHT's timeouts, both sides have dropped each other and
     nothing bootstraps again by itself: the node would train alone for good. Every
-    `interval_s` while alone it dials its initial peers and the members it last knew
-    (P2PHost.reconnect). A node that starts a swarm alone just dials nobody.
+    `interval_s` while alone it dials its initial peers and the members the cache last saw
+    (P2PHost.reconnect), however long ago. A node that starts a swarm alone dials nobody.
     """
 
     def __init__(self, host, cache: MemberCache, timeouts: NodeTimeouts):
         self.host, self.cache = host, cache
         self.alone_s, self.interval_s = timeouts.alone_before_redial_s, timeouts.redial_every_s
-        self.known: dict[str, tuple[str, ...]] = {}   # peer id -> its last published addresses
         self._alone_since: float | None = None
         self._next_try = 0.0
         self._task: asyncio.Task | None = None
@@ -134,7 +143,6 @@ class Reconnector:
         now = asyncio.get_running_loop().time()
         others = self.cache.peers()
         if others:
-            self.known = {r.peer_id: r.addrs for r in others if not r.left}
             self._alone_since = None
             return
         if self._alone_since is None:
@@ -144,7 +152,7 @@ class Reconnector:
             return
         candidates = [*self.host.initial_peers,
                       *(a if "/p2p/" in a else f"{a}/p2p/{peer}"
-                        for peer, addrs in self.known.items() for a in addrs)]
+                        for peer, addrs in self.cache.addresses.items() for a in addrs)]
         if not candidates:
             return
         self._next_try = now + self.interval_s

@@ -103,10 +103,20 @@ def p2p_cleanup():
     assert not leftovers, f"p2pd sockets left behind by the code under test: {leftovers}"
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keeps each phase's report on the test item, so a fixture can tell that its test failed."""
+    report = yield
+    setattr(item, f"report_{report.when}", report)
+    return report
+
+
 @pytest.fixture
-def harness_factory(tmp_path):
+def harness_factory(tmp_path, request):
     """Makes swarm harnesses of real daemons (tests/swarm_harness.py, or a subclass such as
-    tests/faults.py's FaultHarness) under tmp_path, and closes every one at the end."""
+    tests/faults.py's FaultHarness) under tmp_path, and closes every one at the end. When the
+    test failed, prints every node's log tail: the node a test waited on often failed because
+    of another one, whose log the assertion does not show."""
     from tests.swarm_harness import SwarmHarness
     made = []
 
@@ -114,5 +124,10 @@ def harness_factory(tmp_path):
         made.append(harness_class(tmp_path / (name or manifest.swarm.id), manifest))
         return made[-1]
     yield make
+    report = getattr(request.node, "report_call", None)
     for harness in made:
         harness.close()
+        if report is not None and report.failed:
+            for node in harness.nodes:
+                print(f"--- node {node.index} (exit code {node.process.poll()}), log tail:\n"
+                      f"{node.log_tail(60)}")

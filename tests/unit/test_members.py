@@ -46,3 +46,41 @@ def test_members_expire_on_time_while_refreshes_fail():
         assert [r.peer_id for r in cache.peers()] == ["b"]
         assert set(cache.records) == {"a", "b"}
     asyncio.run(scenario())
+
+
+class HostThatRecordsRedials:
+    """Stands in for p2p.host.P2PHost: records the addresses redialled, none answers."""
+
+    def __init__(self):
+        self.initial_peers, self.redialled = [], []
+
+    async def reconnect(self, maddrs) -> int:
+        self.redialled.append(list(maddrs))
+        return 0
+
+
+def test_a_member_seen_only_before_the_first_check_is_still_redialled():
+    """The first node of a swarm has no initial peers: a member it saw while waiting for
+    --min-peers and lost before training began must still be redialled once it is alone
+    (without it the node stayed alone, CI 2026-11-26)."""
+    from node.config.settings import NodeTimeouts
+    from node.daemon.members import Reconnector
+
+    async def scenario():
+        gone = time.time() + 0.2
+        seen = MemberRecord("b", ("/ip4/127.0.0.1/tcp/4001",), "noloco", "m", 0, "ready", 0.0,
+                            expires=gone)
+        cache = MemberCache(LookupThatFailsAfterOneAnswer({"b": seen}), BackgroundTasks(),
+                            manifest="m", bans=BanList(2, 60.0), refresh_s=60.0)
+        await cache.refresh()
+        await asyncio.sleep(0.3)  # its record expired before the reconnector ever looked
+        assert cache.peers() == []
+        host = HostThatRecordsRedials()
+        reconnector = Reconnector(host, cache, NodeTimeouts(alone_before_redial_s=0.0))
+        reconnector.check()
+        deadline = time.monotonic() + 5
+        while not host.redialled and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await reconnector.stop()
+        assert host.redialled == [["/ip4/127.0.0.1/tcp/4001/p2p/b"]]
+    asyncio.run(scenario())

@@ -150,8 +150,8 @@ def main() -> None:
             if args.json:
                 args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                                  "arms": results}, indent=1))
-    print(f"| N | arm | honest replicas' final val loss | vs none | adversary's contributions "
-          f"applied | refused (sender reason: count) |\n|---|---|---|---|---|---|")
+    print("| N | arm | honest replicas' final val loss | vs none | adversary's contributions "
+          "applied | refused (sender reason: count) |\n|---|---|---|---|---|---|")
     for r in results:
         # `none+check` that refused no one computed exactly what `none` does (the check uses no
         # randomness): it stands in for `none` where that arm was not run

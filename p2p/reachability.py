@@ -324,9 +324,9 @@ def _verdict(answers: list[DialBackAnswer], ports: list[int]) -> Reachability:
         return Reachability("private", "no bootstrap peer answered the reachability check")
     if not public:  # a private peer that reached us may share our LAN: that proves nothing
         raise NoPublicMember(
-            f"this node is behind NAT and none of its bootstrap peers is publicly reachable, so "
-            f"no member can relay for it: a swarm needs at least one public member (a host with "
-            f"an open or forwarded port, joined with --reachability public or --announce).")
+            "this node is behind NAT and none of its bootstrap peers is publicly reachable, so "
+            "no member can relay for it: a swarm needs at least one public member (a host with "
+            "an open or forwarded port, joined with --reachability public or --announce).")
     answer = public[0]
     if answer.reachable:
         return Reachability("public", f"{answer.peer[-8:]} opened {answer.observed}:{answer.reachable[0]}")

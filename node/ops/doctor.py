@@ -12,7 +12,6 @@ a throwaway identity.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import sys
 import tempfile

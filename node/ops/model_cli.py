@@ -60,8 +60,8 @@ def cmd_prepare_data(args: argparse.Namespace) -> int:
         with RichProgress() as progress:
             index = prepare(settings, progress)
     except KeyboardInterrupt:
-        print(f"lowcomm-node: prepare-data interrupted; the shards written so far are kept: run "
-              f"the same command again to resume", file=sys.stderr)
+        print("lowcomm-node: prepare-data interrupted; the shards written so far are kept: run "
+              "the same command again to resume", file=sys.stderr)
         return 130
     splits = index["splits"]
     tokens = {s: sum(e["tokens"] for e in splits[s]["shards"]) for s in splits}

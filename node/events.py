@@ -221,6 +221,17 @@ class LateJoined(Event, kind="late_join", logged=True):
 
 
 @dataclass(frozen=True)
+class CaughtUp(Event, kind="caught_up", logged=True):
+    """DiLoCoX: this node fell too far behind its swarm for its messages to count and adopted
+    the swarm's state mid-run, as a late joiner does (node/rounds/dilocox/exchange.py)."""
+    source: str
+    from_round: int        # the round this node would have trained next
+    round: int             # the round it trains next instead
+    state_round: int | None
+    digest: str | None
+
+
+@dataclass(frozen=True)
 class MinPeersTimeout(Event, kind="min_peers_timeout"):
     wanted: int
     found: int

@@ -89,7 +89,9 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
                         counted_elsewhere=False)
     host.validator.on_forgery = forged_record
     return Swarm(node.loop, transport, cache, bans, identity.peer_id.to_base58(), m.digest,
-                 node.bridge, node.tasks, node.events.publish, settings.timeouts)
+                 node.bridge, node.tasks, node.events.publish, settings.timeouts,
+                 adopt_state=lambda reference: StateAdoption(transport, cache, bans, m,
+                                                             settings.timeouts, reference).run())
 
 
 async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy) -> int:

@@ -53,7 +53,8 @@ from node.config.settings import NodeTimeouts
 from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
-from node.rounds.state import STATE_KIND, announced_phi, decode_state
+from node.rounds.state import (STATE_KIND, agreed_round, announced_phi, decode_state, majority,
+                               settled)
 from p2p.errors import P2PError, Reason, RemoteRefused
 from p2p.records import MemberRecord
 
@@ -83,23 +84,6 @@ class _Candidate:
     groups: dict[str, dict[str, torch.Tensor]]
     digest: str
     meta: dict
-
-
-def majority(count: int) -> int:
-    return count // 2 + 1
-
-
-def settled(members: list[MemberRecord]) -> list[MemberRecord]:
-    """Members past their own join: a node still joining (status "joining", round 0) holds no
-    state and has no say, so that joiners arriving together do not outvote the running swarm."""
-    return [r for r in members if r.status != "joining"]
-
-
-def agreed_round(members: list[MemberRecord]) -> int:
-    """The highest round a majority of the settled `members` reached (0 for none): a minority of
-    liars keeps it within the honest members' rounds."""
-    rounds = sorted((r.round for r in settled(members)), reverse=True)
-    return rounds[majority(len(rounds)) - 1] if rounds else 0
 
 
 def round_bound(agreed: int) -> int:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from node.rounds.wire_tensors import from_wire, to_wire
+from p2p.records import MemberRecord
 from protocol.tensors import weights_digest
 
 STATE_KIND = "state"
@@ -44,6 +45,24 @@ def announced_phi(extra: dict[str, Any], round_index: int) -> str | None:
         if extra.get(announced) == round_index and isinstance(extra.get(digest), str):
             return extra[digest]
     return None
+
+
+def majority(count: int) -> int:
+    return count // 2 + 1
+
+
+def settled(members: list[MemberRecord]) -> list[MemberRecord]:
+    """Members past their own join: a node still joining (status "joining", round 0) holds no
+    state and has no say, so that joiners arriving together do not outvote the running swarm."""
+    return [r for r in members if r.status != "joining"]
+
+
+def agreed_round(members: list[MemberRecord]) -> int:
+    """The highest round a majority of the settled `members` reached (0 for none): a minority of
+    liars keeps it within the honest members' rounds (the round a late joiner starts at, and the
+    one a DiLoCoX node that fell behind catches up to)."""
+    rounds = sorted((r.round for r in settled(members)), reverse=True)
+    return rounds[majority(len(rounds)) - 1] if rounds else 0
 
 
 def decode_state(received: Any) -> tuple[dict[str, dict[str, torch.Tensor]], str]:

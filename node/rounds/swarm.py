@@ -9,7 +9,7 @@ manifest, not banned, admitted), report through `publish`, start background work
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +34,10 @@ class Swarm:
     tasks: BackgroundTasks
     publish: Callable[[Event], None]
     timeouts: NodeTimeouts
+    # the late join's choice of state (node/daemon/state_quorum.py StateAdoption.run), given
+    # our φ as the reference its checks judge by: what a DiLoCoX node that fell too far behind
+    # its swarm adopts mid-run; None where there is none (benchmarks timing an exchange alone)
+    adopt_state: Callable[[dict], Awaitable[Any]] | None = None
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

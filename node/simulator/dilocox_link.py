@@ -105,6 +105,10 @@ class DiLoCoXMemoryLink:
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.network.refused[reason] += 1
 
+    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
+        """None: replicas run in lockstep, so none falls behind."""
+        return None
+
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         """Every other replica's message of `round_index` has arrived by this replica's step:
         taken now, without the rendezvous (the replicas train one after another, not together);

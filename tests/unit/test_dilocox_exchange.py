@@ -191,3 +191,45 @@ def test_a_send_failing_with_any_error_is_a_counted_send_failure():
         assert all(e.logged for e in events if e.kind == "send_failed")
         assert [e.kind for e in events][-1] == "sent" and ex._send_started_at is None
     asyncio.run(main())
+
+
+def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_round():
+    """Behind by CATCH_UP_LAG rounds, the node downloads (in the background) the state the
+    daemon's StateAdoption agrees on (here a recorded answer) and takes it at a later round's
+    end: its first round moves there, and it says so. One round behind it does not ask (the
+    resync covers that), and a failed try is repeated only after another lag, not every round."""
+    from node.daemon.state_quorum import JoinState
+    from node.events import CaughtUp
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        events, asked = [], []
+        swarm = unit_swarm(loop, [member("a", 9), member("b", 9)], events=events)
+        state = {"phi": {}, "momentum": {}}
+        answers = [RuntimeError("no φ digest is announced by a majority"),
+                   JoinState(12, state, {"phi_round": 11, "phi": "d2"}, "b")]
+
+        async def adopt_state(reference):
+            asked.append(reference)
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+        swarm.adopt_state = adopt_state
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        ex._restart_at(0)
+
+        async def round_end(round_index: int):
+            caught = ex._catch_up(round_index, {})
+            await asyncio.sleep(0.05)  # the download in the background
+            return caught
+        assert await round_end(7) is None and asked == []  # round 8 next: one behind
+        assert await round_end(5) is None and len(asked) == 1  # a try that failed...
+        assert await round_end(6) is None and len(asked) == 1  # ...taken, not repeated at once
+        ex.members.records = {p: member(p, 12) for p in ("a", "b")}
+        assert await round_end(7) is None and len(asked) == 2  # asked; the state arrives
+        assert ex._catch_up(8, {}) == (12, 11, state) and len(asked) == 2
+        assert ex.first_round == 12 and ex.oldest_wanted == 11
+        assert [(e.from_round, e.round, e.source) for e in events
+                if isinstance(e, CaughtUp)] == [(9, 12, "b")]
+    asyncio.run(main())

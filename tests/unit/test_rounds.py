@@ -378,6 +378,7 @@ class ScriptedDiLoCoXLink:
         self.resync: dict[int, dict] = {}
         self.refusals: list[tuple[str, str]] = []
         self.ratio: float | None = None  # what send_ratio reports
+        self.catch_ups: dict[int, tuple[int, int, dict]] = {}  # round ended -> the swarm's state
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
@@ -399,6 +400,9 @@ class ScriptedDiLoCoXLink:
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.inbox.pop(round_index, None)
+
+    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
+        return self.catch_ups.pop(round_index, None)
 
 
 
@@ -466,3 +470,28 @@ def test_dilocox_finish_applies_the_last_rounds_messages_without_training(config
     a.finish(1)
     assert link.digests[-1] == (1, a.phi_digest) and a.phi_digest != before  # own message applied
     assert len(link.sent) == 1  # nothing more sent
+
+
+def test_dilocox_that_fell_behind_takes_the_swarms_state_and_round_then_goes_on(config, corpus):
+    """The link reports the node fell behind (its swarm agreed on a state of round 5): the round
+    adopts that φ and m with θ = φ, drops its own message in flight, moves its step counter to
+    round 6, and its next round's outer step goes on from the adopted φ."""
+    a, link, model = dilocox(config, corpus, "a", 1)
+    swarm, swarm_link, swarm_model = dilocox(config, corpus, "s", 2)
+    for r in range(2):
+        train_round(swarm_model, swarm, r)
+        swarm.end_round(r)
+    state_round, state, digest = swarm.export_state()
+    train_round(model, a, 0)
+    ended_at = a.phi_digest
+    link.catch_ups[0] = (6, 5, state)
+    outcome = a.end_round(0)
+    assert outcome.caught_up_to == 6 and outcome.phi_digest != digest  # round 0's own φ reported
+    assert a.phi_digest == digest == weights_digest(model.named_parameters()) != ended_at
+    assert model.step == 6 * H and a.export_state()[0] == 5
+    train_round(model, a, 6)
+    link.inbox[5] = []
+    outcome = a.end_round(6)
+    # round 5 was not ours to train: its step holds no message of ours (and no stale one)
+    assert outcome.caught_up_to is None and outcome.applied_round == 5 and outcome.group == []
+    assert link.digests[-1] == (6, a.phi_digest) and len(link.sent) == 2

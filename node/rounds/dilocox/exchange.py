@@ -25,7 +25,12 @@ Invariants:
   another φ for that round is banned; the training thread checks the state as a contribution;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest), so a split of two survivors is healed, not kept; a tie waits for missing
-  votes one round at most (`tied_round`), so a vote that never comes cannot keep it.
+  votes one round at most (`tied_round`), so a vote that never comes cannot keep it;
+- a node `CATCH_UP_LAG` or more rounds behind the round a majority of its members reached (it
+  stalled, or joined from a stale view of the swarm) adopts the swarm's state as a late joiner
+  does (`catch_up`, the daemon's StateAdoption: a majority's digest, checked) and trains on from
+  the swarm's round: nothing else would bring it back, since every member refuses its messages
+  as stale and the consensus check finds no vote for the rounds it compares.
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ import time
 from collections import Counter
 
 from node.config.manifest import ProtocolSection
-from node.events import Diverged, Missing, ResyncReady, SendFailed, Sent
+from node.events import CaughtUp, Diverged, Missing, ResyncReady, SendFailed, Sent
 from node.rounds.dilocox.round import GroupMessage
-from node.rounds.state import STATE_KIND, announced_phi, decode_state
+from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -47,6 +52,9 @@ from protocol.dilocox import winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
 PGRAD = "dilocox.pgrad"
+# Rounds behind the swarm's agreed round before a node adopts the swarm's state. One round
+# behind is left to the resync: members still announce φ of the round before their latest.
+CATCH_UP_LAG = 2
 
 
 class DiLoCoXExchange:
@@ -64,6 +72,8 @@ class DiLoCoXExchange:
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
+        self.next_catch_up = 0  # the first round whose end may try to catch up (one try a lag)
+        self._catch_up_task: asyncio.Task | None = None  # the swarm's state, downloading
         # the controller's link measurement (send_ratio): plain floats, written on one thread
         # each, read on the other
         self._send_called_at: float | None = None  # training thread: the last send_round
@@ -72,17 +82,23 @@ class DiLoCoXExchange:
         self._last_send_seconds: float | None = None
 
     def start(self, round_index: int) -> None:
-        self.oldest_wanted = max(0, round_index - 1)
-        self.first_round = round_index
+        self._restart_at(round_index)
         self.transport.on_push(PGRAD, self._on_message,
                                accept_round=lambda r: r >= self.oldest_wanted)
 
+    def _restart_at(self, round_index: int) -> None:
+        """Takes part from `round_index` on (at start, or after catching up): the rounds before
+        it are never waited for (see _collect)."""
+        self.oldest_wanted = max(0, round_index - 1)
+        self.first_round = round_index
+
     async def stop(self) -> None:
-        """Ends the consensus checks still running (the node is leaving)."""
-        for task in self._checks:
+        """Ends the consensus checks and a catch-up still running (the node is leaving)."""
+        running = [*self._checks, *([self._catch_up_task] if self._catch_up_task else [])]
+        for task in running:
             task.cancel()
-        if self._checks:
-            await asyncio.wait(self._checks)
+        if running:
+            await asyncio.wait(running)
 
     def _members(self) -> list[str]:
         return sorted(r.peer_id for r in self.members.eligible())
@@ -116,6 +132,16 @@ class DiLoCoXExchange:
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
+
+    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
+        """(the round to train next, the round of the state, the swarm's {"phi", "momentum"})
+        once this node, ending `round_index`, has fallen CATCH_UP_LAG or more rounds behind the
+        round a majority of its members reached and a state was agreed and verified; None
+        otherwise. The state downloads in the background (the training thread never waits
+        for it, so a stop is never held up) and is taken at a later round's end.
+        `reference`: our φ, what the state's norms are checked against."""
+        return self.swarm.bridge.call("a catch-up to the swarm", self._catch_up, round_index,
+                                      reference)
 
     def send_ratio(self) -> float | None:
         """The last send's seconds (or the one in flight, if it has run longer) over the last
@@ -285,6 +311,47 @@ class DiLoCoXExchange:
                 self.swarm.bans.ban_now(peer, "resync_digest", f"{peer} served a φ of round "
                                         f"{round_index} with digest {got[:12]}, where it announced "
                                         f"{majority[:12]}", self.transport.ban)
+
+    def _catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
+        task = self._catch_up_task
+        if task is not None and task.done():
+            self._catch_up_task = None
+            joined = task.result()
+            if joined is None or joined.round_index <= round_index + 1:
+                return None  # no state, or we are no longer behind it
+            self._restart_at(joined.round_index)
+            for old in [r for r in self.inbox if r < self.oldest_wanted]:
+                del self.inbox[old]
+            self.members.update(round=joined.round_index, status="training",
+                                extra={"since": joined.round_index})
+            self.publish(CaughtUp(source=joined.source, from_round=round_index + 1,
+                                  round=joined.round_index, state_round=joined.meta.get("phi_round"),
+                                  digest=joined.meta.get("phi")))
+            return joined.round_index, int(joined.meta.get("phi_round", joined.round_index - 1)), \
+                joined.tensors
+        swarm_round = agreed_round(self.members.eligible())
+        if task is None and swarm_round - (round_index + 1) >= CATCH_UP_LAG \
+                and round_index >= self.next_catch_up and self.swarm.adopt_state is not None:
+            self.next_catch_up = round_index + CATCH_UP_LAG  # a failed try is repeated, not each round
+            # a copy: the training thread goes on changing φ while the download runs (rare: a
+            # node only copies its φ when it has fallen behind)
+            own_phi = {name: tensor.detach().clone() for name, tensor in reference.items()}
+            self._catch_up_task = self.swarm.tasks.spawn(
+                self._adopt_state(own_phi, swarm_round - round_index - 1, swarm_round),
+                "dilocox catch-up")
+        return None
+
+    async def _adopt_state(self, reference: dict, behind: int, swarm_round: int):
+        timeouts = self.swarm.timeouts
+        budget = timeouts.state_download_attempts * timeouts.state_download_s \
+            + timeouts.state_announce_wait_s
+        log.info("%d rounds behind the swarm (round %d): taking its state", behind, swarm_round)
+        try:
+            return await asyncio.wait_for(self.swarm.adopt_state(reference), timeout=budget)
+        except Exception as exc:  # no state agreed, a download failed: train on, try again later
+            log.warning("%d rounds behind the swarm (round %d), and could not take its state: %s",
+                        behind, swarm_round, failure_sentence(exc))
+            return None
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)

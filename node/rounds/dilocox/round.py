@@ -66,6 +66,11 @@ class DiLoCoXLink(Protocol):
     def take_resync(self, round_index: int) -> dict | None:
         """A majority peer's verified state after `round_index`, if ours disagreed; else None."""
 
+    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
+        """(the round to train next, the state's round, {"phi", "momentum"}) when this node,
+        ending `round_index`, fell too far behind its swarm and took the swarm's state; else
+        None. `reference`: our φ, what the state is checked against."""
+
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
 
@@ -84,6 +89,7 @@ class DiLoCoXOutcome(RoundOutcome):
     late: int                     # running total of messages that came after their round
     compression: dict | None = None  # the controller's choice for the next round (adapt.py); None: off
     stepped_mid_round: bool = False  # apply_on_arrival took the outer step before the round's end
+    caught_up_to: int | None = None  # fell behind: took the swarm's state, trains this round next
 
     @property
     def partners(self) -> list[str]:
@@ -157,12 +163,20 @@ class DiLoCoXRound:
         early = self.stepped_round == round_index
         step, refused, waited = self._apply_group(round_index)
         refused, self.early_refused = self.early_refused + refused, []
+        digest = self.phi_digest  # this round's φ; a catch-up replaces it for the next
+        caught = self.link.catch_up(round_index, self.outer.slow_weights)
+        if caught is not None:
+            next_round, state_round, state = caught
+            self.adopt(state)
+            self.state_round = state_round
+            self.trainer.start_at(next_round * self.config.inner_steps)
         return DiLoCoXOutcome(
-            phi_digest=self.phi_digest, refused=refused, network_wait_seconds=waited,
+            phi_digest=digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
             resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
-            compression=compression, stepped_mid_round=early)
+            compression=compression, stepped_mid_round=early,
+            caught_up_to=caught[0] if caught is not None else None)
 
     def finish(self, round_index: int) -> None:
         """Applies what is still owed when training stops before round `round_index` (delay 1:
@@ -258,7 +272,7 @@ class DiLoCoXRound:
                                        "momentum": self.outer.momentum}, self.phi_digest)
 
     def adopt(self, groups: dict) -> None:
-        """A late joiner takes the swarm's φ and m, and θ = φ."""
+        """A late joiner (or a node catching up) takes the swarm's φ and m, and θ = φ."""
         with self.lock:
             self.outer.adopt_outer_state({"slow_weights": groups["phi"],
                                           "momentum": groups["momentum"]}, rejoin=True)

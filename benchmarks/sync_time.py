@@ -119,7 +119,9 @@ async def run_ours(args: argparse.Namespace) -> None:
     from node.daemon.daemon import Daemon, build_exchange
     from node.daemon.join import connect
     from node.daemon.leave import leave
+    from node.rounds.dilocox.exchange import PGRAD
     from p2p.identity import NodeIdentity
+    from p2p.messages import OutgoingMessage
 
     loop = asyncio.get_running_loop()
     manifest = bench_manifest(args.method, args.snapshot)
@@ -150,7 +152,7 @@ async def run_ours(args: argparse.Namespace) -> None:
                                                      deadline)
                 done = {"paired": partner is not None}
             else:  # what send_round starts in the background, awaited here
-                await exchange._send_all(index, message)
+                await exchange._send_all(index, OutgoingMessage(PGRAD, index, message))
                 while len(exchange.inbox.get(index, {})) < args.n - 1:
                     exchange.arrived.clear()
                     await asyncio.wait_for(exchange.arrived.wait(), ROUND_TIMEOUT_S)

@@ -13,6 +13,7 @@ from node.config.settings import NodeTimeouts
 from node.events import Diverged
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from p2p.errors import P2PError
+from p2p.messages import OutgoingMessage
 from p2p.records import MemberRecord
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
@@ -185,11 +186,11 @@ def test_a_send_failing_with_any_error_is_a_counted_send_failure():
         swarm = unit_swarm(loop, [member("a", 0), member("b", 0)], transport=FailingTransport(),
                            events=events)
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-        await ex._send_all(0, [])
+        await ex._send_all(0, OutgoingMessage("dilocox.pgrad", 0, []))
         failed = sorted((e.peer, e.error) for e in events if e.kind == "send_failed")
         assert failed == [("a", "the stream broke"), ("b", "ValueError: the send planner failed")]
         assert all(e.logged for e in events if e.kind == "send_failed")
-        assert [e.kind for e in events][-1] == "sent" and ex._send_started_at is None
+        assert [e.kind for e in events][-1] == "sent" and ex._sends_in_flight == {}
     asyncio.run(main())
 
 
@@ -232,4 +233,31 @@ def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_rou
         assert ex.first_round == 12 and ex.oldest_wanted == 11
         assert [(e.from_round, e.round, e.source) for e in events
                 if isinstance(e, CaughtUp)] == [(9, 12, "b")]
+    asyncio.run(main())
+
+
+class TransportAtAFixedRate:
+    """Pushes take 10 µs a byte: a link whose rate the test knows."""
+
+    async def push(self, peer, message, timeout):
+        await asyncio.sleep(message.total_bytes * 1e-5)
+
+
+def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
+    """The controller judges the message it just encoded: a send measured on a message half its
+    size must report twice its ratio (the old measure reported the smaller one's, and the
+    controller, a round behind, doubled the rank until the link saturated)."""
+    import numpy as np
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        swarm = unit_swarm(loop, [member("a", 0)], transport=TransportAtAFixedRate())
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        small = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
+        assert ex.send_ratio() is None  # nothing measured yet
+        await ex._send_all(0, small)  # 0.1 s
+        ex._round_seconds, ex._handed_bytes = 1.0, 20_000
+        assert 0.19 < ex.send_ratio() < 0.3
+        ex._handed_bytes = 10_000
+        assert 0.09 < ex.send_ratio() < 0.15
     asyncio.run(main())

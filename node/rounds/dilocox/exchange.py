@@ -74,12 +74,13 @@ class DiLoCoXExchange:
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
         self.next_catch_up = 0  # the first round whose end may try to catch up (one try a lag)
         self._catch_up_task: asyncio.Task | None = None  # the swarm's state, downloading
-        # the controller's link measurement (send_ratio): plain floats, written on one thread
-        # each, read on the other
+        # the controller's link measurement (send_ratio): written on one thread each, read on
+        # the other (plain values and a dict replaced whole, never changed in place)
         self._send_called_at: float | None = None  # training thread: the last send_round
         self._round_seconds: float | None = None   # between the last two send_round calls
-        self._send_started_at: float | None = None  # loop: the send in flight, if any
-        self._last_send_seconds: float | None = None
+        self._handed_bytes = 0                      # training thread: the last message handed over
+        self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
+        self._seconds_per_byte: float | None = None  # loop: the last finished send's
 
     def start(self, round_index: int) -> None:
         self._restart_at(round_index)
@@ -113,8 +114,10 @@ class DiLoCoXExchange:
         if self._send_called_at is not None:
             self._round_seconds = now - self._send_called_at
         self._send_called_at = now
+        message = OutgoingMessage(PGRAD, round_index, tensors)
+        self._handed_bytes = message.total_bytes
         self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
-                                round_index, tensors)
+                                round_index, message)
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
@@ -144,20 +147,25 @@ class DiLoCoXExchange:
                                       reference)
 
     def send_ratio(self) -> float | None:
-        """The last send's seconds (or the one in flight, if it has run longer) over the last
-        round's: a send slower than its round shows at once, not after it finishes."""
-        started, took = self._send_started_at, self._last_send_seconds
-        in_flight = time.monotonic() - started if started is not None else None
-        seconds = max((t for t in (took, in_flight) if t is not None), default=None)
-        if seconds is None or not self._round_seconds:
+        """The seconds the message just handed over will take to send (to its whole group),
+        over the last round's: the link's seconds per message byte, from the last finished send
+        or a send in flight if it is slower already, times that message's bytes. Not the last
+        send's own seconds: those are of an earlier message, and the controller, which judges
+        the current one, doubled the rank on a send half its size and saturated a 1.8 Mbit/s
+        link (benchmarks/RESULTS.md, issue 20)."""
+        now, in_flight = time.monotonic(), self._sends_in_flight
+        rates = [(now - started) / size for started, size in in_flight.values() if size]
+        if self._seconds_per_byte is not None:
+            rates.append(self._seconds_per_byte)
+        if not rates or not self._round_seconds:
             return None
-        return seconds / self._round_seconds
+        return max(rates) * self._handed_bytes / self._round_seconds
 
     # ------------------------------------------------------------------ loop side
-    async def _send_all(self, round_index: int, tensors: list) -> None:
-        message = OutgoingMessage(PGRAD, round_index, tensors)
+    async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
         group = self.group()
-        started = self._send_started_at = time.monotonic()
+        started = time.monotonic()
+        self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
 
         async def send(peer: str) -> None:
             try:
@@ -165,9 +173,9 @@ class DiLoCoXExchange:
             except Exception as exc:  # whatever broke it, a failed send is counted and logged once
                 self.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
         await asyncio.gather(*(send(p) for p in group))
-        self._last_send_seconds = time.monotonic() - started
-        if self._send_started_at == started:
-            self._send_started_at = None
+        if message.total_bytes:
+            self._seconds_per_byte = (time.monotonic() - started) / message.total_bytes
+        self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
         self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
 
     async def _on_message(self, received: ReceivedMessage) -> None:

@@ -11,6 +11,7 @@ model, data stream, AdamW and schedule), so only the communication differs from 
   and θ restarts from φ. The trainer waits for the all-reduce: that wait is its idle time.
 - `data-parallel`: synchronous data-parallel, the gradients all-reduced with torch.distributed
   (gloo) after every step, fp32.
+- `local`: no communication at all, what a volunteer would get training alone.
 
 Each node writes JSON lines: `sync` (seconds waited on the network, bytes of the averaged
 tensors) and `eval` (validation loss at a step), stamped with wall-clock `time`; and `done`.
@@ -138,14 +139,21 @@ def run_data_parallel(args: argparse.Namespace, manifest: Manifest, log: Log) ->
         dist.destroy_process_group()
 
 
+def run_local(args: argparse.Namespace, manifest: Manifest, log: Log) -> None:
+    trainer = build_trainer(manifest, args.node_index)
+    while trainer.step < args.steps:
+        trainer.train_step()
+        maybe_evaluate(trainer, log, args.eval_every)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("method", choices=["diloco-hivemind", "data-parallel"])
+    parser.add_argument("method", choices=["diloco-hivemind", "data-parallel", "local"])
     parser.add_argument("--manifest", type=Path, required=True, help="model, data, train, H")
     parser.add_argument("--out", type=Path, required=True, help="JSON lines of this node")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--eval-every", type=int, default=50)
-    # diloco-hivemind
+    # diloco-hivemind (and local: the node's batch stream)
     parser.add_argument("--node-index", type=int, default=0)
     parser.add_argument("--listen", action="append", default=[])
     parser.add_argument("--announce", action="append", default=[])
@@ -163,10 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     manifest = load_manifest(args.manifest)
     log = Log(args.out)
     started = time.time()
-    if args.method == "diloco-hivemind":
-        run_diloco_hivemind(args, manifest, log)
-    else:
-        run_data_parallel(args, manifest, log)
+    log("started")  # idle fractions are taken over the run from here
+    run = {"diloco-hivemind": run_diloco_hivemind, "data-parallel": run_data_parallel,
+           "local": run_local}[args.method]
+    run(args, manifest, log)
     log("done", seconds=time.time() - started)
     return 0
 

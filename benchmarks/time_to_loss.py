@@ -1,22 +1,34 @@
-"""Time to a target validation loss on shaped links, and the trainers' idle time (issue 7, 2 and 3).
+"""Time to loss on shaped links where communication rivals compute, and the trainers' idle time
+(issues 7 and 20).
 
-    sudo .venv/bin/python benchmarks/time_to_loss.py            # 4 nodes, 20 Mbit/s, 50 ms one way
-    sudo .venv/bin/python benchmarks/time_to_loss.py --resume   # after an interruption: the rest
+    sudo .venv/bin/python benchmarks/time_to_loss.py --inner-steps 10 --steps 160 --rate 9mbit
+    sudo .venv/bin/python benchmarks/time_to_loss.py ... --rates 3=2mbit     # one node 4x slower
+    sudo .venv/bin/python benchmarks/time_to_loss.py ... --resume   # after an interruption: the rest
 
-Four methods train the same `tiny` model on the same embedded corpus, each node in its own network
-namespace behind a shaped access link (benchmarks/netns.py), one method after another:
-- NoLoCo (overlap) and DiLoCoX (manifest defaults: rank 4, 8-bit, delay 1): `lowcomm-node join`
+The volunteer regime (../shared/design/PROTOCOLS.md §4) is set by the ratio of one fp32 ring
+all-reduce (2 (N-1)/N x 4 bytes a parameter from each node) to one round's compute (H inner
+steps): `--rate` and `--inner-steps` choose it on this machine, and the report prints it twice,
+as predicted (the all-reduce's bytes over the link rate, against the local-only run's measured
+round time) and as measured (DiLoCo over hivemind's wait in fp32, against the same round time).
+
+Every method trains the same `tiny` model on the same embedded corpus with the daemon's own
+inner trainer, each node in its own network namespace behind a shaped access link
+(benchmarks/netns.py), one method after another:
+- NoLoCo (overlap, θ in int8, pairing paced to the link) and DiLoCoX (low-rank rank 4 at 4 bits,
+  the outer step as messages arrive, μ = 0.6, the adaptive controller on): `lowcomm-node join`
   daemons, their p2pd behind the node's delaying relay (`--announce` names the relay);
-- DiLoCo over hivemind's DecentralizedAverager (fp32), through the same relays;
+- DiLoCo over hivemind's DecentralizedAverager, fp32 and fp16 on the wire, through the same
+  relays (η = 0.7, Nesterov μ = 0.6: its best in the convergence grids);
 - synchronous data-parallel (gloo all-reduce of the gradients every step). gloo opens its own
   connections on ports it picks, so no relay can sit in front of them: its traffic crosses the
-  shaped links with no added latency, a lower bound on its time (it favours the baseline).
-H = 50 for all three (a 4-node tiny run at 100 would have 4 rounds). The budget is the same number of inner steps per node for every method (data-parallel gets a
-wall-clock cap instead, see --dp-minutes). The target is the validation loss DiLoCo over
-hivemind reaches at the end of its budget (the mean over its nodes); each method's time to the
-target is the wall clock from its start until the mean of its nodes' validation losses at one
-evaluation step first reaches it. Bytes are what each node's interface sent (tx counters of
-its veth), and idle is the time a trainer waited on the network over its wall clock.
+  shaped links with no added latency, a lower bound on its time (it favours the baseline);
+- local-only: each node trains alone (no network).
+The budget is the same number of inner steps per node for every method (data-parallel gets a
+wall-clock cap instead, see --dp-minutes). Each method's time to a loss is the wall clock from
+its start until the mean of its nodes' validation losses at one evaluation step first reaches
+it; the report gives every method's time to every method's final loss. Bytes are what each
+node's interface sent (tx counters of its veth), and idle is the time a trainer waited on the
+network over its wall clock.
 """
 
 from __future__ import annotations
@@ -39,16 +51,35 @@ from node.config.manifest import Manifest, write_manifest  # noqa: E402
 
 PYTHON = sys.executable
 P2P_PORT, RELAY_PORT, DP_PORT = 4100, 4101, 29500
-METHODS = ("noloco", "dilocox", "diloco-hivemind", "data-parallel")
+METHODS = ("noloco", "dilocox", "diloco-hivemind", "diloco-hivemind-fp16", "data-parallel", "local")
+BASELINES = {"diloco-hivemind": ("diloco-hivemind", ["--wire", "fp32"]),
+             "diloco-hivemind-fp16": ("diloco-hivemind", ["--wire", "fp16"]),
+             "data-parallel": ("data-parallel", []), "local": ("local", [])}
 
 
-def tiny_manifest(protocol: str, steps: int, eval_every: int, threads: int) -> Manifest:
+def tiny_manifest(protocol: str, steps: int, eval_every: int, threads: int,
+                  inner_steps: int = 50) -> Manifest:
     m = Manifest()
     m.swarm.id = f"ttl-{protocol}"
     m.protocol.name = "dilocox" if protocol == "dilocox" else "noloco"
-    m.protocol.inner_steps = 50  # every method: a round takes ~45 s of compute here
+    m.protocol.inner_steps = inner_steps  # 50: a round takes ~45 s of compute here
     t = m.train
     t.steps, t.decay_steps, t.eval_every, t.checkpoint_every, t.threads = steps, steps, eval_every, 0, threads
+    return m
+
+
+def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
+    """Each method at its best settings in the simulated grids (benchmarks/RESULTS.md "What
+    DiLoCoX's gap to DiLoCo is made of" and the NoLoCo grid); NoLoCo at the manifest defaults,
+    which its tuned step (α 0.6, β = γ 1.1) did not beat."""
+    m = tiny_manifest(method, args.steps, args.eval_every or args.inner_steps, args.threads,
+                      args.inner_steps)
+    p = m.protocol
+    if method.startswith("diloco-hivemind"):
+        p.outer_lr, p.outer_momentum = 0.7, 0.6
+    elif method == "dilocox":
+        p.codec, p.rank, p.bits, p.apply_on_arrival, p.outer_momentum = "lowrank", 4, 4, True, 0.6
+        p.controller = True  # the compression adapts to the link (issue 18)
     return m
 
 
@@ -112,11 +143,14 @@ def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str
                  eval_every: int, timeout: float) -> list[list[dict]]:
     path = write_manifest(manifest, base / "manifest.toml")
     processes, first_address = [], None
+    trainer, options = BASELINES[method]
     for i in range(swarm.n):
         out = base / f"node-{i}.jsonl"
-        command = [PYTHON, str(REPO / "benchmarks" / "baseline_trainer.py"), method, "--manifest", str(path),
-                   "--out", str(out), "--steps", str(steps), "--eval-every", str(eval_every)]
-        if method == "diloco-hivemind":
+        command = [PYTHON, str(REPO / "benchmarks" / "baseline_trainer.py"), trainer, "--manifest", str(path),
+                   "--out", str(out), "--steps", str(steps), "--eval-every", str(eval_every), *options]
+        if trainer == "local":
+            command += ["--node-index", str(i)]
+        elif trainer == "diloco-hivemind":
             swarm.relay(i, RELAY_PORT, ("127.0.0.1", P2P_PORT))
             command += ["--node-index", str(i), "--group-size", str(swarm.n),
                         "--listen", f"/ip4/127.0.0.1/tcp/{P2P_PORT}",
@@ -130,7 +164,7 @@ def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str
         with open(base / f"node-{i}.log", "wb") as log:
             processes.append(swarm.popen(i, command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                                          env=env))
-        if i == 0 and method == "diloco-hivemind":
+        if i == 0 and trainer == "diloco-hivemind":
             first_address = wait_for_file(out.with_suffix(".address"), processes, 120)
     try:
         wait_all(processes, timeout=timeout)
@@ -143,7 +177,7 @@ def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str
         events = read_events(base / f"node-{i}.jsonl")
         runs.append({"evals": [e for e in events if e["event"] == "eval"],
                      "wait": sum(e["network_wait_seconds"] for e in events if e["event"] == "sync"),
-                     "start": events[0]["time"] - 0.0 if events else time.time(),
+                     "start": events[0]["time"] if events else time.time(),
                      "end": events[-1]["time"] if events else time.time()})
     return runs
 
@@ -165,13 +199,52 @@ def time_to(curve: list[tuple[float, int, float]], target: float) -> tuple[float
     return next(((t, step) for t, step, loss in curve if loss <= target), None)
 
 
+def parse_rates(text: str) -> dict[int, str]:
+    """--rates "3=2mbit,1=5mbit": nodes whose access link differs from --rate."""
+    try:
+        return {int(k): v for k, v in (item.split("=", 1) for item in text.split(",") if item)}
+    except ValueError:
+        raise SystemExit(f"--rates {text!r}: each item must be NODE=RATE, e.g. 3=2mbit") from None
+
+
+def bits_per_second(rate: str) -> float:
+    """tc's rate words: kbit, mbit, gbit (powers of 1000)."""
+    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(suffix):
+            return float(rate[:-len(suffix)]) * scale
+    raise SystemExit(f"link rate {rate!r}: write it as tc does, e.g. 20mbit")
+
+
+def regime(results: dict[str, dict], args: argparse.Namespace) -> dict:
+    """The ratio of one fp32 ring all-reduce to one round's compute, predicted from the bytes and
+    the link rate and measured from DiLoCo over hivemind's wait, both against the local-only
+    run's round time (compute and evaluation, no network)."""
+    from node.train.model import build_model
+    parameters = sum(p.numel() for p in build_model(tiny_manifest("noloco", 1, 0, 1).model, 256).parameters())
+    ring_bytes = 2 * (args.nodes - 1) / args.nodes * 4 * parameters
+    out = {"parameters": parameters, "ring_bytes_per_node": ring_bytes,
+           "ring_seconds_predicted": ring_bytes * 8 / bits_per_second(args.rate)}
+    local = results.get("local", {}).get("curve") or []
+    if len(local) >= 2:
+        (t0, s0, _), (t1, s1, _) = local[0], local[-1]
+        out["round_compute_seconds"] = (t1 - t0) / (s1 - s0) * args.inner_steps
+        out["ratio_predicted"] = out["ring_seconds_predicted"] / out["round_compute_seconds"]
+        diloco = results.get("diloco-hivemind")
+        if diloco and diloco.get("wait_per_round"):
+            out["ring_seconds_measured"] = statistics.fmean(diloco["wait_per_round"])
+            out["ratio_measured"] = out["ring_seconds_measured"] / out["round_compute_seconds"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=4)
     parser.add_argument("--rate", default="20mbit")
+    parser.add_argument("--rates", default="", help="nodes on another link, e.g. 3=2mbit")
     parser.add_argument("--delay-ms", type=float, default=50.0)
+    parser.add_argument("--inner-steps", type=int, default=50, help="H, for every method")
     parser.add_argument("--steps", type=int, default=400, help="inner steps per node (default 400)")
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=0, help="default: every round (H)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--dp-minutes", type=float, default=0.0,
                         help="data-parallel's wall-clock cap (default: twice the slowest other method)")
@@ -181,7 +254,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true",
                         help="keep the methods already in --out (each is saved as it ends), run the rest")
     args = parser.parse_args()
-    methods = args.methods.split(",")
+    methods, rates = args.methods.split(","), parse_rates(args.rates)
+    eval_every = args.eval_every or args.inner_steps
     results: dict[str, dict] = {}
     if args.resume and args.out.exists():
         results = {m: r for m, r in json.loads(args.out.read_text())["results"].items() if m in methods}
@@ -190,21 +264,23 @@ def main() -> None:
         for method in [m for m in methods if m not in results]:
             base = Path(tmp) / method
             base.mkdir(parents=True, exist_ok=args.resume)
-            manifest = tiny_manifest(method, args.steps, args.eval_every, args.threads)
-            with ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms) as swarm:
+            manifest = method_manifest(method, args)
+            with ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms, rates=rates) as swarm:
                 load_before, started = os.getloadavg()[0], time.time()
                 if method in ("noloco", "dilocox"):
                     runs = run_daemons(swarm, base, manifest, args.steps)
                 else:
                     longest = max((r["wall"] for r in results.values()), default=600.0)
                     cap = args.dp_minutes * 60 or 2 * longest
-                    runs = run_baseline(swarm, base, manifest, method, args.steps, args.eval_every,
+                    runs = run_baseline(swarm, base, manifest, method, args.steps, eval_every,
                                         timeout=cap if method == "data-parallel" else 3600)
                 wall = time.time() - started
                 sent = [swarm.tx_bytes(i) for i in range(swarm.n)]
+            rounds = max(1, args.steps // args.inner_steps)
             results[method] = {
                 "wall": wall, "curve": mean_curve(runs, started),
-                "sent_bytes_per_node": statistics.fmean(sent),
+                "sent_bytes_per_node": statistics.fmean(sent), "sent_bytes": sent,
+                "wait_per_round": [r["wait"] / rounds for r in runs],
                 "idle_fraction": [r["wait"] / max(r["end"] - r["start"], 1e-9) for r in runs],
                 "load_average": [load_before, os.getloadavg()[0]]}
             print(f"{method}: {wall / 60:.1f} min, final {results[method]['curve'][-1] if results[method]['curve'] else None}",
@@ -213,45 +289,51 @@ def main() -> None:
     report(results, args)
 
 
-def plot(results: dict[str, dict], target: float | None, path: Path) -> None:
+def plot(results: dict[str, dict], title: str, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for method, r in results.items():
         if r["curve"]:
-            axes[0].plot([t / 60 for t, _, _ in r["curve"]], [v for _, _, v in r["curve"]], "o-", label=method)
+            axes[0].plot([t / 60 for t, _, _ in r["curve"]], [v for _, _, v in r["curve"]], "o-",
+                         markersize=3, label=method)
         axes[1].bar(method, 100 * statistics.fmean(r["idle_fraction"]))
-    if target is not None:
-        axes[0].axhline(target, color="grey", linestyle=":", label="target (DiLoCo-hivemind's final)")
-    axes[0].set(xlabel="wall-clock (min)", ylabel="mean validation loss of the nodes",
-                title="time to loss, 4 nodes, tiny model")
+    axes[0].set(xlabel="wall-clock (min)", ylabel="mean validation loss of the nodes", title=title)
     axes[0].legend()
     axes[1].set(ylabel="% of wall-clock the trainer waits on the network", title="idle time (mean of nodes)")
+    axes[1].tick_params(axis="x", labelrotation=30)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
 
 def report(results: dict[str, dict], args: argparse.Namespace) -> None:
-    reference = results.get("diloco-hivemind")
-    target = reference["curve"][-1][2] if reference and reference["curve"] else None
+    """Every method's time to every method's final loss, the whole runs, and the regime."""
+    finals = {m: r["curve"][-1][2] for m, r in results.items() if r["curve"]}
     for result in results.values():
-        reached = time_to(result["curve"], target) if target is not None else None
-        result["time_to_target"], result["step_at_target"] = reached or (None, None)
-        if reached:  # bytes are counted for the whole run: prorate them to the target's time
-            result["bytes_to_target"] = result["sent_bytes_per_node"] * reached[0] / result["wall"]
-    args.out.write_text(json.dumps({"target": target, "args": {k: str(v) for k, v in vars(args).items()},
+        result["time_to_final_of"] = {m: time_to(result["curve"], loss) for m, loss in finals.items()}
+    measured = regime(results, args)
+    args.out.write_text(json.dumps({"regime": measured, "args": {k: str(v) for k, v in vars(args).items()},
                                     "results": results}, indent=1))
-    plot(results, target, args.out.with_suffix(".png"))
-    print(f"target: validation loss {target} (DiLoCo over hivemind at the end of its budget)")
-    print("| method | time to target | step | bytes sent per node to target | whole run | final val loss | idle fraction (per node) |")
-    print("|---|---|---|---|---|---|---|")
+    ratio = measured.get("ratio_measured", measured.get("ratio_predicted"))
+    title = (f"{args.nodes} nodes, tiny model, H = {args.inner_steps}, {args.rate}"
+             + (f" ({args.rates})" if args.rates else "") + (f", ratio {ratio:.1f}" if ratio else ""))
+    plot(results, title, args.out.with_suffix(".png"))
+    print("regime:", json.dumps(measured))
+    print("| method | whole run | final val loss (step) | sent per node | idle fraction (per node) |")
+    print("|---|---|---|---|---|")
     for method, r in results.items():
-        ttt = f"{r['time_to_target'] / 60:.2f} min" if r["time_to_target"] is not None else "not reached"
-        to_target = f"{r['bytes_to_target'] / 2**20:.1f} MiB" if r.get("bytes_to_target") else "-"
-        final = f"{r['curve'][-1][2]:.4f} (step {r['curve'][-1][1]})" if r["curve"] else "-"
+        final = f"{r['curve'][-1][2]:.4f} ({r['curve'][-1][1]})" if r["curve"] else "-"
         idle = ", ".join(f"{x:.1%}" for x in r["idle_fraction"])
-        print(f"| {method} | {ttt} | {r['step_at_target'] or '-'} | {to_target} | {r['wall'] / 60:.2f} min | {final} | {idle} |")
+        print(f"| {method} | {r['wall'] / 60:.2f} min | {final} | {r['sent_bytes_per_node'] / 2**20:.1f} MiB | {idle} |")
+    print("\ntime to each method's final loss (rows: the loss; columns: the method reaching it)")
+    print("| loss | " + " | ".join(results) + " |")
+    print("|---|" + "---|" * len(results))
+    for target, loss in sorted(finals.items(), key=lambda kv: kv[1]):
+        cells = [(f"{hit[0] / 60:.2f} min (step {hit[1]})"
+                  if (hit := results[m]["time_to_final_of"][target]) else "not reached")
+                 for m in results]
+        print(f"| {loss:.4f} ({target}'s final) | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

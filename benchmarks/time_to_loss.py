@@ -80,7 +80,23 @@ def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
     elif method == "dilocox":
         p.codec, p.rank, p.bits, p.apply_on_arrival, p.outer_momentum = "lowrank", 4, 4, True, 0.6
         p.controller = True  # the compression adapts to the link (issue 18)
+    for key, value in (args.protocol_set.get(method) or {}).items():  # --set METHOD.KEY=VALUE
+        setattr(p, key, value)
     return m
+
+
+def parse_sets(items: list[str]) -> dict[str, dict]:
+    """--set noloco.max_swap_rounds=1 (a JSON value): a protocol setting of one method."""
+    sets: dict[str, dict] = {}
+    for item in items:
+        try:
+            key, value = item.split("=", 1)
+            method, name = key.split(".", 1)
+            sets.setdefault(method, {})[name] = json.loads(value)
+        except ValueError:
+            raise SystemExit(f"--set {item!r}: write METHOD.KEY=VALUE with a JSON value, "
+                             "e.g. noloco.max_swap_rounds=1") from None
+    return sets
 
 
 def read_events(path: Path) -> list[dict]:
@@ -249,12 +265,15 @@ def main() -> None:
     parser.add_argument("--dp-minutes", type=float, default=0.0,
                         help="data-parallel's wall-clock cap (default: twice the slowest other method)")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
+                        help="a protocol setting of one method (JSON value), e.g. noloco.wire_dtype='\"int4\"'")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "time_to_loss.json")
     parser.add_argument("--work-dir", type=Path, help="keep the nodes' logs here (default: a temporary directory)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the methods already in --out (each is saved as it ends), run the rest")
     args = parser.parse_args()
     methods, rates = args.methods.split(","), parse_rates(args.rates)
+    args.protocol_set = parse_sets(args.set)
     eval_every = args.eval_every or args.inner_steps
     results: dict[str, dict] = {}
     if args.resume and args.out.exists():

@@ -8,5 +8,6 @@ setup:
 run: setup
 	.venv/bin/lowcomm-node local-swarm --swarm local --nodes 3 --max-steps 300
 
+# --durations: the slowest tests, to keep the suite within CI's 20 minutes on 2 cores
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider tests
+	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests

@@ -87,8 +87,11 @@ def run_diloco_hivemind(args: argparse.Namespace, manifest: Manifest, log: Log) 
                 with averager.get_tensors() as tensors:
                     for buffer, value in zip(tensors, delta.values()):
                         buffer.copy_(value)
-                waited = time.monotonic()
-                group = averager.step(timeout=args.sync_timeout)
+                waited, error = time.monotonic(), None
+                try:
+                    group = averager.step(timeout=args.sync_timeout)
+                except Exception as exc:  # e.g. "could not find a group" on a saturated link:
+                    group, error = None, str(exc)  # a user's loop goes on with its own Δ
                 waited = time.monotonic() - waited
                 with averager.get_tensors() as tensors:
                     mean = dict(zip(delta, (t.clone() for t in tensors)))
@@ -96,7 +99,7 @@ def run_diloco_hivemind(args: argparse.Namespace, manifest: Manifest, log: Log) 
                     mean = delta
                 trainer.load_parameters(outer.outer_step([mean]))
                 log("sync", step=trainer.step, network_wait_seconds=waited,
-                    group_size=len(group) if group else 1, payload_bytes=payload)
+                    group_size=len(group) if group else 1, payload_bytes=payload, error=error)
             maybe_evaluate(trainer, log, args.eval_every)
     finally:
         averager.shutdown()

@@ -156,7 +156,7 @@ def run_daemons(swarm: ShapedSwarm, base: Path, manifest: Manifest, steps: int) 
 
 
 def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str, steps: int,
-                 eval_every: int, timeout: float) -> list[list[dict]]:
+                 eval_every: int, timeout: float, hivemind_options: list[str] = ()) -> list[list[dict]]:
     path = write_manifest(manifest, base / "manifest.toml")
     processes, first_address = [], None
     trainer, options = BASELINES[method]
@@ -168,7 +168,7 @@ def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str
             command += ["--node-index", str(i)]
         elif trainer == "diloco-hivemind":
             swarm.relay(i, RELAY_PORT, ("127.0.0.1", P2P_PORT))
-            command += ["--node-index", str(i), "--group-size", str(swarm.n),
+            command += ["--node-index", str(i), "--group-size", str(swarm.n), *hivemind_options,
                         "--listen", f"/ip4/127.0.0.1/tcp/{P2P_PORT}",
                         "--announce", f"/ip4/{swarm.address(i)}/tcp/{RELAY_PORT}"]
             if first_address:
@@ -265,17 +265,24 @@ def main() -> None:
     parser.add_argument("--dp-minutes", type=float, default=0.0,
                         help="data-parallel's wall-clock cap (default: twice the slowest other method)")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--hivemind", default="",
+                        help="options of baseline_trainer.py's DiLoCo over hivemind, e.g. "
+                             "'--request-timeout 10 --matchmaking-time 15' on a slow link")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
                         help="a protocol setting of one method (JSON value), e.g. noloco.wire_dtype='\"int4\"'")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "time_to_loss.json")
     parser.add_argument("--work-dir", type=Path, help="keep the nodes' logs here (default: a temporary directory)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the methods already in --out (each is saved as it ends), run the rest")
+    parser.add_argument("--report-only", action="store_true",
+                        help="print the tables and redraw the plot of --out (same arguments as its run)")
     args = parser.parse_args()
     methods, rates = args.methods.split(","), parse_rates(args.rates)
     args.protocol_set = parse_sets(args.set)
     eval_every = args.eval_every or args.inner_steps
     results: dict[str, dict] = {}
+    if args.report_only:
+        return report(json.loads(args.out.read_text())["results"], args)
     if args.resume and args.out.exists():
         results = {m: r for m, r in json.loads(args.out.read_text())["results"].items() if m in methods}
     with tempfile.TemporaryDirectory(prefix="lowcomm-ttl-") as tmp:
@@ -292,7 +299,8 @@ def main() -> None:
                     longest = max((r["wall"] for r in results.values()), default=600.0)
                     cap = args.dp_minutes * 60 or 2 * longest
                     runs = run_baseline(swarm, base, manifest, method, args.steps, eval_every,
-                                        timeout=cap if method == "data-parallel" else 3600)
+                                        timeout=cap if method == "data-parallel" else 3600,
+                                        hivemind_options=args.hivemind.split())
                 wall = time.time() - started
                 sent = [swarm.tx_bytes(i) for i in range(swarm.n)]
             rounds = max(1, args.steps // args.inner_steps)

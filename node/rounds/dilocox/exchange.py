@@ -324,7 +324,7 @@ class DiLoCoXExchange:
         task = self._catch_up_task
         if task is not None and task.done():
             self._catch_up_task = None
-            joined = task.result()
+            joined = None if task.cancelled() else task.result()  # _adopt_state raises nothing
             if joined is None or joined.round_index <= round_index + 1:
                 return None  # no state, or we are no longer behind it
             self._restart_at(joined.round_index)

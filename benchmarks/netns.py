@@ -37,6 +37,14 @@ from collections import deque
 PREFIX = "lcbench-"
 
 
+def rate_bits(rate: str) -> float:
+    """Bits per second of a tc rate word (bit, kbit, mbit, gbit: powers of 1000)."""
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * scale
+    raise ValueError(f"a rate like 100mbit or 1800kbit, not {rate!r}")
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
 

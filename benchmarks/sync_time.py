@@ -48,6 +48,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from benchmarks.netns import rate_bits  # noqa: E402
 from node.config.manifest import Manifest  # noqa: E402
 P2P_PORT, RELAY_PORT, GLOO_PORT = 4100, 4101, 29500
 SOCKETS = "/tmp/hivemind-*.sock"  # p2pd's and its clients' (the namespaces share /tmp)
@@ -277,14 +278,6 @@ def must_send(method: str, n: int, message_bytes: int) -> float:
     if method == "dilocox":
         return message_bytes * (n - 1)             # its message, to every other member
     return 2 * (n - 1) / n * message_bytes          # a bandwidth-optimal all-reduce
-
-
-def rate_bits(rate: str) -> float:
-    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
-    for unit, scale in units.items():
-        if rate.endswith(unit):
-            return float(rate[:-len(unit)]) * scale
-    raise ValueError(f"a rate like 100mbit or 1gbit, not {rate!r}")
 
 
 def label(method: str, snapshot: str | None) -> str:

@@ -46,8 +46,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from benchmarks.netns import ShapedSwarm  # noqa: E402
+from benchmarks.netns import ShapedSwarm, rate_bits  # noqa: E402
 from node.config.manifest import Manifest, write_manifest  # noqa: E402
+from node.config.schema import parse_override  # noqa: E402
 
 PYTHON = sys.executable
 P2P_PORT, RELAY_PORT, DP_PORT = 4100, 4101, 29500
@@ -86,16 +87,15 @@ def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
 
 
 def parse_sets(items: list[str]) -> dict[str, dict]:
-    """--set noloco.max_swap_rounds=1 (a JSON value): a protocol setting of one method."""
+    """--set noloco.max_swap_rounds=1: a protocol setting of one method (values as the daemon's
+    --set reads them, node/config/schema.py parse_override)."""
     sets: dict[str, dict] = {}
     for item in items:
-        try:
-            key, value = item.split("=", 1)
-            method, name = key.split(".", 1)
-            sets.setdefault(method, {})[name] = json.loads(value)
-        except ValueError:
-            raise SystemExit(f"--set {item!r}: write METHOD.KEY=VALUE with a JSON value, "
-                             "e.g. noloco.max_swap_rounds=1") from None
+        key, value = parse_override(item)
+        method, dot, name = key.partition(".")
+        if not dot:
+            raise SystemExit(f"--set {item!r}: write METHOD.KEY=VALUE, e.g. noloco.max_swap_rounds=1")
+        sets.setdefault(method, {})[name] = value
     return sets
 
 
@@ -223,14 +223,6 @@ def parse_rates(text: str) -> dict[int, str]:
         raise SystemExit(f"--rates {text!r}: each item must be NODE=RATE, e.g. 3=2mbit") from None
 
 
-def bits_per_second(rate: str) -> float:
-    """tc's rate words: kbit, mbit, gbit (powers of 1000)."""
-    for suffix, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3), ("bit", 1.0)):
-        if rate.endswith(suffix):
-            return float(rate[:-len(suffix)]) * scale
-    raise SystemExit(f"link rate {rate!r}: write it as tc does, e.g. 20mbit")
-
-
 def regime(results: dict[str, dict], args: argparse.Namespace) -> dict:
     """The ratio of one fp32 ring all-reduce to one round's compute, predicted from the bytes and
     the link rate and measured from DiLoCo over hivemind's wait, both against the local-only
@@ -239,7 +231,7 @@ def regime(results: dict[str, dict], args: argparse.Namespace) -> dict:
     parameters = sum(p.numel() for p in build_model(tiny_manifest("noloco", 1, 0, 1).model, 256).parameters())
     ring_bytes = 2 * (args.nodes - 1) / args.nodes * 4 * parameters
     out = {"parameters": parameters, "ring_bytes_per_node": ring_bytes,
-           "ring_seconds_predicted": ring_bytes * 8 / bits_per_second(args.rate)}
+           "ring_seconds_predicted": ring_bytes * 8 / rate_bits(args.rate)}
     local = results.get("local", {}).get("curve") or []
     if len(local) >= 2:
         (t0, s0, _), (t1, s1, _) = local[0], local[-1]
@@ -269,7 +261,7 @@ def main() -> None:
                         help="options of baseline_trainer.py's DiLoCo over hivemind, e.g. "
                              "'--request-timeout 10 --matchmaking-time 15' on a slow link")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.KEY=VALUE",
-                        help="a protocol setting of one method (JSON value), e.g. noloco.wire_dtype='\"int4\"'")
+                        help="a protocol setting of one method, e.g. noloco.wire_dtype=int4")
     parser.add_argument("--out", type=Path, default=REPO / "benchmarks" / "time_to_loss.json")
     parser.add_argument("--work-dir", type=Path, help="keep the nodes' logs here (default: a temporary directory)")
     parser.add_argument("--resume", action="store_true",

@@ -3,7 +3,9 @@ training thread's calls into the loop.
 
 - `BackgroundTasks`: every fire-and-forget task of the daemon is started here; a task that fails
   is counted by name and logged in one sentence (and published as a TaskFailed event), never
-  dropped with its future. Cancellation, at leaving, is not a failure.
+  dropped with its future. Cancellation, at leaving, is not a failure. A task started as a
+  `transfer` (a message on its way to a peer) is let finish, bounded, before the node stops
+  serving: cut mid-stream, the peer would see a truncated message from an orderly leave.
 - `LoopBridge`: the training thread's only way into the loop. `call` runs a function on the loop
   and waits for its answer, at most the network wait the caller asks for plus a named timeout
   (NodeTimeouts.loop_call_s); `post` and `spawn` hand work over without waiting.
@@ -32,16 +34,26 @@ class BackgroundTasks:
         self.publish = publish
         self.failures: Counter = Counter()  # task name -> failures
         self._tasks: set[asyncio.Task] = set()
+        self._transfers: set[asyncio.Task] = set()
 
-    def spawn(self, coroutine: Coroutine, name: str) -> asyncio.Task:
-        """Runs `coroutine` on the running loop; its failure is counted and logged."""
+    def spawn(self, coroutine: Coroutine, name: str, *, transfer: bool = False) -> asyncio.Task:
+        """Runs `coroutine` on the running loop; its failure is counted and logged.
+        `transfer`: it sends to a peer, and leaving waits for it (`finish_transfers`)."""
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._tasks.add(task)
+        if transfer:
+            self._transfers.add(task)
         task.add_done_callback(self._finished)
         return task
 
+    async def finish_transfers(self, timeout_s: float) -> None:
+        """Waits (bounded) for the transfers in flight to end; cancels nothing."""
+        if self._transfers:
+            await asyncio.wait(list(self._transfers), timeout=timeout_s)
+
     def _finished(self, task: asyncio.Task) -> None:
         self._tasks.discard(task)
+        self._transfers.discard(task)
         if task.cancelled() or task.exception() is None:
             return
         name, error = task.get_name(), task.exception()
@@ -86,6 +98,8 @@ class LoopBridge:
         """`function(*args)` on the loop, soon; the caller does not wait."""
         self.loop.call_soon_threadsafe(function, *args)
 
-    def spawn(self, name: str, function: Callable[..., Coroutine], *args: Any) -> None:
+    def spawn(self, name: str, function: Callable[..., Coroutine], *args: Any,
+              transfer: bool = False) -> None:
         """Starts `function(*args)` as a background task on the loop; the caller does not wait."""
-        self.loop.call_soon_threadsafe(lambda: self.tasks.spawn(function(*args), name))
+        self.loop.call_soon_threadsafe(lambda: self.tasks.spawn(function(*args), name,
+                                                                transfer=transfer))

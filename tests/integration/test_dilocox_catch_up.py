@@ -34,8 +34,10 @@ def test_a_dilocox_node_stopped_for_rounds_catches_up_and_holds_the_swarms_phi(h
     caught = sleeper.wait_for(has("caught_up"), 120, "the node that slept to catch up")
     event = next(e for e in caught if e["event"] == "caught_up")
     # awake, it ends the round it was in, asks for the state at a round's end and takes it at
-    # the next (the download runs in the background): a few rounds after it fell asleep
-    assert event["from_round"] <= asleep_round + 4 and event["round"] >= asleep_round + 5, event
+    # a later one (the download runs in the background, while its own rounds go on: how many
+    # depends on the machine's load, 1 here, 4 in CI): it jumps to the swarm's round, past the
+    # rounds it slept through, instead of training through them
+    assert event["round"] >= asleep_round + 5 and event["round"] - event["from_round"] >= 2, event
 
     def holds_the_swarms_phi(events: list[dict]) -> bool:
         theirs = [{r["round"]: r["phi_digest"] for r in n.events("round")} for n in others]

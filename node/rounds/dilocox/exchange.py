@@ -117,7 +117,7 @@ class DiLoCoXExchange:
         message = OutgoingMessage(PGRAD, round_index, tensors)
         self._handed_bytes = message.total_bytes
         self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
-                                round_index, message)
+                                round_index, message, transfer=True)
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,

@@ -291,7 +291,8 @@ class NoLoCoExchange:
             self.publish(Paired(round=pair.round_index, partner=pair.partner))
             self.membership.update(status="exchanging")  # no more proposals this round
             if pair.initiator == self.peer_id:
-                self.swarm.tasks.spawn(self._swap(pair), f"noloco swap with {pair.partner[-8:]}")
+                self.swarm.tasks.spawn(self._swap(pair), f"noloco swap with {pair.partner[-8:]}",
+                                      transfer=True)
         self._wake_settled()
         self.changed.set()
 

@@ -19,7 +19,10 @@ member's word where more than one member can be asked.
   member announced and trains from (φ and its momentum belong together); a state inside the
   honest ones' spread that wins the choice costs the joiner no more than the swarm's own spread.
   A state beyond the tolerance from the adopted one is "far from the majority": its server is
-  banned. With two states they must agree within the tolerance or neither is adopted.
+  banned, unless its round is more than `FAR_ROUND_SLACK` rounds from the adopted state's (an
+  honest member that ran ahead, or fell behind, trained its φ away from the others': it is set
+  aside, not banned). With two states they must agree within the tolerance or neither is
+  adopted.
 - Every state is checked as a contribution is (node/rounds/contributions.py): the joiner's own
   tensor names and shapes, finite values, φ's and the momentum's norm within `max_norm_ratio`
   of the joiner's own φ. A state that fails is refused and its server banned.
@@ -68,6 +71,9 @@ LEAD_FACTOR, LEAD_ROUNDS = 4, 16
 # three or more states are compared, widens it for a swarm spread wider than measured.
 SPREAD_TOLERANCE = 0.35
 FAR_FACTOR = 4.0
+# NoLoCo: a far state is proof of a lie only against states of about its own round: honest
+# members pair while within max_staleness (2 by default) rounds of each other.
+FAR_ROUND_SLACK = 2
 
 
 @dataclass
@@ -110,6 +116,11 @@ def quorum_digest(members: list[MemberRecord]) -> tuple[int, str, list[str]] | N
                 return state_round, digest, [r.peer_id for r in members
                                              if announced_phi(r.extra, state_round) == digest]
     return None
+
+
+def _state_round(candidate: _Candidate) -> int:
+    value = candidate.meta.get("phi_round")
+    return value if type(value) is int else -1
 
 
 def check_state(source: str, groups: dict, reference: dict[str, torch.Tensor],
@@ -270,6 +281,11 @@ class StateAdoption:
         if chosen is None:
             return held
         for candidate, distance in far:
+            apart = abs(_state_round(candidate) - _state_round(chosen))
+            if apart > FAR_ROUND_SLACK:
+                log.info("member %s served a φ %.2f of φ's norm from the majority's, %d rounds "
+                         "apart from it: set aside, not banned", candidate.source, distance, apart)
+                continue
             self._ban(candidate.source, "far", f"member {candidate.source} served a φ {distance:.2f} "
                       f"of φ's norm from the state {len(held) - len(far)} of {len(held)} members "
                       f"agree on (tolerance {SPREAD_TOLERANCE}): far from the majority")

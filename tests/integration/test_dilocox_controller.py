@@ -33,6 +33,10 @@ def test_four_nodes_adapt_their_compression_and_agree_on_phi(harness_factory):
     digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
     agreed = [r for r in common if len({d[r] for d in digests}) == 1]
     print(f"rounds all four ended: {len(common)}, with one φ digest: {len(agreed)}")
+    # a node steps mid-round when every message of the round came before its own round ended:
+    # the slower nodes do, the fastest may never (CI: one of four never did in 10 rounds)
+    assert any(r["stepped_mid_round"] for node in nodes for r in node.events("round")), \
+        "no outer step was taken mid-round"
     for node in nodes:
         rounds = node.events("round")
         assert any(len(r["group"]) == 4 for r in rounds), "no round applied the whole group"
@@ -41,7 +45,6 @@ def test_four_nodes_adapt_their_compression_and_agree_on_phi(harness_factory):
             assert choice["codec"] == "topk" and 1 <= choice["k_min"] <= choice["k_max"] <= 32
             assert choice["bits"] in (2, 4, 8) and choice["budget"] in ("over", "within", "slack")
         assert any(r["compression"]["changes"] for r in rounds), "the controller never moved"
-        assert any(r["stepped_mid_round"] for r in rounds), "no outer step was taken mid-round"
         counters = node.events("transport")[-1]
         assert set(counters["refused_incoming"]) <= BENIGN
         vals = [r["val_loss"] for r in rounds if "val_loss" in r]

@@ -9,7 +9,8 @@ same path). Two honest members and one liar; the liar's lie changes from case to
 - poisoned weights whose digest it announced itself (NaN, and 1000x the honest norm);
 - a state far from the majority (NoLoCo: its own, announced; DiLoCoX: a minority digest);
 - a state other than the one it announced (DiLoCoX: it announces the majority's digest);
-- DiLoCoX: a far state announced for a round one later than the others' (a lone vote).
+- a far state announced for a later round (NoLoCo: 6 rounds ahead, set aside; DiLoCoX: one
+  round, a lone vote).
 
 Each case asserts the joiner adopts an honest state, at the round a majority reached, and that
 the liar is banned (where its lie is proof; a DiLoCoX member announcing a minority digest is not
@@ -179,6 +180,9 @@ def test_noloco_late_join_adopts_no_liars_state_and_bans_it(tmp_path, p2p_cleanu
         ("NaN weights, own digest announced", case(poisoned_nan), True),
         ("1000x weights, own digest announced", case({n: t * 1000 for n, t in a.items()}), True),
         ("far from the majority, own digest announced", case(nudged(base, 5, 0.8)), True),
+        # an honest member that ran rounds ahead trained its φ away: not adopted, not banned
+        ("far, announced for a round well ahead of the others'", case(nudged(base, 5, 0.8),
+                                                                      round_index=HONEST_ROUND + 6), False),
         ("serves another state than it announced", case(nudged(base, 6, 0.8), announced=nudged(base, 7, 0.01)),
          True),
     ]

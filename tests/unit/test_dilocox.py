@@ -11,7 +11,7 @@ import torch
 from protocol.codecs import CodecError, Encoded, get_codec
 from protocol.diloco import DiLoCo
 from protocol.dilocox import (DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome,
-                              winning_digest)
+                              split_winner, winning_digest)
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
 
 
@@ -283,3 +283,15 @@ def test_every_node_settles_a_tied_vote_on_the_same_digest():
     assert winning_digest(Counter({"bb": 1, "aa": 1})) == winning_digest({"aa": 1, "bb": 1}) == "aa"
     assert winning_digest({"aa": 1, "bb": 2, "cc": 2}) == "bb"    # a majority beats the tie rule
     assert winning_digest({"ff": 3, "00": 1}) == "ff"
+
+
+def test_a_total_split_goes_to_the_holder_ranked_first_for_the_round_whatever_the_digests():
+    holders = {"aa": ["p1"], "bb": ["p2"], "cc": ["p3"], "dd": ["p4"]}
+    winner = split_winner(holders, 7)
+    # the same from any order of the votes, and a digest ground small changes nothing
+    assert split_winner(dict(reversed(holders.items())), 7) == winner
+    ground = {("00" if d != winner else d): p for d, p in holders.items()}
+    assert split_winner(ground, 7) == winner
+    # the rank changes with the round: no holder wins every split
+    winners = {split_winner(holders, r) for r in range(40)}
+    assert winners == set(holders)

@@ -15,6 +15,7 @@ from node.rounds.dilocox.exchange import DiLoCoXExchange
 from p2p.errors import P2PError
 from p2p.messages import OutgoingMessage
 from p2p.records import MemberRecord
+from protocol.dilocox import split_winner
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
 
@@ -147,25 +148,37 @@ def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
     asyncio.run(main())
 
 
-def test_among_three_voters_a_lone_digest_never_wins_a_resync():
+def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
     """Issue 24: three members each announce another φ; the smallest digest (which a liar can
-    grind for) would win the tie. With three or more voters a resync needs two votes."""
+    grind for) would win a plain tie. A total split goes to the holder ranked first for the
+    round (protocol/dilocox.py split_winner): all three heal, and the liar's small digest wins
+    only in the rounds its fixed identity ranks first."""
     async def main():
         loop = asyncio.get_running_loop()
         events: list = []
+        digests = {"liar": "0" * 32, "other": "e" * 32, "us": "f" * 32}
         records = [live_member(peer, 6, "dilocox", "training", since=0, phi=digest, phi_round=5)
-                   for peer, digest in (("liar", "0" * 32), ("other", "e" * 32))]
-        swarm = unit_swarm(loop, records, transport=NoStateServer(), events=events)
+                   for peer, digest in digests.items() if peer != "us"]
+        swarm = unit_swarm(loop, records, peer_id="us", transport=NoStateServer(), events=events)
         swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-        ex.tied_round = 4   # the tie lasted: it would be broken now
-        await ex._check_consensus(5, "f" * 32)
-        assert not [e for e in events if isinstance(e, Diverged)]
-        # two of three announce it: a resync is due
-        ex.members.records["other"] = live_member("other", 6, "dilocox", "training", since=0,
-                                                  phi="0" * 32, phi_round=5)
-        await ex._check_consensus(5, "f" * 32)
-        assert [e.round for e in events if isinstance(e, Diverged)] == [5]
+        ex.tied_round = 4   # the tie lasted: it is broken now
+        by_rank = {r: split_winner({d: [p] for p, d in digests.items()}, r) for r in range(5, 40)}
+        split = next(r for r, d in by_rank.items() if d == "e" * 32)  # "other" ranks first
+        records = [dataclasses.replace(m, round=split + 1, extra={**m.extra, "phi_round": split})
+                   for m in records]
+        ex.members.records = {m.peer_id: m for m in records}
+        ex.tied_round = split - 1
+        await ex._check_consensus(split, "f" * 32)
+        assert [(e.round, e.majority) for e in events if isinstance(e, Diverged)] == [(split, "e" * 12)]
+        # a round we rank first in: we hold the winner, nothing to do
+        ours = next(r for r, d in by_rank.items() if d == "f" * 32)
+        ex.members.records = {m.peer_id: dataclasses.replace(m, round=ours + 1,
+                                                        extra={**m.extra, "phi_round": ours})
+                              for m in records}
+        ex.tied_round, events[:] = ours - 1, []
+        await ex._check_consensus(ours, "f" * 32)
+        assert [e for e in events if isinstance(e, Diverged)] == []
     asyncio.run(main())
 
 

@@ -20,12 +20,14 @@ Invariants:
   to a random subset) nobody is waited for past one of our rounds either (members then apply
   different messages, so φ splits every round and only the consensus check rejoins it: a swarm
   that large should raise `fan_out`);
-- a resync state is used only if its digest equals the majority's digest for that round, a
-  digest that among three or more voters more than one member announced; a holder that serves
-  another φ for that round is banned; the training thread checks the state as a contribution;
+- a resync state is used only if its digest equals the winning digest for that round; a
+  holder that serves another φ for that round is banned; the training thread checks the state
+  as a contribution;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
-  smallest digest), so a split of two survivors is healed, not kept; a tie waits for missing
-  votes one round at most (`tied_round`), so a vote that never comes cannot keep it;
+  smallest digest; a total split of three or more lone digests to the digest of the holder
+  ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
+  not kept; a tie waits for missing votes one round at most (`tied_round`), so a vote that
+  never comes cannot keep it;
 - a node `CATCH_UP_LAG` or more rounds behind the round a majority of its members reached (it
   stalled, or joined from a stale view of the swarm) adopts the swarm's state as a late joiner
   does (`catch_up`, the daemon's StateAdoption: a majority's digest, checked) and trains on from
@@ -48,7 +50,7 @@ from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_st
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, ReceivedMessage
-from protocol.dilocox import winning_digest
+from protocol.dilocox import split_winner, winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
 PGRAD = "dilocox.pgrad"
@@ -293,10 +295,12 @@ class DiLoCoXExchange:
             self.tied_round = round_index
             return
         if votes[majority] < 2 and sum(votes.values()) >= 3:
-            # A tie of lone digests, which a liar wins by grinding a small one: among three or
-            # more voters a resync needs more than one member's word (issue 24). Two survivors
-            # that split still heal: the other's vote is then the only other word there is.
-            return
+            # A tie of lone digests, which a liar would win by grinding a small one: the holder
+            # ranked first for the round wins instead (it healed none before: CI saw three
+            # members on three φ for 15 rounds after one caught up)
+            majority = split_winner({digest: [self.peer_id], **holders}, round_index)
+            if majority == digest:
+                return
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
         for peer in holders.get(majority, []):

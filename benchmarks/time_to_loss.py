@@ -24,7 +24,9 @@ inner trainer, each node in its own network namespace behind a shaped access lin
   shaped links with no added latency, a lower bound on its time (it favours the baseline);
 - local-only: each node trains alone (no network).
 The budget is the same number of inner steps per node for every method (data-parallel gets a
-wall-clock cap instead, see --dp-minutes). Each method's time to a loss is the wall clock from
+wall-clock cap instead, see --dp-minutes), unless --steps-for gives a method its own: a method
+faster per step then gets about the wall clock a slower one takes, which is the budget a
+volunteer has (each method's learning-rate schedule spans its own steps). Each method's time to a loss is the wall clock from
 its start until the mean of its nodes' validation losses at one evaluation step first reaches
 it; the report gives every method's time to every method's final loss. Bytes are what each
 node's interface sent (tx counters of its veth), and idle is the time a trainer waited on the
@@ -73,8 +75,8 @@ def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
     """Each method at its best settings in the simulated grids (benchmarks/RESULTS.md "What
     DiLoCoX's gap to DiLoCo is made of" and the NoLoCo grid); NoLoCo at the manifest defaults,
     which its tuned step (α 0.6, β = γ 1.1) did not beat."""
-    m = tiny_manifest(method, args.steps, args.eval_every or args.inner_steps, args.threads,
-                      args.inner_steps)
+    m = tiny_manifest(method, method_steps(method, args), args.eval_every or args.inner_steps,
+                      args.threads, args.inner_steps)
     p = m.protocol
     if method.startswith("diloco-hivemind"):
         p.outer_lr, p.outer_momentum = 0.7, 0.6
@@ -84,6 +86,24 @@ def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
     for key, value in (args.protocol_set.get(method) or {}).items():  # --set METHOD.KEY=VALUE
         setattr(p, key, value)
     return m
+
+
+def method_steps(method: str, args: argparse.Namespace) -> int:
+    """The method's inner steps (and the length of its learning-rate schedule): --steps, or its
+    own from --steps-for, so that a method faster per step can be given the wall clock a slower
+    one takes (time to a loss at an equal wall-clock budget, not an equal step budget)."""
+    return args.steps_for.get(method, args.steps)
+
+
+def parse_steps_for(text: str) -> dict[str, int]:
+    """--steps-for "noloco=320,dilocox=320"."""
+    try:
+        steps = {k: int(v) for k, v in (item.split("=", 1) for item in text.split(",") if item)}
+    except ValueError:
+        raise SystemExit(f"--steps-for {text!r}: each item must be METHOD=STEPS, e.g. noloco=320") from None
+    if unknown := set(steps) - set(METHODS):
+        raise SystemExit(f"--steps-for: no method {sorted(unknown)}; the methods are {', '.join(METHODS)}")
+    return steps
 
 
 def parse_sets(items: list[str]) -> dict[str, dict]:
@@ -252,6 +272,8 @@ def main() -> None:
     parser.add_argument("--delay-ms", type=float, default=50.0)
     parser.add_argument("--inner-steps", type=int, default=50, help="H, for every method")
     parser.add_argument("--steps", type=int, default=400, help="inner steps per node (default 400)")
+    parser.add_argument("--steps-for", default="",
+                        help="other step budgets of some methods, e.g. noloco=320,dilocox=320")
     parser.add_argument("--eval-every", type=int, default=0, help="default: every round (H)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--dp-minutes", type=float, default=0.0,
@@ -270,7 +292,7 @@ def main() -> None:
                         help="print the tables and redraw the plot of --out (same arguments as its run)")
     args = parser.parse_args()
     methods, rates = args.methods.split(","), parse_rates(args.rates)
-    args.protocol_set = parse_sets(args.set)
+    args.protocol_set, args.steps_for = parse_sets(args.set), parse_steps_for(args.steps_for)
     eval_every = args.eval_every or args.inner_steps
     results: dict[str, dict] = {}
     if args.report_only:
@@ -286,16 +308,16 @@ def main() -> None:
             with ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms, rates=rates) as swarm:
                 load_before, started = os.getloadavg()[0], time.time()
                 if method in ("noloco", "dilocox"):
-                    runs = run_daemons(swarm, base, manifest, args.steps)
+                    runs = run_daemons(swarm, base, manifest, method_steps(method, args))
                 else:
                     longest = max((r["wall"] for r in results.values()), default=600.0)
                     cap = args.dp_minutes * 60 or 2 * longest
-                    runs = run_baseline(swarm, base, manifest, method, args.steps, eval_every,
+                    runs = run_baseline(swarm, base, manifest, method, method_steps(method, args), eval_every,
                                         timeout=cap if method == "data-parallel" else 3600,
                                         hivemind_options=args.hivemind.split())
                 wall = time.time() - started
                 sent = [swarm.tx_bytes(i) for i in range(swarm.n)]
-            rounds = max(1, args.steps // args.inner_steps)
+            rounds = max(1, method_steps(method, args) // args.inner_steps)
             results[method] = {
                 "wall": wall, "curve": mean_curve(runs, started),
                 "sent_bytes_per_node": statistics.fmean(sent), "sent_bytes": sent,

@@ -153,6 +153,19 @@ def test_a_snapshot_delivered_after_our_round_ended_is_counted_late_not_dropped_
     asyncio.run(main())
 
 
+def test_a_snapshot_that_overtakes_the_accept_is_stored_once_the_accept_lands():
+    """CI: the initiator's 122 kB snapshot was delivered 5 ms before its accept, found no pair,
+    was dropped while the initiator was told OK, and our round waited its 60 s deadline."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = proposed_and_answered_soon(loop, MessageKind.ACCEPT)
+        began = loop.time()
+        await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0, payload=b"theta"))
+        assert loop.time() - began < 1.0
+        assert [p.peer for p in ex.partners.values()] == [PEER] and ex.landed.is_set()
+    asyncio.run(main())
+
+
 def overlap_exchange(loop, max_swap_rounds: int = 2):
     events = Kinds()
     section = ProtocolSection(timing="overlap", max_swap_rounds=max_swap_rounds)

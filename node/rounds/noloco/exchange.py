@@ -373,6 +373,11 @@ class NoLoCoExchange:
         an earlier round, it may land late: applied up to max_late rounds after, else counted
         late, never dropped unseen). A second snapshot for a pair that has one is ignored."""
         sender = peer_name(received.sender)
+        if self._pair_with(sender) is None and self.matching.outstanding == sender:
+            # As in `_snapshot_reply`: the initiator's accept may land after its snapshot (CI: a
+            # 122 kB snapshot arrived 5 ms before the accept, was dropped, and the round waited
+            # its whole 60 s pair deadline for it)
+            await self._proposal_settled(sender)
         pair = self._pair_with(sender)
         if pair is not None and (sender, pair.round_index) in self.open_pairs:
             self._store(sender, pair.round_index, received)

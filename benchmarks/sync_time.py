@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import os
 import statistics
@@ -51,7 +50,6 @@ sys.path.insert(0, str(REPO))
 from benchmarks.netns import rate_bits  # noqa: E402
 from node.config.manifest import Manifest  # noqa: E402
 P2P_PORT, RELAY_PORT, GLOO_PORT = 4100, 4101, 29500
-SOCKETS = "/tmp/hivemind-*.sock"  # p2pd's and its clients' (the namespaces share /tmp)
 METHODS = ("noloco", "dilocox", "hivemind", "hivemind-fp16", "gloo")
 ROUND_TIMEOUT_S = 600.0
 START_LEAD_S = {"hivemind": 8.0, "hivemind-fp16": 8.0}  # matchmaking happens in the lead
@@ -336,7 +334,7 @@ def table(results: list[dict]) -> str:
 
 def orchestrate(args: argparse.Namespace) -> None:
     from benchmarks.netns import ShapedSwarm
-    from p2p.host import remove_dead_sockets
+    from p2p.host import dead_sockets_removed
     results = json.loads(args.out.read_text())["results"] if args.resume and args.out.exists() else []
     done = {(r["rate"], r["delay_ms"], r["n"], r["method"]) for r in results}
     for link in args.links.split(","):
@@ -345,12 +343,9 @@ def orchestrate(args: argparse.Namespace) -> None:
             for method in args.methods.split(","):
                 if (rate, float(delay), n, label(method, args.snapshot)) in done:
                     continue
-                sockets = set(glob.glob(SOCKETS))
-                try:
-                    with ShapedSwarm(n=n, rate=rate, delay_ms=float(delay)) as swarm:
-                        rows = measure(swarm, method, args)
-                finally:  # hivemind's DHT leaves its client sockets behind; only ours, and dead
-                    remove_dead_sockets(set(glob.glob(SOCKETS)) - sockets)
+                # hivemind's DHT leaves its client sockets behind: ours, once dead, are removed
+                with dead_sockets_removed(), ShapedSwarm(n=n, rate=rate, delay_ms=float(delay)) as swarm:
+                    rows = measure(swarm, method, args)
                 results.append(summarize(method, n, rate, float(delay), rows, args.snapshot))
                 r = results[-1]
                 print(f"{rate} {delay} ms N={n} {r['method']}: {r['sync_seconds']:.2f} s "

@@ -51,6 +51,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.netns import ShapedSwarm, rate_bits  # noqa: E402
 from node.config.manifest import Manifest, write_manifest  # noqa: E402
 from node.config.schema import parse_override  # noqa: E402
+from p2p.host import dead_sockets_removed  # noqa: E402
 
 PYTHON = sys.executable
 P2P_PORT, RELAY_PORT, DP_PORT = 4100, 4101, 29500
@@ -305,7 +306,9 @@ def main() -> None:
             base = Path(tmp) / method
             base.mkdir(parents=True, exist_ok=args.resume)
             manifest = method_manifest(method, args)
-            with ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms, rates=rates) as swarm:
+            # hivemind's DHT (DiLoCo's baseline) leaves its client sockets behind: removed once dead
+            with dead_sockets_removed(), \
+                    ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms, rates=rates) as swarm:
                 load_before, started = os.getloadavg()[0], time.time()
                 if method in ("noloco", "dilocox"):
                     runs = run_daemons(swarm, base, manifest, method_steps(method, args))

@@ -23,7 +23,8 @@ import socket
 import tempfile
 import time
 from collections.abc import Coroutine, Sequence
-from contextlib import suppress
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
 from hivemind.dht.node import DHTNode
@@ -251,6 +252,18 @@ def remove_dead_sockets(paths: set[str] | list[str]) -> list[str]:
                 os.remove(path)
                 removed.append(path)
     return removed
+
+
+@contextmanager
+def dead_sockets_removed() -> Iterator[None]:
+    """Around processes that use hivemind and may leave their sockets in /tmp (its DHT's client
+    sockets outlive a process that exits): removes, at the end, the sockets that appeared
+    meanwhile and that nothing listens on."""
+    before = set(glob.glob(_SOCKET_GLOB))
+    try:
+        yield
+    finally:
+        remove_dead_sockets(set(glob.glob(_SOCKET_GLOB)) - before)
 
 
 async def _remove_sockets_of_a_failed_start(paths: set[str], patience_s: float = 3.0) -> None:

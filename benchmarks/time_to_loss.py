@@ -26,11 +26,11 @@ inner trainer, each node in its own network namespace behind a shaped access lin
 The budget is the same number of inner steps per node for every method (data-parallel gets a
 wall-clock cap instead, see --dp-minutes), unless --steps-for gives a method its own: a method
 faster per step then gets about the wall clock a slower one takes, which is the budget a
-volunteer has (each method's learning-rate schedule spans its own steps). Each method's time to a loss is the wall clock from
-its start until the mean of its nodes' validation losses at one evaluation step first reaches
-it; the report gives every method's time to every method's final loss. Bytes are what each
-node's interface sent (tx counters of its veth), and idle is the time a trainer waited on the
-network over its wall clock.
+volunteer has (each method's learning-rate schedule spans its own steps). Each method's time to
+a loss is the wall clock from its start until the mean of its nodes' validation losses at one
+evaluation step first reaches it; the report gives every method's time to every method's final
+loss. Bytes are what each node's interface sent (tx counters of its veth), and idle is the time
+a trainer waited on the network over its wall clock.
 """
 
 from __future__ import annotations
@@ -305,22 +305,22 @@ def main() -> None:
         for method in [m for m in methods if m not in results]:
             base = Path(tmp) / method
             base.mkdir(parents=True, exist_ok=args.resume)
-            manifest = method_manifest(method, args)
+            manifest, steps = method_manifest(method, args), method_steps(method, args)
             # hivemind's DHT (DiLoCo's baseline) leaves its client sockets behind: removed once dead
             with dead_sockets_removed(), \
                     ShapedSwarm(n=args.nodes, rate=args.rate, delay_ms=args.delay_ms, rates=rates) as swarm:
                 load_before, started = os.getloadavg()[0], time.time()
                 if method in ("noloco", "dilocox"):
-                    runs = run_daemons(swarm, base, manifest, method_steps(method, args))
+                    runs = run_daemons(swarm, base, manifest, steps)
                 else:
                     longest = max((r["wall"] for r in results.values()), default=600.0)
                     cap = args.dp_minutes * 60 or 2 * longest
-                    runs = run_baseline(swarm, base, manifest, method, method_steps(method, args), eval_every,
+                    runs = run_baseline(swarm, base, manifest, method, steps, eval_every,
                                         timeout=cap if method == "data-parallel" else 3600,
                                         hivemind_options=args.hivemind.split())
                 wall = time.time() - started
                 sent = [swarm.tx_bytes(i) for i in range(swarm.n)]
-            rounds = max(1, method_steps(method, args) // args.inner_steps)
+            rounds = max(1, steps // args.inner_steps)
             results[method] = {
                 "wall": wall, "curve": mean_curve(runs, started),
                 "sent_bytes_per_node": statistics.fmean(sent), "sent_bytes": sent,

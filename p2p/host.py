@@ -22,8 +22,7 @@ import os
 import socket
 import tempfile
 import time
-from collections.abc import Coroutine, Sequence
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 

@@ -100,8 +100,10 @@ class Member:
         return digest
 
 
-async def join_once(joiner: Member, manifest, members: list[Member], rng_first: str | None):
-    """A fresh joiner's view (cache, bans) of the swarm as it stands; its adopted state and bans."""
+async def join_once(joiner: Member, manifest, members: list[Member], rng_first: str | None,
+                    meanwhile=None):
+    """A fresh joiner's view (cache, bans) of the swarm as it stands; its adopted state and bans.
+    `meanwhile(adoption)`, if given, runs beside the adoption (a swarm that moves on)."""
     bans = BanList(ban_after=3, ban_seconds=600)
     cache = MemberCache(joiner.membership, BackgroundTasks(), manifest=manifest.digest, bans=bans, refresh_s=0.2)
     expected = {m.peer: m.membership.record.round for m in members}
@@ -113,8 +115,8 @@ async def join_once(joiner: Member, manifest, members: list[Member], rng_first: 
             holders = sorted(expected)
             rng = next(random.Random(seed) for seed in range(1000)
                        if _first(random.Random(seed), holders) == rng_first)
-        joined = await StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS,
-                                     tensors(99), rng).run()
+        adoption = StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS, tensors(99), rng)
+        joined, _ = await asyncio.gather(adoption.run(), meanwhile(adoption) if meanwhile else asyncio.sleep(0))
         return joined, bans
     finally:
         await cache.stop(5)
@@ -187,6 +189,41 @@ def test_noloco_late_join_adopts_no_liars_state_and_bans_it(tmp_path, p2p_cleanu
          True),
     ]
     scenario(tmp_path, p2p_cleanup, "noloco", run_cases)
+
+
+def test_noloco_late_join_asks_again_after_a_round_when_two_honest_states_disagree(tmp_path, p2p_cleanup):
+    """Two honest states further apart than the tolerance (early training) are not adopted and
+    nobody is banned; the joiner waits for the swarm's next round, asks again, and adopts."""
+    manifest = small_manifest("t-quorum-retry", "noloco")
+    base = tensors(1)
+
+    async def body():
+        async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
+            honest_a, honest_b, joiner = members = [Member(h, manifest) for h in hosts]
+            for each in members:
+                await each.start()
+            try:
+                await honest_a.behave(nudged(base, 2, 0.4))
+                await honest_b.behave(nudged(base, 3, 0.4))   # about 0.57 of φ's norm apart
+                closer: set[str] = set()
+
+                async def next_round(adoption):
+                    async def refused():
+                        return adoption.errors
+                    await wait_until(refused, 30, what="the joiner to find the two states apart")
+                    assert "apart" in adoption.errors[0], adoption.errors
+                    for honest, seed in ((honest_a, 4), (honest_b, 5)):
+                        closer.add(await honest.behave(nudged(base, seed, 0.01), round_index=HONEST_ROUND + 1))
+
+                joined, bans = await join_once(joiner, manifest, [honest_a, honest_b], None, next_round)
+                assert joined is not None, "no state adopted after the swarm's next round"
+                assert weights_digest(joined.tensors["phi"]) in closer
+                assert joined.round_index == HONEST_ROUND + 1
+                assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer)
+            finally:
+                for each in members:
+                    await each.stop()
+    run(body(), timeout_s=120)
 
 
 def test_dilocox_late_join_adopts_the_majority_digest_and_bans_a_lying_server(tmp_path, p2p_cleanup):

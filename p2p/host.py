@@ -40,8 +40,13 @@ from p2p.records import STORE_SENDER, OwnerOnlyValidator
 
 logger = logging.getLogger("lowcomm.p2p.host")
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
-_SOCKET_GLOB = "/tmp/hivemind-p2p*.sock"
+SOCKET_GLOB = "/tmp/hivemind-*.sock"  # p2pd's and its clients' unix sockets (hivemind names them)
 T = TypeVar("T")
+
+
+def socket_paths() -> set[str]:
+    """hivemind's unix sockets in /tmp now (live or left behind by a process that died)."""
+    return set(glob.glob(SOCKET_GLOB))
 
 
 def run_event_loop(main: Coroutine[Any, Any, T]) -> T:
@@ -201,13 +206,13 @@ class P2PHost:
 async def start_p2pd(extra_flags: dict | None = None, env: dict | None = None, **create_options: Any) -> P2P:
     """p2pd, or a HostError of one sentence naming the cause and the fix."""
     initial_peers, startup_timeout_s = create_options["initial_peers"] or [], create_options["startup_timeout"]
-    sockets_before = set(glob.glob(_SOCKET_GLOB))
+    sockets_before = socket_paths()
     try:
         return await create_p2p(extra_flags, env, **create_options)
     except Exception as error:
         # hivemind does not return the half-started daemon, so its socket cannot be named:
         # remove the sockets that appeared meanwhile once nothing listens on them.
-        await _remove_sockets_of_a_failed_start(set(glob.glob(_SOCKET_GLOB)) - sockets_before)
+        await _remove_sockets_of_a_failed_start(socket_paths() - sockets_before)
         text = str(error).strip()
         if "failed to connect to bootstrap peers" in text:
             raise HostError(f"none of the bootstrap peers {', '.join(initial_peers)} answered: they are down "
@@ -258,11 +263,11 @@ def dead_sockets_removed() -> Iterator[None]:
     """Around processes that use hivemind and may leave their sockets in /tmp (its DHT's client
     sockets outlive a process that exits): removes, at the end, the sockets that appeared
     meanwhile and that nothing listens on."""
-    before = set(glob.glob(_SOCKET_GLOB))
+    before = socket_paths()
     try:
         yield
     finally:
-        remove_dead_sockets(set(glob.glob(_SOCKET_GLOB)) - before)
+        remove_dead_sockets(socket_paths() - before)
 
 
 async def _remove_sockets_of_a_failed_start(paths: set[str], patience_s: float = 3.0) -> None:

@@ -8,7 +8,6 @@ nodes leave in /tmp, so a test leaves nothing behind.
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import signal
@@ -19,9 +18,8 @@ from pathlib import Path
 
 from node.config.manifest import Manifest, write_manifest
 from node.data_dir import DataDir
-from p2p.host import remove_dead_sockets
+from p2p.host import remove_dead_sockets, socket_paths
 
-SOCKETS = "/tmp/hivemind-*.sock"
 
 
 def small_manifest(swarm: str, protocol: str, inner_steps: int = 20, **protocol_values) -> Manifest:
@@ -131,7 +129,7 @@ class SwarmHarness:
         self.base = Path(base)
         self.manifest_path = write_manifest(manifest, self.base / "manifest.toml")
         self.nodes: list[NodeHandle] = []
-        self.sockets_before = set(glob.glob(SOCKETS))
+        self.sockets_before = socket_paths()
 
     def start_node(self, index: int, peers: list[str] = (), extra: list[str] = (),
                    data_dir: Path | None = None) -> NodeHandle:
@@ -188,4 +186,4 @@ class SwarmHarness:
                 node.process.wait()
         # p2pd of a SIGKILLed node dies with it but leaves its unix sockets behind; delete only
         # those nothing listens on: a test running beside this one owns live ones
-        remove_dead_sockets(set(glob.glob(SOCKETS)) - self.sockets_before)
+        remove_dead_sockets(socket_paths() - self.sockets_before)

@@ -8,7 +8,6 @@ under test (the hosts must clean up after themselves; this fixture is the safety
 
 from __future__ import annotations
 
-import glob
 import os
 import signal
 import subprocess
@@ -18,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p.host import P2PHost, p2pd_socket_paths, remove_dead_sockets
+from p2p.host import P2PHost, p2pd_socket_paths, remove_dead_sockets, socket_paths
 from p2p.identity import NodeIdentity, identity_path
-from tests.swarm_harness import SOCKETS
 
 # The broker fixture of tests/mqtt_broker.py (the telemetry tests') is shared through this file.
 try:
@@ -94,12 +92,12 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def p2p_cleanup():
-    before = set(glob.glob(SOCKETS))
+    before = socket_paths()
     cleanup = P2PCleanup()
     yield cleanup
     leftovers = cleanup.finish()
     # a daemon that failed to start was never tracked: a dead socket that appeared meanwhile is its
-    leftovers += remove_dead_sockets(set(glob.glob(SOCKETS)) - before - set(leftovers))
+    leftovers += remove_dead_sockets(socket_paths() - before - set(leftovers))
     assert not leftovers, f"p2pd sockets left behind by the code under test: {leftovers}"
 
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.data.corpus import load_corpus, stream_seed  # noqa: E402
 from node.config.manifest import Manifest, load_manifest  # noqa: E402
-from node.train.trainer import InnerTrainer  # noqa: E402
+from node.train.trainer import InnerTrainer, pad_step  # noqa: E402
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters  # noqa: E402
 
 
@@ -50,6 +50,12 @@ def build_trainer(manifest: Manifest, node_seed: int) -> InnerTrainer:
     # Each node its own batch stream, as each daemon has (its seed comes from its identity).
     return InnerTrainer(manifest.model, train, corpus, manifest.data.seq_len,
                         stream_seed(f"baseline-node-{node_seed}", train.seed))
+
+
+def train_step(trainer: InnerTrainer, manifest: Manifest) -> None:
+    """One inner step, padded to train.min_step_seconds (an emulated accelerator's pace) as the
+    daemon's worker pads its steps (node/daemon/worker.py)."""
+    pad_step(trainer.train_step().seconds, manifest.train.min_step_seconds, time.sleep)
 
 
 def maybe_evaluate(trainer: InnerTrainer, log: Log, eval_every: int) -> None:
@@ -81,7 +87,7 @@ def run_diloco_hivemind(args: argparse.Namespace, manifest: Manifest, log: Log) 
     H = manifest.protocol.inner_steps
     try:
         while trainer.step < args.steps:
-            trainer.train_step()
+            train_step(trainer, manifest)
             if trainer.step % H == 0:
                 delta = outer.pseudo_gradient(params)
                 with averager.get_tensors() as tensors:
@@ -120,7 +126,9 @@ def run_data_parallel(args: argparse.Namespace, manifest: Manifest, log: Log) ->
     try:
         while trainer.step < args.steps:
             # InnerTrainer.train_step with the all-reduce between backward and the optimizer
+            computed = time.monotonic()
             trainer.accumulate_gradients()
+            pad_step(time.monotonic() - computed, manifest.train.min_step_seconds, time.sleep)
             flat = torch.cat([p.grad.reshape(-1) for p in parameters])
             waited = time.monotonic()
             dist.all_reduce(flat)
@@ -145,7 +153,7 @@ def run_data_parallel(args: argparse.Namespace, manifest: Manifest, log: Log) ->
 def run_local(args: argparse.Namespace, manifest: Manifest, log: Log) -> None:
     trainer = build_trainer(manifest, args.node_index)
     while trainer.step < args.steps:
-        trainer.train_step()
+        train_step(trainer, manifest)
         maybe_evaluate(trainer, log, args.eval_every)
 
 

@@ -23,6 +23,11 @@ inner trainer, each node in its own network namespace behind a shaped access lin
   connections on ports it picks, so no relay can sit in front of them: its traffic crosses the
   shaped links with no added latency, a lower bound on its time (it favours the baseline);
 - local-only: each node trains alone (no network).
+`--step-seconds` emulates an accelerator: every method's inner step is padded to that wall time
+(the daemon's train.min_step_seconds, and the same padding in baseline_trainer.py). Without it 4
+nodes share 2 cores, and a daemon's network work (p2pd, codecs, hashing) takes compute time
+that local-only spends on training, which a node with its own GPU would not pay; with it, a
+step costs every method the same time as long as the cores have spare time left.
 The budget is the same number of inner steps per node for every method (data-parallel gets a
 wall-clock cap instead, see --dp-minutes), unless --steps-for gives a method its own: a method
 faster per step then gets about the wall clock a slower one takes, which is the budget a
@@ -78,6 +83,7 @@ def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
     which its tuned step (α 0.6, β = γ 1.1) did not beat."""
     m = tiny_manifest(method, method_steps(method, args), args.eval_every or args.inner_steps,
                       args.threads, args.inner_steps)
+    m.train.min_step_seconds = args.step_seconds
     p = m.protocol
     if method.startswith("diloco-hivemind"):
         p.outer_lr, p.outer_momentum = 0.7, 0.6
@@ -170,7 +176,7 @@ def run_daemons(swarm: ShapedSwarm, base: Path, manifest: Manifest, steps: int) 
         evals = [{"time": e["time"], "step": e["step"], "val_loss": e["val_loss"]}
                  for e in events if e["event"] == "round" and "val_loss" in e]
         waits = [e.get("network_wait_seconds", 0.0) for e in events if e["event"] == "round"]
-        runs.append({"evals": evals, "wait": sum(waits),
+        runs.append({"evals": evals, "wait": sum(waits), "rounds": len(waits),
                      "start": next(e["time"] for e in events if e["event"] == "joined"),
                      "end": next(e["time"] for e in reversed(events) if e["event"] in ("trained", "left"))})
     return runs
@@ -205,7 +211,7 @@ def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str
             first_address = wait_for_file(out.with_suffix(".address"), processes, 120)
     try:
         wait_all(processes, timeout=timeout)
-    except subprocess.TimeoutExpired:  # data-parallel's wall-clock cap: what it reached so far
+    except subprocess.TimeoutExpired:  # a wall-clock cap (--dp-minutes, --max-minutes): what it reached so far
         for process in processes:
             process.terminate()
         wait_all(processes, timeout=60)
@@ -214,6 +220,7 @@ def run_baseline(swarm: ShapedSwarm, base: Path, manifest: Manifest, method: str
         events = read_events(base / f"node-{i}.jsonl")
         runs.append({"evals": [e for e in events if e["event"] == "eval"],
                      "wait": sum(e["network_wait_seconds"] for e in events if e["event"] == "sync"),
+                     "rounds": max((e.get("step", 0) for e in events), default=0) // manifest.protocol.inner_steps,
                      "start": events[0]["time"] if events else time.time(),
                      "end": events[-1]["time"] if events else time.time()})
     return runs
@@ -277,8 +284,15 @@ def main() -> None:
                         help="other step budgets of some methods, e.g. noloco=320,dilocox=320")
     parser.add_argument("--eval-every", type=int, default=0, help="default: every round (H)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    parser.add_argument("--step-seconds", type=float, default=0.0,
+                        help="the emulated accelerator: every method's inner step padded to this "
+                             "wall time (train.min_step_seconds), so that the shared cores' spare "
+                             "time, not the training's, carries the network work")
     parser.add_argument("--dp-minutes", type=float, default=0.0,
                         help="data-parallel's wall-clock cap (default: twice the slowest other method)")
+    parser.add_argument("--max-minutes", type=float, default=60.0,
+                        help="wall-clock cap of the other baselines (a hivemind group that hangs): "
+                             "what they reached by then is kept")
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--hivemind", default="",
                         help="options of baseline_trainer.py's DiLoCo over hivemind, e.g. "
@@ -316,7 +330,7 @@ def main() -> None:
                     longest = max((r["wall"] for r in results.values()), default=600.0)
                     cap = args.dp_minutes * 60 or 2 * longest
                     runs = run_baseline(swarm, base, manifest, method, steps, eval_every,
-                                        timeout=cap if method == "data-parallel" else 3600,
+                                        timeout=cap if method == "data-parallel" else args.max_minutes * 60,
                                         hivemind_options=args.hivemind.split())
                 wall = time.time() - started
                 sent = [swarm.tx_bytes(i) for i in range(swarm.n)]
@@ -326,6 +340,8 @@ def main() -> None:
                 "sent_bytes_per_node": statistics.fmean(sent), "sent_bytes": sent,
                 "wait_per_round": [r["wait"] / rounds for r in runs],
                 "idle_fraction": [r["wait"] / max(r["end"] - r["start"], 1e-9) for r in runs],
+                # a node's rounds (H steps) over its own training time: the pace a slow node may cost others
+                "rounds_per_minute": [60 * r["rounds"] / max(r["end"] - r["start"], 1e-9) for r in runs],
                 "load_average": [load_before, os.getloadavg()[0]]}
             print(f"{method}: {wall / 60:.1f} min, final {results[method]['curve'][-1] if results[method]['curve'] else None}",
                   flush=True)
@@ -361,15 +377,19 @@ def report(results: dict[str, dict], args: argparse.Namespace) -> None:
                                     "results": results}, indent=1))
     ratio = measured.get("ratio_measured", measured.get("ratio_predicted"))
     title = (f"{args.nodes} nodes, tiny model, H = {args.inner_steps}, {args.rate}"
+             + (f", {args.step_seconds:g} s a step" if args.step_seconds else "")
              + (f" ({args.rates})" if args.rates else "") + (f", ratio {ratio:.1f}" if ratio else ""))
     plot(results, title, args.out.with_suffix(".png"))
     print("regime:", json.dumps(measured))
-    print("| method | whole run | final val loss (step) | sent per node | idle fraction (per node) |")
-    print("|---|---|---|---|---|")
+    print("| method | whole run | final val loss (step) | sent per node | idle fraction (per node) "
+          "| rounds a minute (per node) |")
+    print("|---|---|---|---|---|---|")
     for method, r in results.items():
         final = f"{r['curve'][-1][2]:.4f} ({r['curve'][-1][1]})" if r["curve"] else "-"
         idle = ", ".join(f"{x:.1%}" for x in r["idle_fraction"])
-        print(f"| {method} | {r['wall'] / 60:.2f} min | {final} | {r['sent_bytes_per_node'] / 2**20:.1f} MiB | {idle} |")
+        pace = ", ".join(f"{x:.2f}" for x in r.get("rounds_per_minute", [])) or "-"
+        print(f"| {method} | {r['wall'] / 60:.2f} min | {final} | {r['sent_bytes_per_node'] / 2**20:.1f} MiB "
+              f"| {idle} | {pace} |")
     print("\ntime to each method's final loss (rows: the loss; columns: the method reaching it)")
     print("| loss | " + " | ".join(results) + " |")
     print("|---|" + "---|" * len(results))

@@ -166,6 +166,26 @@ def test_a_snapshot_that_overtakes_the_accept_is_stored_once_the_accept_lands():
     asyncio.run(main())
 
 
+def test_a_snapshot_that_overtakes_the_accept_waits_for_it_after_an_earlier_pair_with_that_peer():
+    """CI: two nodes paired in rounds 0 and 1; round 2's snapshot overtook its accept, found the
+    closed pair of round 1 with the same peer, was dropped, and our round waited 60 s."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = blocking_exchange(loop)
+        propose_to_peer(ex)
+        ex._handle(MatchMessage(MessageKind.ACCEPT, PEER, ME, 0, 0, "m"))
+        await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0, payload=b"theta"))
+        assert set(ex.partners) == {0}
+        ex._next_round(1)
+        ex.accepting = True  # blocking: ready again at the end of round 1
+        proposal = ex.matching.choose_candidate([ReadyAnnouncement(PEER, "m", 1)], random.Random(0))
+        assert proposal is not None and proposal.recipient == PEER
+        loop.call_later(0.05, ex._handle, MatchMessage(MessageKind.ACCEPT, PEER, ME, 1, 1, "m"))
+        await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=1, payload=b"theta"))
+        assert 1 in ex.partners and ex.partners[1].pair_round == 1, ex.partners
+    asyncio.run(main())
+
+
 def overlap_exchange(loop, max_swap_rounds: int = 2):
     events = Kinds()
     section = ProtocolSection(timing="overlap", max_swap_rounds=max_swap_rounds)

@@ -352,6 +352,10 @@ class NoLoCoExchange:
         return next((p for p in pairs if (peer, p.round_index) in self.open_pairs),
                     pairs[-1] if pairs else None)
 
+    def _awaits_snapshot(self, peer: str) -> bool:
+        """Some pair of ours with `peer` still waits for its snapshot."""
+        return any((peer, p.round_index) in self.open_pairs for p in self.recent_pairs if p.partner == peer)
+
     async def _proposal_settled(self, peer: str) -> None:
         """Waits, at most the match message timeout, until our proposal to `peer` is answered."""
         settled = self.loop.create_future()
@@ -373,10 +377,11 @@ class NoLoCoExchange:
         an earlier round, it may land late: applied up to max_late rounds after, else counted
         late, never dropped unseen). A second snapshot for a pair that has one is ignored."""
         sender = peer_name(received.sender)
-        if self._pair_with(sender) is None and self.matching.outstanding == sender:
+        if not self._awaits_snapshot(sender) and self.matching.outstanding == sender:
             # As in `_snapshot_reply`: the initiator's accept may land after its snapshot (CI: a
             # 122 kB snapshot arrived 5 ms before the accept, was dropped, and the round waited
-            # its whole 60 s pair deadline for it)
+            # its whole 60 s pair deadline for it; again in a later round, where the closed
+            # pair of an earlier round with the same peer hid the missing one)
             await self._proposal_settled(sender)
         pair = self._pair_with(sender)
         if pair is not None and (sender, pair.round_index) in self.open_pairs:

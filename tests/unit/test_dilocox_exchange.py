@@ -274,3 +274,31 @@ def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
         ex._handed_bytes = 10_000
         assert 0.09 < ex.send_ratio() < 0.15
     asyncio.run(main())
+
+
+class TransportWithAFailingPeer(TransportAtAFixedRate):
+    """As above, but peer "b" resets every push at once."""
+
+    async def push(self, peer, message, timeout):
+        if peer == "b":
+            raise ConnectionResetError("reset by peer")
+        await super().push(peer, message, timeout)
+
+
+def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
+    """One slow node's resets read as instant sends let the fast nodes' controllers double the
+    rank onto its saturated downlink (the heterogeneous time-to-loss run)."""
+    import numpy as np
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        swarm = unit_swarm(loop, [member("a", 0), member("b", 0)], transport=TransportWithAFailingPeer())
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        big = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
+        await ex._send_all(0, big)  # 0.1 s to "a"; "b" fails
+        ex._round_seconds, ex._handed_bytes = 1.0, 10_000
+        before = ex.send_ratio()
+        ex.members.records = {"b": member("b", 0)}  # a round whose only send fails at once
+        await ex._send_all(1, big)
+        assert ex.send_ratio() >= before * 0.99, (before, ex.send_ratio())
+    asyncio.run(main())

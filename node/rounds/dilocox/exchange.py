@@ -169,14 +169,22 @@ class DiLoCoXExchange:
         started = time.monotonic()
         self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
 
+        failed: list[str] = []
+
         async def send(peer: str) -> None:
             try:
                 await self.transport.push(peer, message, timeout=self.deadline_s)
             except Exception as exc:  # whatever broke it, a failed send is counted and logged once
+                failed.append(peer)
                 self.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
         await asyncio.gather(*(send(p) for p in group))
         if message.total_bytes:
-            self._seconds_per_byte = (time.monotonic() - started) / message.total_bytes
+            measured = (time.monotonic() - started) / message.total_bytes
+            # A send that failed at once (a reset stream, a refusal) says nothing of the link and
+            # may only raise its cost: read as fast, it let the controller double the rank onto a
+            # slow member's saturated downlink (benchmarks/RESULTS.md, issue 20, one slow node)
+            if not failed or self._seconds_per_byte is None or measured > self._seconds_per_byte:
+                self._seconds_per_byte = measured
         self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
         self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
 

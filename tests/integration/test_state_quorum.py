@@ -20,6 +20,7 @@ banned, see state_quorum.py, but never asked either). The last test is a DiLoCoX
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import random
 
@@ -100,6 +101,20 @@ class Member:
         return digest
 
 
+@contextlib.asynccontextmanager
+async def running_members(p2p_cleanup, tmp_path, manifest, count: int):
+    """`count` Members on real hosts, started, and stopped at the end."""
+    async with p2p_cleanup.hosts(tmp_path, count) as hosts:
+        members = [Member(h, manifest) for h in hosts]
+        for each in members:
+            await each.start()
+        try:
+            yield members
+        finally:
+            for each in members:
+                await each.stop()
+
+
 async def join_once(joiner: Member, manifest, members: list[Member], rng_first: str | None,
                     meanwhile=None):
     """A fresh joiner's view (cache, bans) of the swarm as it stands; its adopted state and bans.
@@ -137,27 +152,21 @@ def scenario(tmp_path, p2p_cleanup, protocol: str, cases):
     manifest = small_manifest(f"t-quorum-{protocol}", protocol)
 
     async def body():
-        async with p2p_cleanup.hosts(tmp_path, 4) as hosts:
-            honest_a, honest_b, liar, joiner = members = [Member(h, manifest) for h in hosts]
-            for member in members:
-                await member.start()
-            try:
-                for name, lie, expect_ban in cases:
-                    honest_digests = await lie(honest_a, honest_b, liar)
-                    joined, bans = await join_once(joiner, manifest, [honest_a, honest_b, liar],
-                                                   liar.peer if name.endswith("(asked first)") else None)
-                    assert joined is not None, name
-                    assert joined.source in (honest_a.peer, honest_b.peer), f"{name}: adopted the liar's state"
-                    assert weights_digest(joined.tensors["phi"]) in honest_digests, name
-                    assert joined.round_index == HONEST_ROUND, f"{name}: started at {joined.round_index}"
-                    assert bans.is_banned(liar.peer) == expect_ban, f"{name}: banned {bans.is_banned(liar.peer)}"
-                    if expect_ban:
-                        assert liar.host.peer_id.to_bytes() in joiner.transport._bans, name
-                    assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer), name
-                    joiner.transport.unban(liar.peer)   # the next case starts with a fresh joiner view
-            finally:
-                for member in members:
-                    await member.stop()
+        async with running_members(p2p_cleanup, tmp_path, manifest, 4) as members:
+            honest_a, honest_b, liar, joiner = members
+            for name, lie, expect_ban in cases:
+                honest_digests = await lie(honest_a, honest_b, liar)
+                joined, bans = await join_once(joiner, manifest, [honest_a, honest_b, liar],
+                                               liar.peer if name.endswith("(asked first)") else None)
+                assert joined is not None, name
+                assert joined.source in (honest_a.peer, honest_b.peer), f"{name}: adopted the liar's state"
+                assert weights_digest(joined.tensors["phi"]) in honest_digests, name
+                assert joined.round_index == HONEST_ROUND, f"{name}: started at {joined.round_index}"
+                assert bans.is_banned(liar.peer) == expect_ban, f"{name}: banned {bans.is_banned(liar.peer)}"
+                if expect_ban:
+                    assert liar.host.peer_id.to_bytes() in joiner.transport._bans, name
+                assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer), name
+                joiner.transport.unban(liar.peer)   # the next case starts with a fresh joiner view
     run(body(), timeout_s=240)
 
 
@@ -198,31 +207,25 @@ def test_noloco_late_join_asks_again_after_a_round_when_two_honest_states_disagr
     base = tensors(1)
 
     async def body():
-        async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
-            honest_a, honest_b, joiner = members = [Member(h, manifest) for h in hosts]
-            for each in members:
-                await each.start()
-            try:
-                await honest_a.behave(nudged(base, 2, 0.4))
-                await honest_b.behave(nudged(base, 3, 0.4))   # about 0.57 of φ's norm apart
-                closer: set[str] = set()
+        async with running_members(p2p_cleanup, tmp_path, manifest, 3) as members:
+            honest_a, honest_b, joiner = members
+            await honest_a.behave(nudged(base, 2, 0.4))
+            await honest_b.behave(nudged(base, 3, 0.4))   # about 0.57 of φ's norm apart
+            closer: set[str] = set()
 
-                async def next_round(adoption):
-                    async def refused():
-                        return adoption.errors
-                    await wait_until(refused, 30, what="the joiner to find the two states apart")
-                    assert "apart" in adoption.errors[0], adoption.errors
-                    for honest, seed in ((honest_a, 4), (honest_b, 5)):
-                        closer.add(await honest.behave(nudged(base, seed, 0.01), round_index=HONEST_ROUND + 1))
+            async def next_round(adoption):
+                async def refused():
+                    return adoption.errors
+                await wait_until(refused, 30, what="the joiner to find the two states apart")
+                assert "apart" in adoption.errors[0], adoption.errors
+                for honest, seed in ((honest_a, 4), (honest_b, 5)):
+                    closer.add(await honest.behave(nudged(base, seed, 0.01), round_index=HONEST_ROUND + 1))
 
-                joined, bans = await join_once(joiner, manifest, [honest_a, honest_b], None, next_round)
-                assert joined is not None, "no state adopted after the swarm's next round"
-                assert weights_digest(joined.tensors["phi"]) in closer
-                assert joined.round_index == HONEST_ROUND + 1
-                assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer)
-            finally:
-                for each in members:
-                    await each.stop()
+            joined, bans = await join_once(joiner, manifest, [honest_a, honest_b], None, next_round)
+            assert joined is not None, "no state adopted after the swarm's next round"
+            assert weights_digest(joined.tensors["phi"]) in closer
+            assert joined.round_index == HONEST_ROUND + 1
+            assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer)
     run(body(), timeout_s=120)
 
 
@@ -258,26 +261,20 @@ def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_o
     shared = tensors(1)
 
     async def body():
-        async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
-            honest, liar, node = members = [Member(h, manifest) for h in hosts]
-            for m in members:
-                await m.start()
-            try:
-                digest = await honest.behave(shared)
-                await liar.behave({n: t * 1000 for n, t in shared.items()}, announced=shared)
-                events: list = []
-                records = [member(m.peer, HONEST_ROUND, "dilocox", "training", since=0, phi=digest,
-                                  phi_round=HONEST_ROUND - 1) for m in (liar, honest)]  # the liar first
-                swarm = unit_swarm(asyncio.get_running_loop(), records, peer_id=node.peer,
-                                   transport=node.transport, events=events)
-                exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-                await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
-                resync = exchange.resyncs[HONEST_ROUND - 1]
-                assert resync["source"] == honest.peer
-                assert weights_digest(resync["slow_weights"]) == digest
-                assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
-                assert swarm.bans.is_banned(liar.peer) and liar.host.peer_id.to_bytes() in node.transport._bans
-            finally:
-                for m in members:
-                    await m.stop()
+        async with running_members(p2p_cleanup, tmp_path, manifest, 3) as members:
+            honest, liar, node = members
+            digest = await honest.behave(shared)
+            await liar.behave({n: t * 1000 for n, t in shared.items()}, announced=shared)
+            events: list = []
+            records = [member(m.peer, HONEST_ROUND, "dilocox", "training", since=0, phi=digest,
+                              phi_round=HONEST_ROUND - 1) for m in (liar, honest)]  # the liar first
+            swarm = unit_swarm(asyncio.get_running_loop(), records, peer_id=node.peer,
+                               transport=node.transport, events=events)
+            exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+            await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
+            resync = exchange.resyncs[HONEST_ROUND - 1]
+            assert resync["source"] == honest.peer
+            assert weights_digest(resync["slow_weights"]) == digest
+            assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
+            assert swarm.bans.is_banned(liar.peer) and liar.host.peer_id.to_bytes() in node.transport._bans
     run(body(), timeout_s=120)

@@ -140,11 +140,15 @@ def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float((a[n].double() - b[n].double()).square().sum()) for n in a))
 
 
+def _phi_scale(candidates: list[_Candidate]) -> float:
+    """The median φ norm of the states: what distances between them are measured against."""
+    return statistics.median(global_norm(c.groups["phi"]) for c in candidates) or 1.0
+
+
 def _spread(candidates: list[_Candidate]) -> float:
-    """The closest two states' distance over the median φ norm (what `choose_agreed` compares)."""
-    scale = statistics.median(global_norm(c.groups["phi"]) for c in candidates) or 1.0
+    """The closest two states' distance over `_phi_scale` (what `choose_agreed` compares)."""
     return min(_distance(a.groups["phi"], b.groups["phi"]) for i, a in enumerate(candidates)
-               for b in candidates[i + 1:]) / scale
+               for b in candidates[i + 1:]) / _phi_scale(candidates)
 
 
 def choose_agreed(candidates: list[_Candidate]) -> tuple[_Candidate | None, list[tuple[_Candidate, float]]]:
@@ -154,7 +158,7 @@ def choose_agreed(candidates: list[_Candidate]) -> tuple[_Candidate | None, list
     if count == 1:
         return candidates[0], []
     distances = [[_distance(a.groups["phi"], b.groups["phi"]) for b in candidates] for a in candidates]
-    scale = statistics.median(global_norm(c.groups["phi"]) for c in candidates) or 1.0
+    scale = _phi_scale(candidates)
     closest = min(distances[i][j] for i in range(count) for j in range(i + 1, count))
     tolerance = max(SPREAD_TOLERANCE * scale, FAR_FACTOR * closest if count >= 3 else 0.0)
     support = [sum(d <= tolerance for d in row) for row in distances]

@@ -348,13 +348,15 @@ class NoLoCoExchange:
         outlast its round: the pair of an earlier round may still be swapping), else our latest
         pair with it (its snapshot may be delivered before our reply to the same swap is asked
         for), else None."""
-        pairs = [p for p in self.recent_pairs if p.partner == peer]
-        return next((p for p in pairs if (peer, p.round_index) in self.open_pairs),
-                    pairs[-1] if pairs else None)
+        waiting = self._open_pair_with(peer)
+        if waiting is not None:
+            return waiting
+        return next((p for p in reversed(self.recent_pairs) if p.partner == peer), None)
 
-    def _awaits_snapshot(self, peer: str) -> bool:
-        """Some pair of ours with `peer` still waits for its snapshot."""
-        return any((peer, p.round_index) in self.open_pairs for p in self.recent_pairs if p.partner == peer)
+    def _open_pair_with(self, peer: str) -> Pair | None:
+        """Our oldest pair with `peer` whose snapshot is still to come, else None."""
+        return next((p for p in self.recent_pairs
+                     if p.partner == peer and (peer, p.round_index) in self.open_pairs), None)
 
     async def _proposal_settled(self, peer: str) -> None:
         """Waits, at most the match message timeout, until our proposal to `peer` is answered."""
@@ -377,7 +379,7 @@ class NoLoCoExchange:
         an earlier round, it may land late: applied up to max_late rounds after, else counted
         late, never dropped unseen). A second snapshot for a pair that has one is ignored."""
         sender = peer_name(received.sender)
-        if not self._awaits_snapshot(sender) and self.matching.outstanding == sender:
+        if self._open_pair_with(sender) is None and self.matching.outstanding == sender:
             # As in `_snapshot_reply`: the initiator's accept may land after its snapshot (CI: a
             # 122 kB snapshot arrived 5 ms before the accept, was dropped, and the round waited
             # its whole 60 s pair deadline for it; again in a later round, where the closed

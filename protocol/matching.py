@@ -145,21 +145,31 @@ def is_eligible(node_id: str, manifest_digest: str, round_index: int, peer_id: s
 
 
 def catch_up_round(next_round: int, peer_rounds: Iterable[int], max_staleness: int) -> int | None:
-    """The round a node that fell behind its swarm continues from, or None to go on as it is.
+    """The round a node out of step with its swarm continues from, or None to go on as it is.
 
     Rounds are each node's own count, so a node that started late (a first node waiting for
     peers that began without it) or stalled for a while stays that far behind at equal speeds:
     more than `max_staleness` behind, it is eligible for nobody and trains alone for good
     (measured: a 20-minute soak whose first node started 15 rounds behind paired in 0 of 792
-    rounds). Such a node jumps to the swarm's round, the lower median of its peers' rounds:
-    the median, not the maximum, so that one fast node, or one lying about its round, cannot
-    pull the others forward. Only ever forward: a node ahead waits for nobody.
+    rounds). A node that ran ahead is as alone: one that trained through a cut link without
+    the cost of swaps came back 3 or more rounds ahead of the two others and paired in none of
+    its next 50 rounds (a CI run of tests/integration/test_fault_points.py's cut link).
+
+    The swarm's round is the upper median of all the rounds, this node's next one included:
+
+        swarm = sorted(peer_rounds + [next_round])[n // 2],   n = the number of rounds
+
+    and a node more than `max_staleness` from it moves to it, forward or back. The median,
+    not the maximum, so that one fast node, or one lying about its round, cannot pull the
+    others along; every node computes it from the same rounds, so two nodes apart never swap
+    places (the upper median: with two nodes the one behind moves, as a late starter should).
+    For a node below every peer it is the lower median of its peers' rounds, as it always was.
     """
-    rounds = sorted(peer_rounds)
-    if not rounds:
+    rounds = sorted([*peer_rounds, next_round])
+    if len(rounds) == 1:
         return None
-    median = rounds[(len(rounds) - 1) // 2]
-    return median if median - next_round > max_staleness else None
+    swarm = rounds[len(rounds) // 2]
+    return swarm if abs(swarm - next_round) > max_staleness else None
 
 
 @dataclass
@@ -324,10 +334,14 @@ class MatchingState:
     def end_round(self, next_round: int | None = None) -> RoundOutcome:
         """Close this round (its pair, or None for a local update) and start `next_round`
         (default: the next one). Deferred proposals are declined; a proposal still in flight is
-        abandoned, and its late reply will be ignored (I5)."""
+        abandoned, and its late reply will be ignored (I5).
+
+        `next_round` is lower only for a node that ran ahead of its swarm and goes back to its
+        round (`catch_up_round`); a reply from the round it left could match one of that round
+        come again only if it arrived rounds late, so the driver goes back with no pair open."""
         following = self.round_index + 1 if next_round is None else next_round
-        if type(following) is not int or following <= self.round_index:
-            raise ProtocolError(f"matching round must grow: {self.round_index} -> {following!r}.")
+        if type(following) is not int or following == self.round_index or following < 0:
+            raise ProtocolError(f"matching round must change: {self.round_index} -> {following!r}.")
         outgoing = tuple(self._decline_deferred(DeclineReason.ROUND_ENDED))
         if self.pair is None:
             self.counters.rounds_unpaired += 1

@@ -10,7 +10,9 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
                                                    round applied a partner's or group's work
     partners, peers_alive                          RoundEnded (its outcome; the worker's count)
     peers_known                                    RoundEnded: the member cache's records
-    rounds_per_minute                              RoundEnded: rounds since Started, per minute
+    rounds_per_minute                              RoundEnded: rounds ended since Started, per
+                                                   minute (counted: a node's round index
+                                                   jumps when it moves to its swarm's round)
     refused["contribution"]                        RoundEnded: the outcome's refusals
     refused[<transport reason>]                    `transport_refusals`, called by the daemon's
                                                    watch loop with the transport's counters
@@ -51,7 +53,7 @@ class StatusFeed:
         self.status, self.param_bytes, self.snapshot_sets = status, param_bytes, snapshot_sets
         self.traffic, self.peers_known = traffic, peers_known
         self._started = time.monotonic()
-        self._first_round = 0
+        self._rounds_ended = 0
         self._bytes_mark = (0, 0)
         self._transport_refused: dict[str, int] = {}
 
@@ -79,7 +81,7 @@ class StatusFeed:
         self.status.record_train_loss(event.loss)
 
     def _started_at(self, event: Started) -> None:
-        self._first_round = event.round
+        self._rounds_ended = 0
 
     def _round(self, event: RoundEnded) -> None:
         status, outcome = self.status, event.outcome
@@ -90,9 +92,10 @@ class StatusFeed:
                             exchanged=bool(outcome.partners))
         self._bytes_mark = (sent, received)
         elapsed = time.monotonic() - self._started
+        self._rounds_ended += 1
         status.update(partners=outcome.partners, peers_alive=event.peers_alive,
                       peers_known=self.peers_known(),
-                      rounds_per_minute=(event.round + 1 - self._first_round) * 60 / elapsed)
+                      rounds_per_minute=self._rounds_ended * 60 / elapsed)
         if outcome.refused:
             status.count_refused("contribution", len(outcome.refused))
         choice = getattr(outcome, "compression", None)  # DiLoCoX with its controller on

@@ -8,6 +8,7 @@ Invariants:
 - A truncated or corrupt file is detected by the checksum before unpickling, reported in one
   sentence, and the previous checkpoint is used instead.
 - Loading never executes code from the file (torch.load with weights_only=True).
+- The checkpoint numbered highest is the last one saved: a save removes those numbered above it.
 """
 
 from __future__ import annotations
@@ -127,6 +128,11 @@ class CheckpointStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
+        # Newest first by step: one numbered above this save predates it (a NoLoCo node that ran
+        # ahead of its swarm went back to the swarm's round), and would be resumed from instead.
+        for old in self.paths():
+            if int(NAME.match(old.name).group(1)) > step:
+                old.unlink(missing_ok=True)
         for old in self.paths()[self.keep:]:
             old.unlink(missing_ok=True)
         return final

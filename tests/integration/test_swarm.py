@@ -192,6 +192,34 @@ def test_a_node_at_a_third_of_the_speed_holds_nobody_back(harness_factory):
     assert len(vals) >= 3 and vals[-1] < vals[0], vals
 
 
+def test_a_node_three_times_faster_than_its_swarm_goes_back_to_its_round_and_pairs(harness_factory):
+    """The mirror of the test above: two nodes paced to 0.6 s a step, one to 0.2 s. The fast
+    node runs ahead by more than max_staleness (2) rounds within a slow round and, before it
+    could move back, paired with nobody from then on (as a node that trained through a cut
+    link did in CI). It now goes back to the swarm's round, step counter with it, and pairs."""
+    m = small_manifest("t-fast", "noloco", inner_steps=5)
+    harness = harness_factory(m)
+
+    def paced(seconds: float, steps: int) -> list[str]:
+        return ["--set", f"train.min_step_seconds={seconds}", "--max-steps", str(steps)]
+    first = harness.start_node(0, extra=[*paced(0.6, 60), "--min-peers", "2"])
+    first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
+    slow = [first, harness.start_node(1, [first.address], paced(0.6, 60))]
+    fast = harness.start_node(2, [first.address], paced(0.2, 1000))
+    for node in slow:
+        node.wait_for(left, 180, "12 rounds and a clean exit")
+    harness.stop(fast)
+    rounds = fast.events("round")
+    back = [r for r in rounds if r.get("caught_up_to") is not None and r["caught_up_to"] <= r["round"]]
+    assert back, [(r["round"], r.get("caught_up_to")) for r in rounds]
+    went = back[0]
+    assert went["step"] == 5 * went["caught_up_to"]  # the step counter went back with it
+    after = [r for r in rounds if r["time"] > went["time"] and r["partner"]]
+    assert len(after) >= 3, f"paired in {len(after)} rounds after going back at {went['round']}"
+    slow_rounds = max(r["round"] for r in first.events("round"))
+    assert max(r["round"] for r in rounds) <= slow_rounds + 2 + 3  # held near the swarm's round
+
+
 def test_a_node_that_starts_behind_its_swarm_catches_up_and_pairs(harness_factory):
     """The first node of a swarm waits for its peers (--min-peers) while a peer that joins it
     starts at once. In the soak the first node began 15 rounds behind and, more than

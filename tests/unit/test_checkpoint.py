@@ -20,6 +20,18 @@ def test_save_load_keeps_the_last_two(tmp_path):
     assert os.stat(loaded.path).st_size > 40
 
 
+def test_a_save_numbered_below_the_others_is_the_one_resumed_from(tmp_path):
+    """A NoLoCo node that ran ahead of its swarm goes back to the swarm's round, its step
+    counter with it: the checkpoints numbered above its next save are older than that save."""
+    store = CheckpointStore(tmp_path)
+    for step in (180, 200, 120):
+        store.save(state(step), step)
+    assert [p.name for p in store.paths()] == ["ckpt-0000000120.pt"]
+    assert store.load_latest().state["step"] == 120
+    store.save(state(140), 140)
+    assert [p.name for p in store.paths()] == ["ckpt-0000000140.pt", "ckpt-0000000120.pt"]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip", "empty"])
 def test_corrupt_newest_falls_back_to_previous_with_a_reason(tmp_path, damage):
     store = CheckpointStore(tmp_path)

@@ -252,8 +252,10 @@ def test_bad_settings_and_misrouted_messages_are_refused():
     a = MatchingState("a", MANIFEST)
     with pytest.raises(ProtocolError, match="handed to"):
         a.handle(MatchingState("b", MANIFEST)._message(MessageKind.PROPOSE, "c", 0))
-    with pytest.raises(ProtocolError, match="must grow"):
+    with pytest.raises(ProtocolError, match="must change"):
         a.end_round(next_round=0)
+    with pytest.raises(ProtocolError, match="must change"):
+        a.end_round(next_round=-3)
 
 
 def test_an_ineligible_accept_counts_as_a_decline_and_repeated_proposals_wait_once():
@@ -277,13 +279,30 @@ def test_an_ineligible_accept_counts_as_a_decline_and_repeated_proposals_wait_on
     (1, [16, 15, 17], 16),      # the soak's first node: 15 rounds behind everyone
     (1, [3, 3], None),          # within max_staleness (2) of the swarm: no jump
     (1, [4, 4], 4),             # one round beyond it
-    (10, [4, 5, 6], None),      # ahead of the swarm: never backwards
+    (10, [4, 5, 6], 6),         # ahead of the swarm: back to it (it would pair with nobody)
+    (20, [10, 11], 11),         # the CI run's cut link: one node ahead of two
+    (8, [4, 5, 6], None),       # ahead within max_staleness: no jump
     (1, [4, 5, 10**9], 5),      # one liar (or one fast node) does not pull the node forward
     (1, [10**9, 10**9, 3], 10**9),  # a majority does
-    (1, [20, 5], 5),            # even count: the lower median
+    (1, [20, 5], 5),            # two peers: the lower of them
+    (5, [1, 10**9], None),      # one liar each way: the median is this node
     (1, [], None),              # alone
 ])
-def test_a_node_behind_its_swarm_catches_up_to_the_median_round(next_round, peers, expected):
+def test_a_node_out_of_step_with_its_swarm_moves_to_the_median_round(next_round, peers, expected):
     assert catch_up_round(next_round, peers, max_staleness=2) == expected
-    if expected is not None:  # after the jump the node is eligible with the median peer
-        assert is_eligible("me", MANIFEST, expected, "peer", MANIFEST, sorted(peers)[(len(peers) - 1) // 2], 2)
+    if expected is not None:  # a peer's round: after the jump the node is eligible with it
+        assert is_eligible("me", MANIFEST, expected, "peer", MANIFEST, expected, 2) and expected in peers
+
+
+@pytest.mark.parametrize("rounds", [[0, 15], [3, 3, 30], [0, 9, 20], [1, 2, 40, 41], [7, 50, 51, 52, 90]])
+def test_every_node_moves_to_the_same_round_so_none_is_left_out(rounds):
+    """Each node computes the swarm's round from the others' and its own: the same value, so
+    after one round's end every node is within max_staleness of every other (two nodes apart
+    never swap places, which a target of the other's round would make them do)."""
+    after = []
+    for i, own in enumerate(rounds):
+        target = catch_up_round(own, rounds[:i] + rounds[i + 1:], max_staleness=2)
+        after.append(own if target is None else target)
+    assert max(after) - min(after) <= 2 * 2, (rounds, after)
+    median = sorted(rounds)[len(rounds) // 2]
+    assert all(abs(r - median) <= 2 for r in after), (rounds, after)

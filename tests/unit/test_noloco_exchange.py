@@ -17,7 +17,7 @@ from node.rounds.noloco.exchange import NoLoCoExchange
 from p2p.errors import Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage
 from protocol.matching import MatchMessage, MessageKind, ReadyAnnouncement
-from tests.swarm_parts import unit_swarm
+from tests.swarm_parts import member, unit_swarm
 
 ME, PEER, STRANGER = "zz-me", "aa-peer", "bb-stranger"  # PEER's id is lower: it initiates
 HIGHER = "zzz-peer"  # a higher id than ours: we initiate
@@ -211,6 +211,29 @@ def test_overlap_keeps_a_snapshot_landing_rounds_after_its_pair_and_drops_an_old
             ex._next_round(r)
         await ex._snapshot_delivered(SimpleNamespace(sender=STRANGER, round=2, payload=b"theta"))
         assert events[-1] == "swap_late" and set(ex.partners) == set()  # round 0's aged out too
+    asyncio.run(main())
+
+
+def test_a_node_ahead_of_its_swarm_goes_back_to_its_round_once_no_pair_is_in_flight():
+    """Two members at round 10, this node ending round 14: eligible for nobody (max_staleness
+    2), it goes back to round 10, but not while a pair of a round it would leave is open (that
+    pair's snapshot would land keyed by a round still to come)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        swarm = unit_swarm(loop, [member(PEER, 10), member(STRANGER, 10)], peer_id=ME,
+                           transport=RefusingTransport())
+        ex = NoLoCoExchange(ProtocolSection(timing="overlap"), swarm, random.Random(0))
+        ex.offered = OutgoingMessage("noloco.snapshot", 14)
+        ex._next_round(14)
+        ahead = "ac-ahead"  # another node at our round, with a lower id: it opens the swap
+        ex._handle(MatchMessage(MessageKind.PROPOSE, ahead, ME, 14, 14, "m"))
+        assert ex.open_pairs
+        assert await loop.run_in_executor(None, ex.catch_up_round, 14) is None
+        ex._swap_ended(ahead, 14)
+        assert not ex.open_pairs
+        assert await loop.run_in_executor(None, ex.catch_up_round, 14) == 10
+        assert await loop.run_in_executor(None, ex.catch_up_round, 11) is None  # within 2
+        await ex.stop()
     asyncio.run(main())
 
 

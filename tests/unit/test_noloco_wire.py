@@ -5,6 +5,7 @@ node/rounds/noloco/payload.py)."""
 from __future__ import annotations
 
 import math
+import time
 import tracemalloc
 
 import numpy as np
@@ -254,3 +255,20 @@ def test_the_status_views_compression_ratio_follows_the_bytes_received(dtype, ra
     feed._payload(Swapped(round=0, partner="p", partner_round=0,
                           bytes=payload.snapshot_bytes(shapes, dtype, "theta")))
     assert feed.status.compression_ratio == pytest.approx(ratio)
+
+
+def test_rounds_per_minute_counts_rounds_ended_when_the_round_index_moves_back():
+    """A node that ran ahead of its swarm goes back to its round (protocol/matching.py
+    catch_up_round): the rate counts the rounds it ended, not the distance its index moved."""
+    from node.events import RoundEnded
+    from node.ops.status import NodeStatus
+    from node.ops.status_feed import StatusFeed
+    from node.rounds.noloco.round import NoLoCoOutcome
+    feed = StatusFeed(NodeStatus(), param_bytes=4, snapshot_sets=1, traffic=lambda: (0, 0),
+                      peers_known=lambda: 0)
+    outcome = NoLoCoOutcome("d", [], 0.0, None, None, True, 1, 0, None, None)
+    feed._started = time.monotonic() - 60.0  # started a minute ago
+    for round_index in (40, 41, 42, 43, 1):  # round 43 ended with a move back to round 1
+        feed._round(RoundEnded(round=round_index, step=0, round_seconds=1.0, outer_seconds=0.0,
+                               outcome=outcome, peers_alive=2))
+    assert feed.status.rounds_per_minute == pytest.approx(5.0, rel=0.05)

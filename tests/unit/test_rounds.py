@@ -353,6 +353,20 @@ def test_a_node_too_far_behind_jumps_to_the_swarms_round(config, corpus):
     assert link.offered[0][0] == 0
 
 
+def test_a_node_too_far_ahead_goes_back_to_the_swarms_round(config, corpus):
+    policy, link, model = noloco(config, corpus, "overlap")
+    for r in range(4):
+        train_round(model, policy, r)
+        if r < 3:
+            policy.end_round(r)
+    phi = weights_digest(policy.outer.slow_weights)
+    link.catch_up = 1
+    outcome = policy.end_round(3)
+    assert outcome.caught_up_to == 1 and model.step == 1 * H
+    assert outcome.phi_digest != phi  # its own progress is kept: the outer step still ran
+    assert [o[0] for o in link.offered] == [0, 1, 2, 3]
+
+
 def test_a_late_joiner_adopts_the_exported_state(config, corpus):
     member, _, member_model = noloco(config, corpus, "overlap", stream=3)
     train_round(member_model, member, 0)

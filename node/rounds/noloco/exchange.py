@@ -129,11 +129,18 @@ class NoLoCoExchange:
             round_index + 1 if next_round is None else next_round, wait_s=wait_s)
 
     def catch_up_round(self, round_index: int) -> int | None:
-        """The swarm's round, if this node (ending `round_index`) fell too far behind it to
-        pair (protocol/matching.py catch_up_round); None otherwise."""
+        """The swarm's round, if this node (ending `round_index`) fell too far behind it or ran
+        too far ahead of it to pair (protocol/matching.py catch_up_round); None otherwise.
+
+        A node ahead goes back only with no pair in flight: pairs and landed snapshots are kept
+        by round, and one of a round it would leave would land as if from the future."""
         def decide() -> int | None:  # a member still joining has no round yet
             rounds = [rec.round for rec in self.membership.eligible() if rec.status != "joining"]
-            return catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
+            swarm_round = catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
+            if swarm_round is not None and swarm_round <= round_index \
+                    and (self.open_pairs or self.partners):
+                return None
+            return swarm_round
         return self.swarm.bridge.call("the swarm's round", decide)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
@@ -177,11 +184,15 @@ class NoLoCoExchange:
             self._send_control(message)
         self._wake_settled()
         oldest = next_round - self.max_late  # a pair older than this can no longer land
-        self.partners = {r: p for r, p in self.partners.items() if r >= oldest}
+        # above next_round only after going back to the swarm's round (catch_up_round), in the
+        # rare race with a pair formed meanwhile: such a pair is given up, not kept for later
+        self.partners = {r: p for r, p in self.partners.items() if oldest <= r <= next_round}
         # pairs are remembered one round longer, so that a snapshot landing just too late is
         # counted late (SwapLate), not dropped unseen
-        self.open_pairs = {key: t for key, t in self.open_pairs.items() if key[1] >= oldest - 1}
-        self.recent_pairs = [p for p in self.recent_pairs if p.round_index >= oldest - 1]
+        self.open_pairs = {key: t for key, t in self.open_pairs.items()
+                           if oldest - 1 <= key[1] <= next_round}
+        self.recent_pairs = [p for p in self.recent_pairs
+                             if oldest - 1 <= p.round_index <= next_round]
         if not self.partners:
             self.landed.clear()
         if self.timing == "overlap":

@@ -21,10 +21,12 @@ it with "theta". So does the noise check (node/rounds/noise_check.py, noise_rati
 scores overlapped in simulation (benchmarks/RESULTS.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
 theta_only_snapshot). No partner, or a refused one, gives the local update of G = {self}, counted.
 
-A node more than max_staleness rounds behind its swarm (it started late, or stalled) could pair
-with nobody; at a round's end it jumps to the swarm's round (protocol/matching.py
-catch_up_round): its step counter and schedule move forward, and its φ, δ, θ, inner optimizer
-and data position stay its own, for the pairs to come to average.
+A node more than max_staleness rounds behind its swarm (it started late, or stalled) or ahead of
+it (it ran alone faster, through a cut link) could pair with nobody; at a round's end it moves to
+the swarm's round (protocol/matching.py catch_up_round): its step counter and schedule move
+forward or back, and its φ, δ, θ, inner optimizer and data position stay its own, for the pairs
+to come to average. (A checkpoint saved after going back replaces those numbered above it:
+node/train/checkpoint.py.)
 
 What travels is encoded in node/rounds/noloco/payload.py.
 """
@@ -88,7 +90,7 @@ class NoLoCoOutcome(RoundOutcome):
     local_update: bool            # no partner: G = {self}
     local_updates: int            # running totals
     partner_updates: int
-    caught_up_to: int | None      # the swarm's round this node jumped to
+    caught_up_to: int | None      # the swarm's round this node moved to (forward or back)
     pair_shift: float | None      # overlap: the norm of what the pair's correction added to θ
 
     @property

@@ -302,3 +302,39 @@ def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
         await ex._send_all(1, big)
         assert ex.send_ratio() >= before * 0.99, (before, ex.send_ratio())
     asyncio.run(main())
+
+
+class TransportAtAChosenRate(TransportAtAFixedRate):
+    """Each push takes `seconds` (a member's downlink that other senders share some rounds)."""
+    seconds = 0.1
+
+    async def push(self, peer, message, timeout):
+        await asyncio.sleep(self.seconds)
+
+
+def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
+    """A slow member's downlink carries every member's message: a round whose sends did not
+    overlap there measured fast, and the controller doubled and halved the rank round after
+    round (16-32-64). The link's cost is the worst of the last LINK_MEMORY sends."""
+    import numpy as np
+
+    from node.rounds.dilocox.exchange import LINK_MEMORY
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        transport = TransportAtAChosenRate()
+        swarm = unit_swarm(loop, [member("a", 0)], transport=transport)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        message = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
+        transport.seconds = 0.2
+        await ex._send_all(0, message)
+        ex._round_seconds, ex._handed_bytes = 1.0, 10_000
+        slow = ex.send_ratio()
+        assert 0.19 < slow < 0.3
+        transport.seconds = 0.02
+        for r in range(1, LINK_MEMORY):
+            await ex._send_all(r, message)
+            assert ex.send_ratio() == slow  # still within memory of the slow send
+        await ex._send_all(LINK_MEMORY, message)
+        assert ex.send_ratio() < slow / 4  # forgotten after LINK_MEMORY faster sends
+    asyncio.run(main())

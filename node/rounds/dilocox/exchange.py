@@ -57,6 +57,11 @@ PGRAD = "dilocox.pgrad"
 # Rounds behind the swarm's agreed round before a node adopts the swarm's state. One round
 # behind is left to the resync: members still announce φ of the round before their latest.
 CATCH_UP_LAG = 2
+# The controller reads the link's cost as the worst of this many last sends. Each message goes
+# to every member, so a slow member's downlink carries all of them: a round whose sends did not
+# overlap there measured fast, the next slow, and with the last send alone the rank doubled and
+# halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
+LINK_MEMORY = 4
 
 
 class DiLoCoXExchange:
@@ -82,7 +87,7 @@ class DiLoCoXExchange:
         self._round_seconds: float | None = None   # between the last two send_round calls
         self._handed_bytes = 0                      # training thread: the last message handed over
         self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
-        self._seconds_per_byte: float | None = None  # loop: the last finished send's
+        self._link_costs: tuple[float, ...] = ()  # loop: seconds per byte of the last sends
 
     def start(self, round_index: int) -> None:
         self._restart_at(round_index)
@@ -150,15 +155,14 @@ class DiLoCoXExchange:
 
     def send_ratio(self) -> float | None:
         """The seconds the message just handed over will take to send (to its whole group),
-        over the last round's: the link's seconds per message byte, from the last finished send
-        or a send in flight if it is slower already, times that message's bytes. Not the last
-        send's own seconds: those are of an earlier message, and the controller, which judges
-        the current one, doubled the rank on a send half its size and saturated a 1.8 Mbit/s
-        link (benchmarks/RESULTS.md, issue 20)."""
+        over the last round's: the link's seconds per message byte, the worst of the last
+        LINK_MEMORY finished sends and any send in flight slower already, times that message's
+        bytes. Not the last send's own seconds: those are of an earlier message, and the
+        controller, which judges the current one, doubled the rank on a send half its size and
+        saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20)."""
         now, in_flight = time.monotonic(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
-        if self._seconds_per_byte is not None:
-            rates.append(self._seconds_per_byte)
+        rates += self._link_costs
         if not rates or not self._round_seconds:
             return None
         return max(rates) * self._handed_bytes / self._round_seconds
@@ -183,8 +187,8 @@ class DiLoCoXExchange:
             # A send that failed at once (a reset stream, a refusal) says nothing of the link and
             # may only raise its cost: read as fast, it let the controller double the rank onto a
             # slow member's saturated downlink (benchmarks/RESULTS.md, issue 20, one slow node)
-            if not failed or self._seconds_per_byte is None or measured > self._seconds_per_byte:
-                self._seconds_per_byte = measured
+            if not failed or not self._link_costs or measured > max(self._link_costs):
+                self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
         self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
         self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
 

@@ -18,9 +18,17 @@ The rules, with r = send_seconds / compute_seconds and B = overlap_budget (defau
    lower H towards its floor, then raise bits, then raise k of tensors not already kept well.
 
 Every upward move (more rank, more bits, smaller H) is taken only if the projected ratio stays
-within budget; bytes are taken as proportional to the sum of ranks and to bits, compute time
-to H (conservative: blockwise-sent tensors do not grow with k). A move held back by that check
-is recorded in `held_back`. k, bits and H never leave
+within budget. Bytes are projected per tensor, each in proportion to its rank, and in proportion
+to bits; compute time to H:
+
+    r' = r · (B_other + Σ_i b_i · k'_i / k_i) / B · (bits' / bits) · (H / H')
+
+with b_i the bytes tensor i took in the measured message, B its total and B_other = B − Σ_i b_i
+(tensors that do not adapt). Without per-tensor bytes, Σ k'_i / Σ k_i stands for the bytes: a
+sum of ranks weighs a 64-wide bias like a 256 x 4096 embedding, under-projected a doubling of the
+large tensors' ranks, and the rank went 32-64-32 round after round on a saturated link
+(benchmarks/RESULTS.md, issue 20, one slow node). A move held back by that check is recorded in
+`held_back`. k, bits and H never leave
 their configured bounds.
 """
 
@@ -92,11 +100,14 @@ class CompressionSettings:
 
 @dataclass(frozen=True)
 class RoundMeasurements:
-    """Last round's numbers: ε per low-rank tensor, seconds spent sending, seconds computing."""
+    """Last round's numbers: ε per low-rank tensor, seconds spent sending, seconds computing;
+    optionally the bytes each adapted tensor took in the message and the message's total."""
 
     energy_kept: Mapping[str, float]
     send_seconds: float
     compute_seconds: float
+    tensor_bytes: Mapping[str, int] = field(default_factory=dict)
+    message_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not (_is_number(self.send_seconds) and self.send_seconds >= 0):
@@ -108,6 +119,12 @@ class RoundMeasurements:
         for name, energy in self.energy_kept.items():
             if not (_is_number(energy) and -1e-6 <= energy <= 1 + 1e-6):
                 raise ConfigurationError(f"energy kept of {name!r} must be in [0, 1], got {energy!r}.")
+        if self.tensor_bytes and not (_is_int(self.message_bytes) and all(
+                _is_int(b) and b >= 0 for b in self.tensor_bytes.values())
+                and sum(self.tensor_bytes.values()) <= self.message_bytes):
+            raise ConfigurationError("tensor_bytes must be ints >= 0 whose sum is at most "
+                                     f"message_bytes, got {sum(self.tensor_bytes.values())} "
+                                     f"of {self.message_bytes!r}.")
 
 
 @dataclass(frozen=True)
@@ -177,12 +194,11 @@ class AdaptiveController:
             return self._decision(ranks, bits, steps, ratio, budget, changes, held_back)
 
         budget = "slack" if ratio <= config.slack_ratio * config.overlap_budget else "within"
-        original_rank_total = sum(settings.ranks.values())
 
         def projected(new_ranks: Mapping[str, int], new_bits: int, new_steps: int) -> float:
-            """r after a move: bytes ∝ Σ ranks and bits, compute ∝ H (blockwise bytes ignored)."""
-            rank_growth = sum(new_ranks.values()) / original_rank_total if original_rank_total else 1.0
-            return ratio * rank_growth * (new_bits / settings.bits) * (settings.inner_steps / new_steps)
+            """r after a move (the module docstring's r')."""
+            growth = _byte_growth(settings.ranks, new_ranks, measurements)
+            return ratio * growth * (new_bits / settings.bits) * (settings.inner_steps / new_steps)
 
         def try_move(candidate: tuple[dict[str, int], int, int], move: str) -> bool:
             """Upward moves only: allowed while the projected ratio stays within budget."""
@@ -258,6 +274,17 @@ class AdaptiveController:
                   changes: list[SettingChange], held_back: list[str]) -> ControllerDecision:
         return ControllerDecision(CompressionSettings(ranks, bits, steps), ratio, budget,
                                   tuple(changes), tuple(held_back))
+
+
+def _byte_growth(ranks: Mapping[str, int], new_ranks: Mapping[str, int],
+                 measured: RoundMeasurements) -> float:
+    """The message's bytes after moving `ranks` to `new_ranks`, over its bytes now."""
+    sizes, total = measured.tensor_bytes, measured.message_bytes
+    if sizes and total and set(new_ranks) <= set(sizes):
+        moved = sum(sizes[n] * new_ranks[n] / ranks[n] for n in new_ranks)
+        return (total - sum(sizes[n] for n in new_ranks) + moved) / total
+    before = sum(ranks.values())
+    return sum(new_ranks.values()) / before if before else 1.0
 
 
 def settings_of(codec: LowRankCodec | TopKCodec, names: list[str], inner_steps: int) -> CompressionSettings:

@@ -121,3 +121,22 @@ def test_topk_strength_is_k_per_tensor() -> None:
         max_inner_steps=100)).decide(settings, RoundMeasurements({"w": 0.1}, 1.0, 10.0))
     apply_settings(codec, decision.settings)
     assert codec.encode(torch.randn(512), "w").description["k"] == 32
+
+
+def test_a_raise_is_projected_on_the_bytes_each_tensor_takes_not_on_the_sum_of_ranks() -> None:
+    """Raising a large tensor's rank doubles most of the message even where a small tensor's
+    rank, already high, keeps the sum of ranks from doubling: projected on Σ ranks, the raise
+    looked within budget, and the rank went 32-64-32 round after round on a saturated link."""
+    settings = CompressionSettings({"embedding": 16, "bias": 32}, 8, 100)
+    energies = {"embedding": 0.5, "bias": 0.9}  # only the embedding asks for more rank
+    by_rank_sum = CONTROLLER.decide(settings, RoundMeasurements(energies, 5.0, 10.0))
+    assert dict(by_rank_sum.settings.ranks) == {"embedding": 32, "bias": 32}  # (32+32)/48: 0.67
+    by_bytes = CONTROLLER.decide(settings, RoundMeasurements(
+        energies, 5.0, 10.0, tensor_bytes={"embedding": 9000, "bias": 100}, message_bytes=9500))
+    assert dict(by_bytes.settings.ranks) == {"embedding": 16, "bias": 32}  # 0.5 · 1.95 > 0.8
+    assert any("projected send/compute 0.97" in h for h in by_bytes.held_back), by_bytes.held_back
+
+
+def test_tensor_bytes_beyond_the_message_are_refused() -> None:
+    with pytest.raises(ConfigurationError, match="tensor_bytes"):
+        RoundMeasurements({"a": 0.5}, 1.0, 1.0, tensor_bytes={"a": 200}, message_bytes=100)

@@ -58,7 +58,9 @@ class CompressionAdapter:
         settings = settings_of(self.codec, sorted(energy), self.inner_steps)
         clamped = {n: min(max(k, bounds.min_rank), bounds.max_rank) for n, k in settings.ranks.items()}
         settings = type(settings)(clamped, settings.bits, settings.inner_steps)
-        measured = RoundMeasurements(energy, send_seconds=send_ratio or 0.0, compute_seconds=1.0)
+        sizes = {name: message.tensors[name].size_bytes for name in energy}
+        measured = RoundMeasurements(energy, send_seconds=send_ratio or 0.0, compute_seconds=1.0,
+                                     tensor_bytes=sizes, message_bytes=message.size_bytes)
         decision = self.controller.decide(settings, measured)
         apply_settings(self.codec, decision.settings)
         strengths = list(decision.settings.ranks.values()) or [0]

@@ -8,11 +8,13 @@ import asyncio
 import dataclasses
 import random
 
+import pytest
+
 from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
-from node.events import Diverged
-from node.rounds.dilocox.exchange import DiLoCoXExchange
-from p2p.errors import P2PError
+from node.events import Diverged, SendFailed
+from node.rounds.dilocox.exchange import PGRAD, DiLoCoXExchange
+from p2p.errors import P2PError, Reason, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.messages import OutgoingMessage
 from p2p.records import MemberRecord
 from protocol.dilocox import split_winner
@@ -269,7 +271,7 @@ def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
         small = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         assert ex.send_ratio() is None  # nothing measured yet
         await ex._send_all(0, small)  # 0.1 s
-        ex._round_seconds, ex._handed_bytes = 1.0, 20_000
+        ex._round_durations, ex._handed_bytes = (1.0,), 20_000
         assert 0.19 < ex.send_ratio() < 0.3
         ex._handed_bytes = 10_000
         assert 0.09 < ex.send_ratio() < 0.15
@@ -296,7 +298,7 @@ def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         big = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         await ex._send_all(0, big)  # 0.1 s to "a"; "b" fails
-        ex._round_seconds, ex._handed_bytes = 1.0, 10_000
+        ex._round_durations, ex._handed_bytes = (1.0,), 10_000
         before = ex.send_ratio()
         ex.members.records = {"b": member("b", 0)}  # a round whose only send fails at once
         await ex._send_all(1, big)
@@ -328,7 +330,7 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
         message = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         transport.seconds = 0.2
         await ex._send_all(0, message)
-        ex._round_seconds, ex._handed_bytes = 1.0, 10_000
+        ex._round_durations, ex._handed_bytes = (1.0,), 10_000
         slow = ex.send_ratio()
         assert 0.19 < slow < 0.3
         transport.seconds = 0.02
@@ -337,4 +339,58 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
             assert ex.send_ratio() == slow  # still within memory of the slow send
         await ex._send_all(LINK_MEMORY, message)
         assert ex.send_ratio() < slow / 4  # forgotten after LINK_MEMORY faster sends
+    asyncio.run(main())
+
+
+class TransportThatBreaksFirst(TransportAtAFixedRate):
+    """Each peer's first push breaks with `first` (then the peer takes what `then` says)."""
+
+    def __init__(self, first: Exception, then: Exception | None = None):
+        self.first, self.then, self.calls = first, then, []
+
+    async def push(self, peer, message, timeout):
+        self.calls.append(peer)
+        if self.calls.count(peer) == 1:
+            raise self.first
+        if self.then is not None:
+            raise self.then
+
+
+@pytest.mark.parametrize("first, then, tries, failed", [
+    (TransferFailed("the stream to peer a broke"), None, 2, False),    # tried again: delivered
+    (TransferFailed("the stream to peer a broke"),                     # it had arrived after all
+     RemoteRefused("a", PGRAD, Reason.REPLAYED), 2, False),
+    (TransferFailed("could not open a stream"), TransferFailed("again"), 3, True),  # SEND_TRIES
+    (TransferTimeout("did not complete within 120 s"), None, 1, True),  # the deadline is spent
+    (RemoteRefused("a", PGRAD, Reason.STALE_ROUND), None, 1, True),     # the receiver's answer
+])
+def test_a_push_that_broke_is_tried_again_within_the_deadline(first, then, tries, failed):
+    """At 1.1 Mbit/s three resets lost messages that two members then waited 81-86 s for,
+    before φ split: a broken push is tried again; a refusal or a spent deadline is final."""
+    import numpy as np
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+        transport = TransportThatBreaksFirst(first, then)
+        swarm = unit_swarm(loop, [member("a", 0)], transport=transport, events=events)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        message = OutgoingMessage.from_arrays(PGRAD, 0, {"w": np.zeros(100, np.uint8)})
+        await ex._send_all(0, message)
+        assert len(transport.calls) == tries
+        assert any(isinstance(e, SendFailed) for e in events) == failed
+    asyncio.run(main())
+
+
+def test_a_round_stretched_by_a_wait_does_not_make_the_link_look_idle():
+    """After an 81 s wait on the network the round measured 97 s, the ratio read 0.17 and the
+    controller doubled the rank onto the same saturated link: compute is the shortest of the
+    last rounds."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), unit_swarm(loop, [member("a", 0)]),
+                             random.Random(0))
+        ex._link_costs, ex._handed_bytes = (1e-4,), 100_000  # 10 s to send
+        ex._round_durations = (16.0, 16.0, 97.0)
+        assert ex.send_ratio() == pytest.approx(10 / 16)
     asyncio.run(main())

@@ -48,7 +48,8 @@ from node.events import CaughtUp, Diverged, Missing, ResyncReady, SendFailed, Se
 from node.rounds.dilocox.round import GroupMessage
 from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
-from p2p.errors import P2PError, Reason, Refusal
+from p2p.errors import (P2PError, Reason, Refusal, RemoteRefused, TransferFailed,
+                        TransferTimeout)
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from protocol.dilocox import split_winner, winning_digest
 
@@ -62,6 +63,12 @@ CATCH_UP_LAG = 2
 # overlap there measured fast, the next slow, and with the last send alone the rank doubled and
 # halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
 LINK_MEMORY = 4
+# A push that broke (a reset stream, a connection that would not open) is tried again within the
+# deadline, this many times in all: its receiver waits the whole deadline for a message of a
+# member that finished the round, and then φ splits (at 1.1 Mbit/s two members waited 81-86 s
+# after three resets, and four resyncs followed).
+SEND_TRIES = 3
+RETRY_PAUSE_S = 1.0
 
 
 class DiLoCoXExchange:
@@ -84,7 +91,7 @@ class DiLoCoXExchange:
         # the controller's link measurement (send_ratio): written on one thread each, read on
         # the other (plain values and a dict replaced whole, never changed in place)
         self._send_called_at: float | None = None  # training thread: the last send_round
-        self._round_seconds: float | None = None   # between the last two send_round calls
+        self._round_durations: tuple[float, ...] = ()  # between send_round calls, the last few
         self._handed_bytes = 0                      # training thread: the last message handed over
         self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
         self._link_costs: tuple[float, ...] = ()  # loop: seconds per byte of the last sends
@@ -119,7 +126,7 @@ class DiLoCoXExchange:
     def send_round(self, round_index: int, tensors: list) -> None:
         now = time.monotonic()
         if self._send_called_at is not None:
-            self._round_seconds = now - self._send_called_at
+            self._round_durations = (*self._round_durations, now - self._send_called_at)[-LINK_MEMORY:]
         self._send_called_at = now
         message = OutgoingMessage(PGRAD, round_index, tensors)
         self._handed_bytes = message.total_bytes
@@ -159,13 +166,15 @@ class DiLoCoXExchange:
         LINK_MEMORY finished sends and any send in flight slower already, times that message's
         bytes. Not the last send's own seconds: those are of an earlier message, and the
         controller, which judges the current one, doubled the rank on a send half its size and
-        saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20)."""
+        saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20). Over the shortest of the
+        last rounds: a round stretched by a wait on the network is not compute, and after an
+        81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
         now, in_flight = time.monotonic(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
         rates += self._link_costs
-        if not rates or not self._round_seconds:
+        if not rates or not self._round_durations:
             return None
-        return max(rates) * self._handed_bytes / self._round_seconds
+        return max(rates) * self._handed_bytes / min(self._round_durations)
 
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
@@ -176,11 +185,23 @@ class DiLoCoXExchange:
         failed: list[str] = []
 
         async def send(peer: str) -> None:
-            try:
-                await self.transport.push(peer, message, timeout=self.deadline_s)
-            except Exception as exc:  # whatever broke it, a failed send is counted and logged once
-                failed.append(peer)
-                self.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
+            give_up_at = time.monotonic() + self.deadline_s
+            for attempt in range(1, SEND_TRIES + 1):
+                try:
+                    await self.transport.push(peer, message, timeout=give_up_at - time.monotonic())
+                    return
+                except Exception as exc:  # whatever broke it, a failed send is counted and logged once
+                    if isinstance(exc, RemoteRefused) and exc.reason is Reason.REPLAYED:
+                        return  # an earlier try arrived, its answer did not
+                    broke = isinstance(exc, TransferFailed) and not isinstance(exc, TransferTimeout)
+                    if broke and attempt < SEND_TRIES \
+                            and give_up_at - time.monotonic() > 2 * RETRY_PAUSE_S:
+                        log.info("round %d to %s, try %d: %s", round_index, peer[-8:], attempt, exc)
+                        await asyncio.sleep(RETRY_PAUSE_S)
+                        continue
+                    failed.append(peer)
+                    self.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
+                    return
         await asyncio.gather(*(send(p) for p in group))
         if message.total_bytes:
             measured = (time.monotonic() - started) / message.total_bytes

@@ -1,9 +1,11 @@
 """DiLoCoX's adaptive compression in a round: protocol/controller.py fed with the round's numbers.
 
 After each round's message is encoded, the controller reads what it kept (ε per tensor, from
-the sender's encoder) and how long the last send took against the round's compute (the link
-measures both; None where it has no clock for it, e.g. the simulator's in-memory links), and
-sets the codec's strength (top-k: k per tensor; low-rank: rank) and bits for the next round.
+the sender's encoder, and the bytes each tensor took) and how long that message will take to
+send against a round's compute (the link's `send_ratio`: the worst cost per byte of its last
+few sends over the shortest of its last few rounds; None where it has no clock for it, e.g. the
+simulator's in-memory links), and sets the codec's strength (top-k: k per tensor; low-rank:
+rank) and bits for the next round.
 
 Bounds come from the manifest, so every member can decode every other's messages: top-k's k up
 to `max_density · topk_chunk` (the density a receiver accepts), its bits any of 2, 4, 8; low-rank

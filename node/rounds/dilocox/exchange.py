@@ -63,10 +63,11 @@ CATCH_UP_LAG = 2
 # overlap there measured fast, the next slow, and with the last send alone the rank doubled and
 # halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
 LINK_MEMORY = 4
-# A push that broke (a reset stream, a connection that would not open) is tried again within the
-# deadline, this many times in all: its receiver waits the whole deadline for a message of a
-# member that finished the round, and then φ splits (at 1.1 Mbit/s two members waited 81-86 s
-# after three resets, and four resyncs followed).
+# A push that broke (idle for 30 s, reset, ended early, a dial that failed) is tried again
+# within the deadline, this many times in all: its receiver waits up to the whole deadline for
+# the message of a member that finished the round, and then φ splits (at 1.1 Mbit/s, 54d930d,
+# 6 of 9 failed pushes of rounds 14-23 broke this way; two members waited 81-86 s at round 19,
+# and 5 resyncs followed). A refusal (STALE_ROUND: it came too late) is final.
 SEND_TRIES = 3
 RETRY_PAUSE_S = 1.0
 

@@ -45,6 +45,14 @@ def rate_bits(rate: str) -> float:
     raise ValueError(f"a rate like 100mbit or 1800kbit, not {rate!r}")
 
 
+def _signal_group(process: subprocess.Popen, signum: int) -> None:
+    """`signum` to the process group `process` leads (it started it: start_new_session)."""
+    try:
+        os.killpg(process.pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # the whole group is gone
+
+
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
 
@@ -123,24 +131,29 @@ class NamespaceSet:
         _run("ip", "-n", name, "link", "set", "lo", "up")
 
     def _popen_in(self, namespace: str, argv: list[str], **options) -> subprocess.Popen:
-        """Start a process in `namespace`; it is stopped when the set closes."""
-        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv], **options)
+        """Start a process in `namespace`, in a process group of its own; the whole group is
+        stopped when the set closes."""
+        process = subprocess.Popen(["ip", "netns", "exec", namespace, *argv],
+                                   start_new_session=True, **options)
         self._processes.append(process)
         return process
 
     def close(self) -> None:
+        # By group: hivemind's trainer runs its DHT and averager in child processes (and p2pd
+        # under them), which outlived a trainer stopped alone: a capped time-to-loss run left
+        # 12 of them running for 30 min, through the runs after it.
         for process in self._processes:
-            if process.poll() is None:
-                process.terminate()
+            _signal_group(process, signal.SIGTERM)
         for process in self._processes:
             try:
                 process.wait(timeout=self.stop_timeout_s)
             except subprocess.TimeoutExpired:
-                process.kill()
-                try:
-                    process.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
+                pass
+            _signal_group(process, signal.SIGKILL)  # what is left of the group, leader or not
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
         self._processes.clear()
         for namespace in reversed(self._created):
             _run("ip", "netns", "del", namespace, check=False)

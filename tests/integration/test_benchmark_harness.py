@@ -107,3 +107,33 @@ def test_a_shaped_swarm_limits_the_rate_adds_the_delay_and_leaves_nothing_behind
         assert namespaces <= _namespaces()
         raise RuntimeError("a benchmark failing half-way")
     assert not namespaces & _namespaces()
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces and tc need root")
+def test_a_process_tree_started_in_a_namespace_is_stopped_whole():
+    """hivemind's trainer runs its DHT and averager in child processes, with p2pd under them:
+    a capped time-to-loss run stopped the trainers alone and left 12 processes running through
+    the runs after it. A child that ignores SIGTERM and outlives its parent goes too."""
+    with ShapedSwarm(n=1, rate="8mbit") as swarm:
+        parent = swarm.popen(0, [sys.executable, "-c", (
+            "import subprocess, sys, time\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+            "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+            "print(child.pid, flush=True)\n"
+            "time.sleep(600)\n")], stdout=subprocess.PIPE, text=True)
+        child = int(parent.stdout.readline())
+        assert _running(child)
+    assert parent.poll() is not None
+    deadline = time.monotonic() + 10  # the kill is sent; its reaping is the init process's
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child), f"process {child} outlived the swarm"

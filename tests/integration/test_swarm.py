@@ -162,19 +162,27 @@ def test_peer_on_another_manifest_is_named_and_ignored(harness_factory, tmp_path
         stranger.close()
 
 
+def paced(seconds: float, steps: int) -> list[str]:
+    """A node's options: its steps padded to `seconds` (train.min_step_seconds, node-local),
+    `steps` of them."""
+    return ["--set", f"train.min_step_seconds={seconds}", "--max-steps", str(steps)]
+
+
+def first_of_three(harness: SwarmHarness, extra: list[str]):
+    """Node 0 of a swarm of three, joined and waiting for its two peers (--min-peers 2)."""
+    first = harness.start_node(0, extra=[*extra, "--min-peers", "2"])
+    first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
+    return first
+
+
 def test_a_node_at_a_third_of_the_speed_holds_nobody_back(harness_factory):
     """No global barrier: steps padded to 0.2 s (train.min_step_seconds, node-local), one node's
     to 0.6 s. A barrier would stretch everyone's rounds to the slow node's 3 s; the normal
     nodes keep their own pace. The slow node falls more than max_staleness rounds behind, jumps
     to the swarm's round (protocol/matching.py catch_up_round) and pairs, so it goes on learning
     with the swarm rather than alone."""
-    m = small_manifest("t-slow", "noloco", inner_steps=5)
-    harness = harness_factory(m)
-
-    def paced(seconds: float, steps: int) -> list[str]:
-        return ["--set", f"train.min_step_seconds={seconds}", "--max-steps", str(steps)]
-    first = harness.start_node(0, extra=[*paced(0.2, 100), "--min-peers", "2"])
-    first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
+    harness = harness_factory(small_manifest("t-slow", "noloco", inner_steps=5))
+    first = first_of_three(harness, paced(0.2, 100))
     normal = [first, harness.start_node(1, [first.address], paced(0.2, 100))]
     slow = harness.start_node(2, [first.address], [*paced(0.6, 100), "--set", "train.eval_every=5"])
     for node in normal:
@@ -197,13 +205,8 @@ def test_a_node_three_times_faster_than_its_swarm_goes_back_to_its_round_and_pai
     node runs ahead by more than max_staleness (2) rounds within a slow round and, before it
     could move back, paired with nobody from then on (as a node that trained through a cut
     link did in CI). It now goes back to the swarm's round, step counter with it, and pairs."""
-    m = small_manifest("t-fast", "noloco", inner_steps=5)
-    harness = harness_factory(m)
-
-    def paced(seconds: float, steps: int) -> list[str]:
-        return ["--set", f"train.min_step_seconds={seconds}", "--max-steps", str(steps)]
-    first = harness.start_node(0, extra=[*paced(0.6, 60), "--min-peers", "2"])
-    first.wait_for(lambda ev: any(e["event"] == "joined" for e in ev), 90, "joining")
+    harness = harness_factory(small_manifest("t-fast", "noloco", inner_steps=5))
+    first = first_of_three(harness, paced(0.6, 60))
     slow = [first, harness.start_node(1, [first.address], paced(0.6, 60))]
     fast = harness.start_node(2, [first.address], paced(0.2, 1000))
     for node in slow:

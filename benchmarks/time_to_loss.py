@@ -334,11 +334,11 @@ def main() -> None:
                                         hivemind_options=args.hivemind.split())
                 wall = time.time() - started
                 sent = [swarm.tx_bytes(i) for i in range(swarm.n)]
-            rounds = max(1, steps // args.inner_steps)
             results[method] = {
                 "wall": wall, "curve": mean_curve(runs, started),
                 "sent_bytes_per_node": statistics.fmean(sent), "sent_bytes": sent,
-                "wait_per_round": [r["wait"] / rounds for r in runs],
+                # over the rounds it ran: a run stopped at its cap ran fewer than planned
+                "wait_per_round": [r["wait"] / max(1, r["rounds"]) for r in runs],
                 "idle_fraction": [r["wait"] / max(r["end"] - r["start"], 1e-9) for r in runs],
                 # a node's rounds (H steps) over its own training time: the pace a slow node may cost others
                 "rounds_per_minute": [60 * r["rounds"] / max(r["end"] - r["start"], 1e-9) for r in runs],

@@ -8,7 +8,7 @@ A pure decision: `AdaptiveController.decide(settings, measurements)` reads last 
 numbers and returns new settings with a record of every change and its reason, to be reported
 each round. It keeps no state between rounds, so tests drive it with made-up measurements.
 
-The rules, with r = send_seconds / compute_seconds and B = overlap_budget (default 0.8):
+The rules, with r = send_seconds / compute_seconds and B = overlap_budget (default 0.5):
 
 1. Over budget (r > B): bandwidth first. Lower every rank above the floor; if all ranks are at
    the floor, lower bits; if bits are at the floor too, raise H (fewer, longer rounds).
@@ -54,7 +54,7 @@ class ControllerConfig:
     max_inner_steps: int = 2000
     energy_target: float = 0.8     # ε below this raises k
     energy_high: float = 0.95      # ε above this ("well above") lowers k
-    overlap_budget: float = 0.8    # send may take this fraction of the round's compute time
+    overlap_budget: float = 0.5    # send may take this fraction of the round's compute time
     slack_ratio: float = 0.5       # "far under budget": r ≤ slack_ratio · overlap_budget
     rank_factor: float = 2.0       # k moves by ×/÷ this (at least by 1)
     inner_steps_factor: float = 2.0

@@ -109,7 +109,9 @@ class ProtocolSection:
                                            "raises the strength", min=0.0, max=1.0, min_exclusive=True)
     controller_energy_high: float = spec(0.95, "DiLoCoX controller: energy kept above this lowers "
                                          "the strength", min=0.0, max=1.0, min_exclusive=True)
-    controller_send_budget: float = spec(0.8, "DiLoCoX controller: the share of a round's compute "
+    # 0.5, not 0.8: a slow member's downlink carries every member's message, and at 0.8 it had
+    # no room left for member records and state downloads (benchmarks/RESULTS.md, issue 20)
+    controller_send_budget: float = spec(0.5, "DiLoCoX controller: the share of a round's compute "
                                          "a send may take before it compresses harder",
                                          min=0.0, max=100.0, min_exclusive=True)
     max_density: float = spec(0.0625, "DiLoCoX topk codec: messages sending more than this share "

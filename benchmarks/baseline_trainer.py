@@ -73,8 +73,14 @@ def run_diloco_hivemind(args: argparse.Namespace, manifest: Manifest, log: Log) 
     params = trainer.named_parameters()
     outer = DiLoCo(params, DiLoCoHyperParameters(manifest.protocol.outer_lr,
                                                  manifest.protocol.outer_momentum))
+    # wait_timeout: hivemind's DHT drops a peer from its routing table when a request to it
+    # gets no reply within 3 s. Its requests share one connection per peer with the all-reduce,
+    # so on a slow uplink they queue behind megabytes of it and miss; after a long all-reduce
+    # each node's table held no (or one) peer, its stores and lookups stayed local, and no
+    # group formed again ("could not find a group", measured: DEBUG logs at 1.8 Mbit/s)
     dht = hivemind.DHT(start=True, initial_peers=args.initial_peer, host_maddrs=args.listen,
-                       announce_maddrs=args.announce or None, use_ipfs=False, nat_port_map=False)
+                       announce_maddrs=args.announce or None, use_ipfs=False, nat_port_map=False,
+                       wait_timeout=args.dht_wait_timeout)
     (Path(args.out).with_suffix(".address")).write_text(
         "\n".join(str(a) for a in dht.get_visible_maddrs()) + "\n")
     buffers = [torch.zeros_like(p) for p in params.values()]
@@ -174,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--sync-timeout", type=float, default=120.0)
     parser.add_argument("--wire", choices=["fp32", "fp16"], default="fp32")
+    parser.add_argument("--dht-wait-timeout", type=float, default=3.0,
+                        help="seconds hivemind's DHT waits for a reply before it drops the peer "
+                             "(default hivemind's 3 s); on a slow link, longer than an "
+                             "all-reduce keeps the link busy")
     # data-parallel
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--world", type=int, default=1)

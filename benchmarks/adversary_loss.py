@@ -40,7 +40,8 @@ def run_arm(base: Path, kind: str | None, rounds: int, inner_steps: int,
     for i, identity in enumerate(identities):
         identity.save(identity_path(base / f"node-{i}"))
     make = (lambda swarm: small_manifest(swarm, protocol, inner_steps)) if defaults else \
-        (lambda swarm: adversary_manifest(swarm, protocol, inner_steps=inner_steps))
+        (lambda swarm: adversary_manifest(swarm, protocol, alignment_check=True,
+                                         inner_steps=inner_steps))
     manifest = make(f"adv-loss-{kind or 'none'}")
     manifest.train.eval_every = inner_steps * rounds  # once, at the end (node-local schedule)
     harness = FaultHarness(base, manifest)

@@ -136,6 +136,25 @@ class InnerTrainer:
         return dict(self.model.named_parameters())
 
     @torch.no_grad()
+    def host_parameters(self) -> dict[str, torch.Tensor]:
+        """θ by name in host memory, for DiLoCoX, whose agreed state (φ, momentum, error
+        feedback) lives on the host so that nodes on different accelerators compute it bitwise
+        alike (and 16 bytes a parameter stay off the accelerator). On the CPU it is the live
+        parameters (the protocol copies what it keeps); on CUDA, fresh copies through pinned
+        memory, all queued before one wait."""
+        params = self.named_parameters()
+        if self.device.type == "cpu":
+            return params
+        pinned = self.device.type == "cuda"
+        copies = {name: torch.empty(p.shape, dtype=p.dtype, pin_memory=pinned)
+                  for name, p in params.items()}
+        for name, p in params.items():
+            copies[name].copy_(p, non_blocking=pinned)
+        if pinned:
+            torch.cuda.current_stream(self.device).synchronize()
+        return copies
+
+    @torch.no_grad()
     def load_parameters(self, values: dict[str, torch.Tensor]) -> None:
         for name, p in self.model.named_parameters():
             p.copy_(values[name])

@@ -118,7 +118,7 @@ class DiLoCoXRound:
         # the simulator wraps the node's codec to share decodings: the controller adapts the node's own
         self.adapter = CompressionAdapter(config, getattr(self.codec, "inner", self.codec)) \
             if config.controller else None
-        self.outer = DiLoCoX({k: v.detach() for k, v in trainer.named_parameters().items()},
+        self.outer = DiLoCoX(trainer.host_parameters(),
                              self.codec, node_id, DiLoCoXHyperParameters(
                                  outer=outer, delay=config.delay, overlap=config.overlap,
                                  residual_decay=config.residual_decay,
@@ -155,7 +155,7 @@ class DiLoCoXRound:
         return None
 
     def end_round(self, round_index: int) -> DiLoCoXOutcome:
-        delta = self.outer.pseudo_gradient(self.trainer.named_parameters())
+        delta = self.outer.pseudo_gradient(self.trainer.host_parameters())
         own = self.outer.compress(delta, round_index)
         self.own_norm = global_norm(delta)
         self.link.send_round(round_index, payload.encode_message(own))

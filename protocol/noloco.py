@@ -243,12 +243,15 @@ class NoLoCo:
         return {"slow_weights": self.slow_weights, "outer_momentum": self.outer_momentum}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore φ and δ from `state_dict()` output; the layout must match this model."""
+        """Restore φ and δ from `state_dict()` output; the layout must match this model. They
+        stay on the device the state lives on (a checkpoint or a peer's state comes from host
+        memory)."""
         try:
             slow, momentum = state["slow_weights"], state["outer_momentum"]
         except (KeyError, TypeError) as missing:
             raise LayoutError(f"NoLoCo state lacks the field {missing}.") from None
         check_same_layout(self._slow_weights, slow, what="checkpoint slow_weights")
         check_same_layout(self._slow_weights, momentum, what="checkpoint outer_momentum")
-        self._slow_weights = fp32_clone(slow, what="checkpoint slow_weights")
-        self._outer_momentum = fp32_clone(momentum, what="checkpoint outer_momentum")
+        device = next(iter(self._slow_weights.values())).device
+        self._slow_weights = fp32_clone(slow, what="checkpoint slow_weights", device=device)
+        self._outer_momentum = fp32_clone(momentum, what="checkpoint outer_momentum", device=device)

@@ -15,9 +15,9 @@ function here that reads a caller's tensors detaches them first.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Mapping
 
+import blake3
 import torch
 
 from protocol.errors import LayoutError
@@ -26,8 +26,10 @@ NamedTensors = dict[str, torch.Tensor]
 """name -> tensor, e.g. a model's parameters; protocol/ keeps these in fp32."""
 
 
-def fp32_clone(tensors: Mapping[str, torch.Tensor], *, what: str = "tensors") -> NamedTensors:
-    """Detached, contiguous fp32 copies, so that later in-place training cannot alias our state."""
+def fp32_clone(tensors: Mapping[str, torch.Tensor], *, what: str = "tensors",
+               device: torch.device | None = None) -> NamedTensors:
+    """Detached, contiguous fp32 copies, so that later in-place training cannot alias our state;
+    on `device` if given (else where each tensor is)."""
     if not isinstance(tensors, Mapping):
         raise LayoutError(f"{what} must be a mapping of name to tensor, got {type(tensors).__name__}.")
     copies: NamedTensors = {}
@@ -36,7 +38,8 @@ def fp32_clone(tensors: Mapping[str, torch.Tensor], *, what: str = "tensors") ->
             raise LayoutError(f"{what} has a non-string name {name!r}.")
         if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
             raise LayoutError(f"{what}[{name!r}] must be a floating-point tensor.")
-        copies[name] = tensor.detach().to(dtype=torch.float32, copy=True).contiguous()
+        copies[name] = tensor.detach().to(device=device or tensor.device, dtype=torch.float32,
+                                          copy=True).contiguous()
     return copies
 
 
@@ -110,14 +113,16 @@ def numel(tensors: Mapping[str, torch.Tensor]) -> int:
 
 
 def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
-    """BLAKE2b-128 hex digest of names, shapes and fp32 bytes, in sorted name order.
+    """BLAKE3 digest (128 bits, hex) of names, shapes and fp32 bytes, in sorted name order.
 
     Nodes publish it every round to detect diverged φ (PROTOCOLS.md §3 "Consistency"); equal
-    digests mean bitwise equal weights.
+    digests mean bitwise equal weights. It is taken in the training thread at each round's end:
+    BLAKE3 on all cores hashes a `small` model's 536 MB in a fraction of the time BLAKE2b took
+    on one, and the bytes are hashed where they lie, not copied first.
     """
-    digest = hashlib.blake2b(digest_size=16)
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
     for name in sorted(tensors):
         tensor = tensors[name].detach().to(device="cpu", dtype=torch.float32).contiguous()
         digest.update(name.encode("utf-8") + b"\0" + repr(tuple(tensor.shape)).encode("ascii"))
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest(length=16)

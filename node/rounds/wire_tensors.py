@@ -50,13 +50,14 @@ def tensor_wire_bytes(count: int, dtype: str) -> int:
 
 
 def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "") -> list[OutgoingTensor]:
-    """Casts to the wire dtype (bf16 by default for NoLoCo snapshots) on the CPU, or quantizes."""
+    """Casts to the wire dtype, or quantizes, where the tensors are (on a GPU, only the wire's
+    bytes cross to the host)."""
     if dtype in QUANTIZED_BITS:
         return _to_wire_quantized(tensors, QUANTIZED_BITS[dtype], prefix)
     torch_dtype = WIRE_DTYPES[dtype]
     out = []
     for name, tensor in tensors.items():
-        cast = tensor.detach().to("cpu", torch_dtype).contiguous()
+        cast = tensor.detach().to(torch_dtype).to("cpu").contiguous()
         out.append(OutgoingTensor(prefix + name, WIRE_OF_TORCH[torch_dtype], tuple(cast.shape),
                                   cast.reshape(-1).view(torch.uint8).numpy()))
     return out
@@ -70,10 +71,12 @@ def _to_wire_quantized(tensors: Mapping[str, torch.Tensor], bits: int,
     codec = BlockwiseCodec(bits, QUANT_BLOCK)
     out = []
     for name, tensor in tensors.items():
-        values = tensor.detach().to("cpu", torch.float32)
-        if bool(torch.isfinite(values).all()):
+        values = tensor.detach().to(torch.float32)
+        try:  # the codec checks finiteness (one pass over the values, not two)
             data = codec.encode(values, name).payload
-        else:
+        except CodecError:
+            if bool(torch.isfinite(values).all()):
+                raise
             count = values.numel()
             scales = np.full(-(-count // QUANT_BLOCK), np.nan, dtype=np.float32).tobytes()
             data = scales + pack_codes(torch.zeros(count, dtype=torch.int8), bits)

@@ -30,7 +30,7 @@ from protocol.dilocox import winning_digest
 from protocol.tensors import fp32_clone, numel
 
 TOPIC = "dilocox-pseudo-gradient"
-DIGEST_BYTES = 16  # protocol.tensors.weights_digest: BLAKE2b-128
+DIGEST_BYTES = 16  # protocol.tensors.weights_digest: BLAKE3, 128 bits
 FP32_BYTES = 4
 
 

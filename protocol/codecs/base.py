@@ -173,7 +173,7 @@ class Codec(ABC):
                              f"{getattr(tensor, 'dtype', type(tensor).__name__)}.")
         if tensor.dim() > MAX_DIMS:
             raise CodecError(f"{self.name} encodes tensors of at most {MAX_DIMS} dimensions.")
-        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        values = tensor.detach().to(dtype=torch.float32).contiguous()  # on its device
         if not bool(torch.isfinite(values).all()):
             raise CodecError(f"tensor {name!r} holds NaN or infinite values and cannot be encoded.")
         return self._encode(values, name)
@@ -189,7 +189,8 @@ class Codec(ABC):
 
     @abstractmethod
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:
-        """Encode a finite, contiguous fp32 CPU tensor."""
+        """Encode a finite, contiguous fp32 tensor (on any device; the payload's bytes are
+        copied to the host)."""
 
     @abstractmethod
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:

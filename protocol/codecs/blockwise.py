@@ -32,7 +32,8 @@ _KEYS = frozenset({"codec", "shape", "bits", "block"})
 def quantize_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-row absmax quantization of a 2-D fp32 tensor: (scales [rows], codes int8 [rows, cols])."""
     levels = _LEVELS[bits]
-    scales = groups.abs().amax(dim=1) if groups.shape[1] else torch.zeros(groups.shape[0])
+    scales = groups.abs().amax(dim=1) if groups.shape[1] \
+        else torch.zeros(groups.shape[0], device=groups.device)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     codes = torch.round(groups / safe[:, None] * levels).clamp_(-levels, levels).to(torch.int8)
     return scales, codes
@@ -55,7 +56,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
         return tensor_to_bytes(flat)
     offset = (flat.to(torch.int16) + 8).to(torch.uint8)
     if offset.numel() % 2:
-        offset = torch.cat([offset, torch.tensor([8], dtype=torch.uint8)])
+        offset = torch.cat([offset, torch.tensor([8], dtype=torch.uint8, device=offset.device)])
     pairs = offset.reshape(-1, 2)
     return tensor_to_bytes(pairs[:, 0] | (pairs[:, 1] << 4))
 
@@ -122,7 +123,12 @@ class BlockwiseCodec(Codec):
         view = payload_view(payload, 4 * blocks + packed_length(count, bits), self.name)
         scales = read_scales(view[:4 * blocks], self.name)
         codes = unpack_codes(view[4 * blocks:], count, bits, self.name)
-        # Index scales per element rather than padding: nothing larger than `count` is allocated.
-        block_of_element = torch.arange(count) // block
-        step = (scales / _LEVELS[bits])[block_of_element]
-        return (codes.to(torch.float32) * step).reshape(shape)
+        # Full blocks as rows, then the short last one: nothing larger than `count` elements is
+        # allocated, and no per-element index (8 bytes an element) either.
+        step = scales / _LEVELS[bits]
+        values = codes.to(torch.float32)
+        full = count // block
+        values[:full * block].view(full, block).mul_(step[:full, None])
+        if count > full * block:
+            values[full * block:].mul_(step[full])
+        return values.reshape(shape)

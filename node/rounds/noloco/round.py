@@ -123,6 +123,9 @@ class NoLoCoRound:
         self.trainer, self.link = trainer, link
         hyper = NoLoCoHyperParameters(config.momentum, config.progress_weight,
                                       config.consensus_weight)
+        # φ and δ live beside θ (on the GPU when it trains there): the round's end is then a few
+        # elementwise passes on the device, and only the encoded snapshot crosses to the host
+        self.device = trainer.device
         self.outer = NoLoCo({k: v.detach() for k, v in trainer.named_parameters().items()}, hyper)
         self.local_updates = 0
         self.partner_updates = 0
@@ -223,8 +226,8 @@ class NoLoCoRound:
             return _Pair(None, [], [])
         try:
             shapes = {name: tuple(t.shape) for name, t in reference.slow_weights.items()}
-            groups = payload.decode_snapshot(partner.message, self.config.snapshot, partner.peer,
-                                             self.config.wire_dtype, shapes)
+            groups = self._on_device(payload.decode_snapshot(
+                partner.message, self.config.snapshot, partner.peer, self.config.wire_dtype, shapes))
             if self.config.snapshot == "theta":
                 checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
             else:  # the alignment check compares progress only (node/rounds/contributions.py)
@@ -246,6 +249,11 @@ class NoLoCoRound:
             reason = getattr(exc, "reason", "malformed")
             self.link.refused(partner.peer, reason, str(exc))
             return _Pair(partner, [], [str(exc)])
+
+    def _on_device(self, groups: dict) -> dict:
+        """Tensors decoded from the wire (host memory) moved beside φ."""
+        return {group: {name: t.to(self.device) for name, t in tensors.items()}
+                for group, tensors in groups.items()}
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.

@@ -103,12 +103,15 @@ class StepDone(Event, kind="step"):
 class RoundEnded(Event, kind="round", logged=True):
     round: int
     step: int
-    round_seconds: float   # the round's inner steps
+    round_seconds: float   # the round's inner steps (and what ran between them, below)
     outer_seconds: float   # its end: the outer step, and any wait on the network
     outcome: RoundOutcome  # the protocol's report: node/rounds/<protocol>/round.py
     peers_alive: int
     val_loss: float | None = None  # None: not evaluated this round
     perplexity: float | None = None
+    # the protocol's work at the round's step boundaries (a partner's snapshot applied, a
+    # mid-round outer step): time the trainer did not train, apart from the round's end
+    between_steps_seconds: float = 0.0
 
     def fields(self) -> dict[str, Any]:
         fields = {k: v for k, v in super().fields().items() if k != "outcome"}
@@ -127,6 +130,8 @@ class PairCorrected(Event, kind="pair_correction"):
     partner: str
     phi_before: str     # φ before it: the correction changed φ when the two differ
     shift: float        # the norm of what the correction added to θ
+    seconds: float = 0.0       # how long it held the training thread, in all
+    wait_seconds: float = 0.0  # of which waiting on the event loop for the snapshot
 
 
 @dataclass(frozen=True)

@@ -74,8 +74,11 @@ class TrainingWorker(threading.Thread):
     def _loop(self) -> None:
         trainer = self.trainer
         round_started = time.monotonic()
+        between = 0.0  # this round's time in the protocol's between_steps
         while trainer.step < self.total_steps and not self.stop_requested.is_set():
+            asked = time.monotonic()
             event = self.policy.between_steps(self.round_index)
+            between += time.monotonic() - asked
             if event is not None:
                 self.publish(event)
             result = trainer.train_step()
@@ -98,10 +101,11 @@ class TrainingWorker(threading.Thread):
             self.publish(RoundEnded(round=finished_round, step=trainer.step, round_seconds=compute,
                                     outer_seconds=outer, outcome=outcome,
                                     peers_alive=self.peers_alive(), val_loss=val,
-                                    perplexity=None if val is None else math.exp(min(val, 50.0))))
+                                    perplexity=None if val is None else math.exp(min(val, 50.0)),
+                                    between_steps_seconds=between))
             if self.checkpoint_rounds and (finished_round + 1) % self.checkpoint_rounds == 0:
                 self.save_checkpoint()
-            round_started = time.monotonic()
+            round_started, between = time.monotonic(), 0.0
         if self.stop_requested.is_set():
             self.publish(Stopping(step=trainer.step))
         self.save_checkpoint()

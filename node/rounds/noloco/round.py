@@ -135,6 +135,7 @@ class NoLoCoRound:
         # a pair of that round may still land
         self.offered: dict[int, NoLoCoSnapshot] = {}
         self._applied: list[_Pair] = []  # overlap: partner snapshots applied in this round
+        self._take_wait = 0.0  # seconds in link.take_partner since between_steps began
         self.noise_check = NoiseCheck(contributions.noise_ratio)
 
     def between_steps(self, round_index: int) -> PairCorrected | None:
@@ -144,14 +145,15 @@ class NoLoCoRound:
         changed, so the event returned carries its new digest for late joiners to verify."""
         if self.config.timing != "overlap" or not self.link.partner_landed():
             return None
-        before = self.phi_digest
+        before, started, self._take_wait = self.phi_digest, time.monotonic(), 0.0
         pairs = self._overlap_corrections(round_index, mid_round=True)
         self._applied += pairs
         used = [pair for pair in pairs if pair.used]
         if not used:
             return None
         return PairCorrected(round=self.state_round, phi_digest=self.phi_digest,
-                             partner=used[-1].partner.peer, phi_before=before, shift=used[-1].shift)
+                             partner=used[-1].partner.peer, phi_before=before, shift=used[-1].shift,
+                             seconds=time.monotonic() - started, wait_seconds=self._take_wait)
 
     def end_round(self, round_index: int) -> NoLoCoOutcome:
         next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
@@ -204,7 +206,7 @@ class NoLoCoRound:
         serve, and its digest with it (at the round's end the local update follows, and its
         digest replaces both)."""
         pairs = []
-        while (partner := self.link.take_partner(round_index)) is not None:
+        while (partner := self._take_partner(round_index)) is not None:
             own = self.offered.get(partner.pair_round)
             if own is None:  # we restarted or adopted a state since we offered it
                 pairs.append(_Pair(partner, [], []))
@@ -219,6 +221,13 @@ class NoLoCoRound:
                 pair.shift = global_norm(correction)
             pairs.append(pair)
         return pairs
+
+    def _take_partner(self, round_index: int) -> PartnerSnapshot | None:
+        asked = time.monotonic()  # a call into the event loop: timed apart (PairCorrected)
+        try:
+            return self.link.take_partner(round_index)
+        finally:
+            self._take_wait += time.monotonic() - asked
 
     def _checked(self, partner: PartnerSnapshot | None, reference: NoLoCoSnapshot) -> _Pair:
         """The partner's snapshot, used if it passes the contribution checks (else counted)."""

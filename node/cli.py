@@ -87,7 +87,12 @@ def cmd_join(args: argparse.Namespace) -> int:
                             peers=check_peer_maddrs(args.peer), grace_s=args.grace,
                             max_steps=args.max_steps, port_mapping=args.port_mapping, ops=ops,
                             min_peers=args.min_peers, reachability=args.reachability,
-                            relays=check_peer_maddrs(args.relay, "--relay"))
+                            relays=check_peer_maddrs(args.relay, "--relay"),
+                            round_end=args.round_end)
+    if args.round_end == "beside" and manifest.protocol.name != "dilocox":
+        raise ValueError(f"--round-end beside is for DiLoCoX swarms, and {manifest.swarm.id} runs "
+                         f"{manifest.protocol.name}: leave it out (NoLoCo's round end runs on the "
+                         f"training device)")
     settings.timeouts.p2pd_start_s = args.p2pd_timeout
     return run_event_loop(Daemon(manifest, settings).run())
 
@@ -208,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
                       "(repeatable; default: the bootstrap peers)")
     join.add_argument("--p2pd-timeout", type=float, default=15.0, metavar="S",
                       help="seconds p2pd may take to start (default 15)")
+    join.add_argument("--round-end", choices=("inline", "beside"), default="inline",
+                      help="DiLoCoX: inline (default) ends each round in the training thread; "
+                      "beside runs it (message, outer step) in a thread beside training, which "
+                      "keeps a GPU training while the host does the round's arithmetic")
     from node.ops.cli import add_join_ops_arguments
     add_join_ops_arguments(join)
     join.set_defaults(func=cmd_join)

@@ -54,7 +54,8 @@ async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus
         m.train, m.protocol.inner_steps, trainer, policy, total_steps=total,
         publish=lambda event: node.bridge.post(node.events.publish, event),
         save_checkpoint=lambda: node.checkpoint(trainer, policy, corpus_digest),
-        peers_alive=lambda: len(network.cache.peers()))
+        peers_alive=lambda: len(network.cache.peers()),
+        round_end_beside=settings.round_end == "beside")
     worker.start()
     finished = asyncio.ensure_future(node.loop.run_in_executor(None, worker.finished.wait))
     stopping = asyncio.ensure_future(node.stop_event.wait())

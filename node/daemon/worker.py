@@ -11,6 +11,14 @@ Invariants:
 - a checkpoint is written at the end of every `checkpoint_every`-th step's round and on stop,
   so a restart resumes with the same trainer, outer state and round;
 - every event is handed to `publish`, which carries it to the event loop.
+
+`round_end_beside` (DiLoCoX, `join --round-end beside`): at a round's end the thread copies θ to
+the host and trains on while the protocol's end of that round (message, outer step, digest) runs
+in a thread beside it; when it is done, at the next step boundary, θ is shifted by what the
+round's end moved its start, so the steps trained meanwhile keep their progress. Invariants
+there: the protocol's state is touched by one thread at a time (no `between_steps` while a
+round's end runs beside), a round's end finishes before the next one starts, before a
+checkpoint and before the thread stops, and an error in it fails the thread as it would inline.
 """
 
 from __future__ import annotations
@@ -21,11 +29,14 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from node.config.schema import TrainConfig
 from node.events import Event, Failed, RoundEnded, StepDone, Stopping, Trained
 from node.rounds.policy import RoundPolicy
 from node.train.trainer import InnerTrainer, pad_step
+from protocol.tensors import shift_in_place
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +47,25 @@ def every_rounds(steps: int, inner_steps: int) -> int:
     return max(1, steps // inner_steps) if steps else 0
 
 
+@dataclass
+class _RoundBeside:
+    """A round's end running beside training."""
+
+    round: int
+    compute: float       # the round's inner steps, seconds
+    between: float       # its time in between_steps
+    held: float          # how long the training thread was held to start it (θ to the host)
+    future: Future
+
+
 class TrainingWorker(threading.Thread):
     def __init__(self, config: TrainConfig, inner_steps: int, trainer: InnerTrainer,
                  policy: RoundPolicy, *, total_steps: int, publish: Callable[[Event], None],
-                 save_checkpoint: Callable[[], None], peers_alive: Callable[[], int]):
+                 save_checkpoint: Callable[[], None], peers_alive: Callable[[], int],
+                 round_end_beside: bool = False):
         """`total_steps`: stop after this inner step; `peers_alive`: the members seen alive, for
-        the round's report."""
+        the round's report; `round_end_beside`: see the module's docstring (the policy must
+        have `end_round_beside`)."""
         super().__init__(name="lowcomm-training", daemon=True)
         self.trainer, self.policy, self.inner_steps = trainer, policy, inner_steps
         self.total_steps, self.min_step_seconds = total_steps, config.min_step_seconds
@@ -53,6 +77,8 @@ class TrainingWorker(threading.Thread):
         self.error: BaseException | None = None
         self.tokens = 0
         self.compute_seconds = 0.0
+        self.beside_pool = ThreadPoolExecutor(1, "lowcomm-round-end") if round_end_beside else None
+        self.beside: _RoundBeside | None = None
 
     @property
     def round_index(self) -> int:
@@ -69,6 +95,8 @@ class TrainingWorker(threading.Thread):
             log.error("training thread failed: %s\n%s", exc, traceback.format_exc())
             self.publish(Failed(error=f"{exc.__class__.__name__}: {exc}"))
         finally:
+            if self.beside_pool is not None:
+                self.beside_pool.shutdown(wait=True)
             self.finished.set()
 
     def _loop(self) -> None:
@@ -76,11 +104,14 @@ class TrainingWorker(threading.Thread):
         round_started = time.monotonic()
         between = 0.0  # this round's time in the protocol's between_steps
         while trainer.step < self.total_steps and not self.stop_requested.is_set():
-            asked = time.monotonic()
-            event = self.policy.between_steps(self.round_index)
-            between += time.monotonic() - asked
-            if event is not None:
-                self.publish(event)
+            if self.beside is not None and self.beside.future.done():
+                self._finish_beside()
+            if self.beside is None:  # the protocol's state is this thread's alone
+                asked = time.monotonic()
+                event = self.policy.between_steps(self.round_index)
+                between += time.monotonic() - asked
+                if event is not None:
+                    self.publish(event)
             result = trainer.train_step()
             self.tokens += result.tokens
             self.compute_seconds += result.seconds
@@ -92,22 +123,58 @@ class TrainingWorker(threading.Thread):
                 continue
             finished_round = trainer.step // self.inner_steps - 1
             compute = time.monotonic() - round_started
+            if self.beside_pool is not None:
+                if self.beside is not None:  # the last round's end first
+                    self._finish_beside()
+                self._start_beside(finished_round, compute, between)
+                round_started, between = time.monotonic(), 0.0
+                continue
             outer_started = time.monotonic()
             outcome = self.policy.end_round(finished_round)
-            outer = time.monotonic() - outer_started
-            val = None
-            if self.eval_every_rounds and (finished_round + 1) % self.eval_every_rounds == 0:
-                val = trainer.evaluate()
-            self.publish(RoundEnded(round=finished_round, step=trainer.step, round_seconds=compute,
-                                    outer_seconds=outer, outcome=outcome,
-                                    peers_alive=self.peers_alive(), val_loss=val,
-                                    perplexity=None if val is None else math.exp(min(val, 50.0)),
-                                    between_steps_seconds=between))
-            if self.checkpoint_rounds and (finished_round + 1) % self.checkpoint_rounds == 0:
-                self.save_checkpoint()
+            self._report(finished_round, trainer.step, compute, time.monotonic() - outer_started,
+                         outcome, between)
             round_started, between = time.monotonic(), 0.0
+        if self.beside is not None:
+            self._finish_beside()
         if self.stop_requested.is_set():
             self.publish(Stopping(step=trainer.step))
         self.save_checkpoint()
         self.publish(Trained(step=trainer.step, tokens=self.tokens,
                              compute_seconds=self.compute_seconds))
+
+    def _report(self, finished_round: int, step: int, compute: float, outer: float, outcome,
+                between: float) -> None:
+        """A round's end is done: evaluate and checkpoint when due, and say so."""
+        val = None
+        if self.eval_every_rounds and (finished_round + 1) % self.eval_every_rounds == 0:
+            val = self.trainer.evaluate()
+        self.publish(RoundEnded(round=finished_round, step=step,
+                                round_seconds=compute, outer_seconds=outer, outcome=outcome,
+                                peers_alive=self.peers_alive(), val_loss=val,
+                                perplexity=None if val is None else math.exp(min(val, 50.0)),
+                                between_steps_seconds=between))
+        if self.checkpoint_rounds and (finished_round + 1) % self.checkpoint_rounds == 0:
+            self.save_checkpoint()
+
+    # ------------------------------------------------------------------ a round's end beside
+    def _start_beside(self, finished_round: int, compute: float, between: float) -> None:
+        held = time.monotonic()
+        theta = self.trainer.host_parameters()
+        if self.trainer.device.type == "cpu":  # the live parameters: training goes on in them
+            theta = {name: t.detach().clone() for name, t in theta.items()}
+        future = self.beside_pool.submit(self.policy.end_round_beside, finished_round, theta)
+        self.beside = _RoundBeside(finished_round, compute, between, time.monotonic() - held,
+                                   future)
+
+    def _finish_beside(self) -> None:
+        """Waits for the round's end beside (if it still runs), shifts θ by what it moved the
+        round's start, follows the swarm's round if it caught up, and reports the round."""
+        item, self.beside = self.beside, None
+        held = time.monotonic()
+        outcome, shift, next_round = item.future.result()  # its error fails this thread
+        shift_in_place(self.trainer.named_parameters(), shift)
+        if next_round is not None:  # the steps trained beside it count in the swarm's round
+            trained = self.trainer.step - (item.round + 1) * self.inner_steps
+            self.trainer.start_at(next_round * self.inner_steps + trained)
+        self._report(item.round, (item.round + 1) * self.inner_steps, item.compute,
+                     item.held + time.monotonic() - held, outcome, item.between)

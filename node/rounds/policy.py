@@ -44,6 +44,10 @@ class RoundPolicy(Protocol):
     def end_round(self, round_index: int) -> RoundOutcome:
         """Applies the outer step and leaves θ where the next round starts."""
 
+    # DiLoCoXRound also has end_round_beside(round_index, θ on the host) -> (outcome, shift of
+    # θ, the swarm's round if caught up): the same round's end in a thread beside training
+    # (node/daemon/worker.py), touching no trainer state.
+
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": ...}, digest of φ) for a late joiner; any thread."""
 

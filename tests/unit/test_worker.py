@@ -4,6 +4,8 @@ and a scripted round (a fake RoundPolicy that records when it is called)."""
 from __future__ import annotations
 
 import dataclasses
+import threading
+import time
 
 import pytest
 import torch
@@ -49,24 +51,50 @@ class ScriptedRound:
         return Outcome(phi_digest=f"phi{round_index}", refused=[], network_wait_seconds=0.0)
 
 
+class BesideRound(ScriptedRound):
+    """A scripted round that also ends beside training: records the thread it ran in, holds
+    round 0's end until released, and shifts θ by SHIFT."""
+
+    SHIFT = 1000.0
+
+    def __init__(self, trainer: InnerTrainer, fail_at: int | None = None):
+        super().__init__(trainer, fail_at)
+        self.release, self.threads = threading.Event(), []
+
+    def end_round_beside(self, round_index: int, theta: dict):
+        self.calls.append(("beside", round_index, self.trainer.step))
+        self.threads.append(threading.current_thread().name)
+        if round_index == 0:
+            assert self.release.wait(30)
+        if round_index == self.fail_at:
+            raise ValueError("the outer step failed")
+        shift = {name: torch.full_like(t, self.SHIFT) for name, t in theta.items()}
+        return Outcome(phi_digest=f"phi{round_index}", refused=[], network_wait_seconds=0.0), \
+            shift, None
+
+
 @pytest.fixture(scope="module")
 def corpus():
     return load_corpus(load_config().data)
 
 
-def run(corpus, overrides=(), total=2 * H, fail_at=None, stop_at_step=None):
+def run(corpus, overrides=(), total=2 * H, fail_at=None, stop_at_step=None, beside=False):
     config = load_config(overrides=[*TINY, *overrides])
     trainer = InnerTrainer(config.model, config.train, corpus, config.data.seq_len, 1,
                            torch.device("cpu"))
-    policy, events, saved = ScriptedRound(trainer, fail_at), [], []
+    policy, events, saved = (BesideRound if beside else ScriptedRound)(trainer, fail_at), [], []
 
     def publish(event) -> None:
         events.append(event)
         if isinstance(event, StepDone) and event.step == stop_at_step:
             worker.request_stop()
+        if beside and isinstance(event, StepDone) and event.step == H + 1:
+            policy.release.set()  # round 0's end finishes during round 1's first step
+            while worker.beside is not None and not worker.beside.future.done():
+                time.sleep(0.001)
     worker = TrainingWorker(config.train, H, trainer, policy, total_steps=total, publish=publish,
                             save_checkpoint=lambda: saved.append(trainer.step),
-                            peers_alive=lambda: 5)
+                            peers_alive=lambda: 5, round_end_beside=beside)
     worker.start()
     worker.join(60)
     assert worker.finished.is_set()
@@ -104,3 +132,31 @@ def test_a_failing_round_is_reported_and_ends_the_thread(corpus):
     assert isinstance(worker.error, ValueError)
     assert isinstance(events[-1], Failed) and "the outer step failed" in events[-1].error
     assert saved == [] and not any(isinstance(e, Trained) for e in events)
+
+
+def test_a_round_end_beside_runs_off_the_training_thread_and_shifts_theta_when_done(corpus):
+    worker, policy, events, saved = run(corpus, ["train.checkpoint_every=3"], total=3 * H,
+                                        beside=True)
+    assert worker.error is None and set(policy.threads) == {"lowcomm-round-end_0"}
+    # round 0's end ran beside step 4 (no between_steps while it ran) and was applied before
+    # step 5's; every round's end was reported in order, each once
+    calls = [(c[0], c[1]) for c in policy.calls]
+    assert calls.index(("beside", 0)) < calls.index(("between", 1))
+    betweens = [c[2] for c in policy.calls if c[0] == "between"]
+    assert 3 not in betweens and 4 in betweens
+    rounds = [e for e in events if isinstance(e, RoundEnded)]
+    assert [(e.round, e.step, e.outcome.phi_digest) for e in rounds] == \
+        [(0, 3, "phi0"), (1, 6, "phi1"), (2, 9, "phi2")]
+    # each round's checkpoint once its end is applied (round 1's: whenever it finished), the
+    # last round's end before the final one
+    assert saved[0] == 4 and saved[2:] == [9, 9] and len(saved) == 4
+    # θ moved by SHIFT at each of the three round ends (training moves it by far less)
+    mean = torch.cat([p.detach().reshape(-1) for p in worker.trainer.model.parameters()]).mean()
+    assert 2.9 * BesideRound.SHIFT < float(mean) < 3.1 * BesideRound.SHIFT
+
+
+def test_a_failing_round_end_beside_ends_the_thread(corpus):
+    worker, _, events, saved = run(corpus, fail_at=1, total=3 * H, beside=True)
+    assert isinstance(worker.error, ValueError)
+    assert isinstance(events[-1], Failed) and "the outer step failed" in events[-1].error
+    assert not any(isinstance(e, Trained) for e in events)

@@ -26,6 +26,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from node.config.manifest import ContributionSection, ProtocolSection
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.dilocox import payload
@@ -124,6 +126,10 @@ class DiLoCoXRound:
                                  residual_decay=config.residual_decay,
                                  clip_to_median=config.clip_to_median,
                                  noise_ratio=contributions.noise_ratio if config.noise_filter else 0.0))
+        # the parameters' names and shapes (meta tensors, no memory): what a peer's message is
+        # checked against, read without touching the trainer (end_round_beside's thread)
+        self.layout = {name: torch.empty(p.shape, device="meta")
+                       for name, p in trainer.named_parameters().items()}
         self.resyncs = 0
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too
@@ -155,40 +161,62 @@ class DiLoCoXRound:
         return None
 
     def end_round(self, round_index: int) -> DiLoCoXOutcome:
-        delta = self.outer.pseudo_gradient(self.trainer.host_parameters())
+        outcome, start, next_round = self._end(round_index, self.trainer.host_parameters())
+        self.trainer.load_parameters(start)
+        if next_round is not None:
+            self.trainer.start_at(next_round * self.config.inner_steps)
+        return outcome
+
+    def end_round_beside(self, round_index: int, fast_weights: dict[str, torch.Tensor]
+                         ) -> tuple[DiLoCoXOutcome, dict[str, torch.Tensor], int | None]:
+        """The round's end in a thread beside training (node/daemon/worker.py, `--round-end
+        beside`), from θ as it was when round `round_index` ended (host tensors): the same
+        message, outer step and φ as `end_round`, without touching the trainer. Returns the
+        outcome, what θ must be shifted by (the next round's start minus `fast_weights`: the
+        steps trained meanwhile keep their progress) and the swarm's round if it caught up."""
+        outcome, start, next_round = self._end(round_index, fast_weights)
+        return outcome, difference(start, fast_weights), next_round
+
+    def _end(self, round_index: int, fast_weights: dict[str, torch.Tensor]
+             ) -> tuple[DiLoCoXOutcome, dict[str, torch.Tensor], int | None]:
+        """Send this round's message, take the outer step that is due, follow the swarm if this
+        node fell behind it; returns (outcome, where θ starts the next round, the swarm's round
+        if caught up). The trainer is not touched."""
+        delta = self.outer.pseudo_gradient(fast_weights)
         own = self.outer.compress(delta, round_index)
         self.own_norm = global_norm(delta)
         self.link.send_round(round_index, payload.encode_message(own))
         compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
         early = self.stepped_round == round_index
         step, refused, waited = self._apply_group(round_index)
+        start = self.outer.round_start_weights()  # φ minus our own round still in flight
         refused, self.early_refused = self.early_refused + refused, []
         digest = self.phi_digest  # this round's φ; a catch-up replaces it for the next
         caught = self.link.catch_up(round_index, self.outer.slow_weights)
+        next_round = None
         if caught is not None:
             next_round, state_round, state = caught
-            self.adopt(state)
-            self.state_round = state_round
-            self.trainer.start_at(next_round * self.config.inner_steps)
-        return DiLoCoXOutcome(
+            self._adopt_state(state)
+            self.state_round, start = state_round, state["phi"]
+        outcome = DiLoCoXOutcome(
             phi_digest=digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
             resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
-            compression=compression, stepped_mid_round=early,
-            caught_up_to=caught[0] if caught is not None else None)
+            compression=compression, stepped_mid_round=early, caught_up_to=next_round)
+        return outcome, start, next_round
 
     def finish(self, round_index: int) -> None:
         """Applies what is still owed when training stops before round `round_index` (delay 1:
         the last round's messages), without training or sending: the simulator's last outer
         step, so that its final weights hold every round's work."""
         self._apply_group(round_index)
+        self.trainer.load_parameters(self.outer.round_start_weights())
 
     def _apply_group(self, round_index: int):
         """Collects round `round_index − delay` and takes the outer step (unless `between_steps`
-        took it already: then a message that came since is late), announces φ's digest and
-        loads the next round's start into θ. Returns (the outer step's record, refusals,
-        seconds waited)."""
+        took it already: then a message that came since is late) and announces φ's digest.
+        Returns (the outer step's record, refusals, seconds waited)."""
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
         arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
@@ -199,8 +227,6 @@ class DiLoCoXRound:
         else:
             self.outer.counters.late += len(arrived)
         self.link.publish_digest(round_index, self.phi_digest)
-        # φ minus our own round still in flight (delay 1): see protocol/dilocox.py
-        self.trainer.load_parameters(self.outer.round_start_weights())
         return self.outer.last_step, refused, waited
 
     def _take_step(self, round_index: int, arrived: list[GroupMessage]):
@@ -248,7 +274,7 @@ class DiLoCoXRound:
         try:
             message = payload.decode_message(item.peer, item.round_index, item.message)
             payload.check_density(message, self.config.max_density)
-            params = self.trainer.named_parameters()  # names and shapes only
+            params = self.layout  # names and shapes only
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))
                        for n, e in message.tensors.items() if n in params}
@@ -272,12 +298,15 @@ class DiLoCoXRound:
                                        "momentum": self.outer.momentum}, self.phi_digest)
 
     def adopt(self, groups: dict) -> None:
-        """A late joiner (or a node catching up) takes the swarm's φ and m, and θ = φ."""
+        """A late joiner takes the swarm's φ and m, and θ = φ."""
+        self._adopt_state(groups)
+        self.trainer.load_parameters(groups["phi"])
+
+    def _adopt_state(self, groups: dict) -> None:
         with self.lock:
             self.outer.adopt_outer_state({"slow_weights": groups["phi"],
                                           "momentum": groups["momentum"]}, rejoin=True)
             self.phi_digest = weights_digest(groups["phi"])
-        self.trainer.load_parameters(groups["phi"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"dilocox": self.outer.state_dict(), "resyncs": self.resyncs}

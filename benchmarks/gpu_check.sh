@@ -2,7 +2,8 @@
 # The CUDA path on a GPU machine, in one go (issue 21): the trainer's tokens/s against a plain
 # torch loop with MFU (`small`, bf16), the CUDA tests (SIGKILL and resume, two daemons exchanging,
 # the status view's GPU fields), and how long a round's end holds the trainer (`small`, two
-# daemons). Results go to the folder given (default gpu-check/): JSON and logs.
+# daemons; DiLoCoX also with its round end beside training). Results go to the folder given
+# (default gpu-check/): JSON and logs.
 #   bash benchmarks/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,3 +25,6 @@ timeout 200 "$PY" -m pytest -q -s -rA -p no:cacheprovider tests/integration/test
 echo "== round end"
 timeout 200 "$PY" benchmarks/round_end.py --model small --device cuda --timeout 150 --json "$out/round_end.json" \
   2>&1 | tee "$out/round_end.log"
+echo "== round end beside training (DiLoCoX)"
+timeout 200 "$PY" benchmarks/round_end.py --model small --device cuda --timeout 150 --protocols dilocox \
+  --beside --json "$out/round_end_beside.json" 2>&1 | tee "$out/round_end_beside.log"

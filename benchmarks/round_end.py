@@ -13,6 +13,7 @@ Both daemons share this machine (and its GPU, if any): their steps are slower th
 
     python benchmarks/round_end.py --model small --device cuda --json round_end_gpu.json
     .venv/bin/python benchmarks/round_end.py --model tiny --device cpu --steps 60   # a dry run
+    ... --protocols dilocox --beside       # DiLoCoX ending its rounds beside training
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def run(protocol: str, args, base: Path) -> list[dict]:
     m = manifest(protocol, args)
     harness = SwarmHarness(base / protocol, m)
     try:
-        nodes = harness.start(2, timeout=180)
+        extra = ["--round-end", "beside"] if args.beside and protocol == "dilocox" else []
+        nodes = harness.start(2, extra=extra, timeout=180)
         for node in nodes:
             node.wait_for(lambda ev: any(e["event"] == "trained" for e in ev), args.timeout,
                           "the last step")
@@ -96,6 +98,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--protocols", default="noloco,dilocox")
+    parser.add_argument("--beside", action="store_true",
+                        help="DiLoCoX daemons with --round-end beside (its end in a thread)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()

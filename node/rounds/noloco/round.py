@@ -160,8 +160,9 @@ class NoLoCoRound:
         if self.config.timing == "overlap":
             pairs, self._applied = self._applied + self._overlap_corrections(round_index), []
             own = self.outer.snapshot(self.trainer.named_parameters())
+            encoded = self._encoded(own)  # before the clock: the wait is the network's alone
             waited = time.monotonic()
-            self.link.finish_round(round_index, self._encoded(own), 0.0, next_round)
+            self.link.finish_round(round_index, encoded, 0.0, next_round)
             waited = time.monotonic() - waited
             keep = self.link.pending_pair_rounds()
             with self.lock:
@@ -173,9 +174,10 @@ class NoLoCoRound:
             pair = _Pair.of_round(pairs)
         else:
             own = self.outer.snapshot(self.trainer.named_parameters())
+            encoded = self._encoded(own)
             waited = time.monotonic()
-            partner = self.link.finish_round(round_index, self._encoded(own),
-                                             self.config.pair_deadline_s, next_round)
+            partner = self.link.finish_round(round_index, encoded, self.config.pair_deadline_s,
+                                             next_round)
             waited = time.monotonic() - waited
             pair = self._checked(partner, own)
             with self.lock:

@@ -84,6 +84,10 @@ class DiLoCo:
                        and state[p].get("momentum_buffer") is not None else torch.zeros_like(p))
                 for name, p in self._slow_weights.items()}
 
+    def slow_weights_minus(self, tensors: Mapping[str, torch.Tensor]) -> NamedTensors:
+        """φ − `tensors`, new tensors (φ is read in place, not copied first)."""
+        return difference(self._slow_weights, tensors)
+
     def pseudo_gradient(self, fast_weights: Mapping[str, torch.Tensor]) -> NamedTensors:
         """Δ = φ − θ for this node's fast weights θ at the end of a round."""
         return pseudo_gradient(self._slow_weights, fast_weights)

@@ -244,7 +244,7 @@ class DiLoCoX:
     # ------------------------------------------------------------------ one round
     def round_start_weights(self) -> NamedTensors:
         """s = φ − e − λ·Σ D(c_own) over the own rounds in flight: where a round starts."""
-        start = difference(self._outer.slow_weights, self._residual)
+        start = self._outer.slow_weights_minus(self._residual)
         share = self.in_flight_share()
         for decoded in self._in_flight.values():
             for name, tensor in start.items():

@@ -136,6 +136,7 @@ class NoLoCoRound:
         self.offered: dict[int, NoLoCoSnapshot] = {}
         self._applied: list[_Pair] = []  # overlap: partner snapshots applied in this round
         self._take_wait = 0.0  # seconds in link.take_partner since between_steps began
+        self._decode_time = 0.0  # seconds decoding partner snapshots, likewise
         self.noise_check = NoiseCheck(contributions.noise_ratio)
 
     def between_steps(self, round_index: int) -> PairCorrected | None:
@@ -145,7 +146,8 @@ class NoLoCoRound:
         changed, so the event returned carries its new digest for late joiners to verify."""
         if self.config.timing != "overlap" or not self.link.partner_landed():
             return None
-        before, started, self._take_wait = self.phi_digest, time.monotonic(), 0.0
+        before, started = self.phi_digest, time.monotonic()
+        self._take_wait = self._decode_time = 0.0
         pairs = self._overlap_corrections(round_index, mid_round=True)
         self._applied += pairs
         used = [pair for pair in pairs if pair.used]
@@ -153,7 +155,8 @@ class NoLoCoRound:
             return None
         return PairCorrected(round=self.state_round, phi_digest=self.phi_digest,
                              partner=used[-1].partner.peer, phi_before=before, shift=used[-1].shift,
-                             seconds=time.monotonic() - started, wait_seconds=self._take_wait)
+                             seconds=time.monotonic() - started, wait_seconds=self._take_wait,
+                             decode_seconds=self._decode_time)
 
     def end_round(self, round_index: int) -> NoLoCoOutcome:
         next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
@@ -237,8 +240,13 @@ class NoLoCoRound:
             return _Pair(None, [], [])
         try:
             shapes = {name: tuple(t.shape) for name, t in reference.slow_weights.items()}
-            groups = self._on_device(payload.decode_snapshot(
-                partner.message, self.config.snapshot, partner.peer, self.config.wire_dtype, shapes))
+            decoding = time.monotonic()
+            try:
+                groups = self._on_device(payload.decode_snapshot(
+                    partner.message, self.config.snapshot, partner.peer, self.config.wire_dtype,
+                    shapes))
+            finally:
+                self._decode_time += time.monotonic() - decoding
             if self.config.snapshot == "theta":
                 checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
             else:  # the alignment check compares progress only (node/rounds/contributions.py)

@@ -16,9 +16,12 @@ from tests.swarm_harness import small_manifest
 pytestmark = pytest.mark.integration
 
 
-def test_a_dilocox_node_stopped_for_rounds_catches_up_and_holds_the_swarms_phi(harness_factory):
-    harness = harness_factory(small_manifest("t-catch-up", "dilocox"))
-    nodes = harness.start(3)
+# beside: the catch-up arrives in a round's end that runs beside training (join --round-end)
+@pytest.mark.parametrize("round_end", ["inline", "beside"])
+def test_a_dilocox_node_stopped_for_rounds_catches_up_and_holds_the_swarms_phi(harness_factory,
+                                                                               round_end):
+    harness = harness_factory(small_manifest(f"t-catch-up-{round_end}", "dilocox"))
+    nodes = harness.start(3, extra=["--round-end", round_end])
     for node in nodes:
         node.wait_rounds(2, timeout=120)
     sleeper, others = nodes[2], nodes[:2]

@@ -124,9 +124,9 @@ class TrainingWorker(threading.Thread):
             finished_round = trainer.step // self.inner_steps - 1
             compute = time.monotonic() - round_started
             if self.beside_pool is not None:
-                if self.beside is not None:  # the last round's end first
-                    self._finish_beside()
-                self._start_beside(finished_round, compute, between)
+                if self.beside is not None:  # the last round's end first: a catch-up in it
+                    self._finish_beside()     # moves the step counter to the swarm's round
+                self._start_beside(trainer.step // self.inner_steps - 1, compute, between)
                 round_started, between = time.monotonic(), 0.0
                 continue
             outer_started = time.monotonic()

@@ -57,9 +57,10 @@ class BesideRound(ScriptedRound):
 
     SHIFT = 1000.0
 
-    def __init__(self, trainer: InnerTrainer, fail_at: int | None = None):
+    def __init__(self, trainer: InnerTrainer, fail_at: int | None = None,
+                 catch_up_to: int | None = None):
         super().__init__(trainer, fail_at)
-        self.release, self.threads = threading.Event(), []
+        self.release, self.threads, self.catch_up_to = threading.Event(), [], catch_up_to
 
     def end_round_beside(self, round_index: int, theta: dict):
         self.calls.append(("beside", round_index, self.trainer.step))
@@ -70,7 +71,7 @@ class BesideRound(ScriptedRound):
             raise ValueError("the outer step failed")
         shift = {name: torch.full_like(t, self.SHIFT) for name, t in theta.items()}
         return Outcome(phi_digest=f"phi{round_index}", refused=[], network_wait_seconds=0.0), \
-            shift, None
+            shift, self.catch_up_to if round_index == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -78,20 +79,25 @@ def corpus():
     return load_corpus(load_config().data)
 
 
-def run(corpus, overrides=(), total=2 * H, fail_at=None, stop_at_step=None, beside=False):
+def run(corpus, overrides=(), total=2 * H, fail_at=None, stop_at_step=None, beside=False,
+        catch_up_to=None):
     config = load_config(overrides=[*TINY, *overrides])
     trainer = InnerTrainer(config.model, config.train, corpus, config.data.seq_len, 1,
                            torch.device("cpu"))
-    policy, events, saved = (BesideRound if beside else ScriptedRound)(trainer, fail_at), [], []
+    policy = BesideRound(trainer, fail_at, catch_up_to) if beside else ScriptedRound(trainer, fail_at)
+    events, saved = [], []
 
     def publish(event) -> None:
         events.append(event)
         if isinstance(event, StepDone) and event.step == stop_at_step:
             worker.request_stop()
-        if beside and isinstance(event, StepDone) and event.step == H + 1:
+        if beside and catch_up_to is None and isinstance(event, StepDone) and event.step == H + 1:
             policy.release.set()  # round 0's end finishes during round 1's first step
             while worker.beside is not None and not worker.beside.future.done():
                 time.sleep(0.001)
+        if beside and catch_up_to is not None and isinstance(event, StepDone) \
+                and event.step == 2 * H:
+            policy.release.set()  # round 0's end is awaited at round 1's end
     worker = TrainingWorker(config.train, H, trainer, policy, total_steps=total, publish=publish,
                             save_checkpoint=lambda: saved.append(trainer.step),
                             peers_alive=lambda: 5, round_end_beside=beside)
@@ -160,3 +166,13 @@ def test_a_failing_round_end_beside_ends_the_thread(corpus):
     assert isinstance(worker.error, ValueError)
     assert isinstance(events[-1], Failed) and "the outer step failed" in events[-1].error
     assert not any(isinstance(e, Trained) for e in events)
+
+
+def test_a_catch_up_in_a_round_end_beside_moves_the_rounds_that_follow(corpus):
+    """Round 0's end, awaited only at round 1's end, moves the node to the swarm's round 5: the
+    steps of round 1 count in round 5, and the round end started next is round 5's."""
+    worker, policy, events, _ = run(corpus, total=7 * H, beside=True, catch_up_to=5)
+    assert worker.error is None
+    ends = [c[1] for c in policy.calls if c[0] == "beside"]
+    assert ends == [0, 5, 6], ends
+    assert [e.round for e in events if isinstance(e, RoundEnded)] == [0, 5, 6]

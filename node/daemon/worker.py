@@ -121,7 +121,6 @@ class TrainingWorker(threading.Thread):
             pad_step(result.seconds, self.min_step_seconds, self.stop_requested.wait)
             if trainer.step % self.inner_steps:
                 continue
-            finished_round = trainer.step // self.inner_steps - 1
             compute = time.monotonic() - round_started
             if self.beside_pool is not None:
                 if self.beside is not None:  # the last round's end first: a catch-up in it
@@ -129,6 +128,7 @@ class TrainingWorker(threading.Thread):
                 self._start_beside(trainer.step // self.inner_steps - 1, compute, between)
                 round_started, between = time.monotonic(), 0.0
                 continue
+            finished_round = trainer.step // self.inner_steps - 1
             outer_started = time.monotonic()
             outcome = self.policy.end_round(finished_round)
             self._report(finished_round, trainer.step, compute, time.monotonic() - outer_started,

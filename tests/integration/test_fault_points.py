@@ -118,6 +118,16 @@ def test_a_cut_link_fails_swaps_fast_and_the_node_pairs_again_once_restored(harn
         for node in [*others, cut_off]:  # everyone keeps training through the cut
             node.wait_for(lambda ev: sum(e["event"] == "round" and e["time"] > cut_at + 20
                                          for e in ev) >= 2, 120, "two rounds well into the cut")
+        # the others pair with each other once their proposals to the cut node have timed out
+        # (10 s each) or it has left their view; on a loaded machine that can be later than the
+        # cut node's second round past cut + 20 s, so it is waited for, not assumed
+        try:
+            first.wait_for(lambda ev: any(e["event"] == "round" and e.get("partner")
+                                          and e["time"] > cut_at + 20 for e in ev), 90,
+                           "the others to pair with each other well into the cut")
+        except AssertionError as failure:
+            raise AssertionError(f"{failure}\ncut at {cut_at:.0f}; "
+                                 f"{timeline([*others, cut_off], cut_at - 5)}") from None
         link.restore()
         restored_at = time.time()
         try:
@@ -138,5 +148,6 @@ def test_a_cut_link_fails_swaps_fast_and_the_node_pairs_again_once_restored(harn
     failed = [e for n in others for e in n.events() if e["event"] in ("swap_failed", "swap_late")
               and e.get("partner") == cut_id and e["time"] > cut_at]
     print(f"link cut: longest round in the cut {longest:.1f} s; swaps with the cut node that "
-          f"failed {len(failed)}; rounds of the cut node in the cut {len(during(cut_off))}")
+          f"failed {len(failed)}; rounds of the cut node in the cut {len(during(cut_off))}\n"
+          f"{timeline([*others, cut_off], cut_at - 5)}")
     assert longest < 30

@@ -10,7 +10,9 @@ after the other, each timed `repeats` times after a warm-up:
 
   public-public   pub1 -> pub2, a direct connection
   home-public     home0 -> pub2, direct: the home dials out through its NAT
-  home-home       home0 -> home1: through pub0's relay (the homes cannot dial each other)
+  home-home       home0 -> home1: forwarded by pub0 (the homes cannot dial each other, and the
+                  circuit relay they reach each other through may cut a connection after 128 KiB:
+                  p2p/forwarding.py)
 
 per path: `push` (one direction) and `swap` (both halves at once, as a NoLoCo swap). A relayed
 byte crosses the relay's access link twice (in, then out), and in a swap both halves share it.
@@ -65,6 +67,7 @@ async def run_peer(args) -> None:
     async def deliver(received):
         pass
     transport = Transport(host.p2p, host.identity, swarm=SWARM, manifest=SWARM)
+    transport.forwarder.enabled = not args.no_forward
     if args.relay_limit_mb:  # what a relay would cut, scaled down (tests/integration/test_nat.py)
         transport.relay_limits = RelayLimits(max_bytes=args.relay_limit_mb * 10**6)
     transport.on_swap("bench", reply, accept_round=lambda r: True)
@@ -101,6 +104,7 @@ async def run_peer(args) -> None:
         paths = transport.counters.paths
         print(json.dumps({"times": times, "bytes": payload.nbytes,
                           "streams_relayed": paths.relayed_by_peer.get(args.target, 0),
+                          "streams_forwarded": paths.forwarded_by_peer.get(args.target, 0),
                           "streams_direct": paths.direct_by_peer.get(args.target, 0)}), flush=True)
     finally:
         await transport.stop()
@@ -159,11 +163,13 @@ def run(args) -> dict:
             results[path] = {
                 "client": started["reachability"], "server": servers[server]["reachability"],
                 "streams_relayed": measured["streams_relayed"], "streams_direct": measured["streams_direct"],
+                "streams_forwarded": measured["streams_forwarded"],
                 "median_s": medians, "times_s": measured["times"],
                 "mbit_per_s_per_direction": {mode: 8 * measured["bytes"] / 1e6 / s for mode, s in medians.items()},
             }
             print(f"{path:14} push {medians['push']:6.2f} s  swap {medians['swap']:6.2f} s  "
-                  f"relayed streams {measured['streams_relayed']}, direct {measured['streams_direct']}", flush=True)
+                  f"relayed streams {measured['streams_relayed']}, forwarded {measured['streams_forwarded']}, "
+                  f"direct {measured['streams_direct']}", flush=True)
     return results
 
 
@@ -174,7 +180,8 @@ def report(results: dict, args, command: str) -> str:
              "|---|---|---|---|---|---|---|"]
     base = results["public-public"]["median_s"]["swap"]
     for path, r in results.items():
-        how = "relayed" if r["streams_relayed"] and not r["streams_direct"] else "direct"
+        how = ("forwarded by pub0" if r.get("streams_forwarded") else
+               "relayed" if r["streams_relayed"] and not r["streams_direct"] else "direct")
         rate = r["mbit_per_s_per_direction"]
         lines.append(f"| {path} | {how} | {r['median_s']['push']:.2f} | {rate['push']:.1f} | "
                      f"{r['median_s']['swap']:.2f} | {rate['swap']:.1f} | {r['median_s']['swap'] / base:.2f}x |")
@@ -194,6 +201,7 @@ def main() -> None:
     parser.add_argument("--redial", default="")    # peer: with --relay-limit-mb, redial these addresses
     parser.add_argument("--settle-s", type=float, default=0.0)  # peer: wait after connecting
     parser.add_argument("--relay-limit-mb", type=int, default=0)  # peer: refuse relayed transfers above this
+    parser.add_argument("--no-forward", action="store_true")  # peer: forward no stream for others
     args = parser.parse_args()
     if args.command == "peer":
         from p2p.host import run_event_loop

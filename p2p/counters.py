@@ -37,6 +37,8 @@ class TransportCounters:
     # one call.
     on_refusal_issued: Callable[[str, Reason], None] | None = None
     paths: PathCounts = field(default_factory=PathCounts)   # streams direct / through a relay
+    forwarded_streams: int = 0      # streams we forwarded between two other members (p2p/forwarding.py)
+    forwarded_bytes: int = 0        # the bytes they carried, both ways
 
     def count_refusal_issued(self, reason: Reason, peer: str | None) -> None:
         self.refused_incoming[reason.name] += 1
@@ -58,6 +60,7 @@ class TransportCounters:
             "frames_received": self.frames_received, "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received, "refused_incoming": dict(self.refused_incoming),
             "refused_outgoing": dict(self.refused_outgoing), "refusals_by_peer": dict(self.refusals_by_peer),
+            "forwarded_streams": self.forwarded_streams, "forwarded_bytes": self.forwarded_bytes,
             **self.paths.snapshot(),
         }
 

@@ -45,6 +45,7 @@ class StreamIO:
         self.executor = executor
         self.frame_open = False  # True while a frame is half written: no status may be sent then
         self.relayed = False     # the stream goes through a circuit relay (p2p/paths.py)
+        self.addr = None         # the address of the connection it runs on, where we opened it
         # The bindings create readers with asyncio's 64 KiB default; a larger limit means fewer
         # pause/resume cycles and larger reads on multi-megabyte payloads. Private attribute,
         # present on every asyncio/uvloop StreamReader; harmless if it ever disappears.

@@ -22,6 +22,7 @@ from hivemind.p2p import PeerID
 
 from p2p.assembly import Assembly, run_bound
 from p2p.errors import LimitsError, Reason, Refusal
+from p2p.forwarding import blamed, read_preamble
 from p2p.framing import PeerStatus, StreamIO
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.sending import SendPlan, send_stream_frames
@@ -57,20 +58,32 @@ def _short(peer: PeerID) -> str:
     return peer.to_base58()[-8:]
 
 
+class _ForwardedInfo:
+    """What `_serve` reads of a stream's info, for a forwarded stream: the origin, no address."""
+
+    def __init__(self, origin: PeerID):
+        self.peer_id, self.addr = origin, None
+
+
 class IncomingStreams:
     """Transport's serving side; the state it reads (handlers, limits, ledger, counters, replay
     guard, bans) is Transport's own, set in Transport.__init__."""
 
-    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *,
+                     forwarder: PeerID | None = None) -> None:
         task = asyncio.current_task()
         self._tasks.add(task)
         peer: PeerID = info.peer_id
         peer_bytes = peer.to_bytes()
         io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
-        relayed = self.counters.paths.note(peer.to_base58(), info.addr)
+        if forwarder is None:
+            relayed = self.counters.paths.note(peer.to_base58(), info.addr)
+        else:
+            relayed = False
+            self.counters.paths.note_forwarded(peer.to_base58())
         assembly: Assembly | None = None
         bound: list[asyncio.Future] = []
-        opened = repeated = False
+        opened = repeated = verified = False
         try:
             if self.admit is not None and not self.admit(peer.to_base58()):
                 raise Refusal(Reason.NOT_ADMITTED, "this swarm admits only the keys on its "
@@ -82,13 +95,14 @@ class IncomingStreams:
             opened = True
             raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
             header = check_head(raw, signature, peer_bytes, self._expect, time.time())
+            verified = True
             earlier = self._refused.earlier(peer_bytes, header.nonce)
             if earlier is not None:  # another stream of a message refused already: counted once
                 repeated = True
                 raise earlier
             try:
                 handler = self._check_request(header)
-                assembly, stream = self._join_incoming(peer, header, handler)
+                assembly, stream = self._join_incoming(peer, header, handler, forwarder)
             except Refusal as refusal:
                 self._refused.remember(peer_bytes, header.nonce, header.streams, refusal)
                 raise
@@ -116,8 +130,11 @@ class IncomingStreams:
                     self.counters.messages_sent += 1
         except Refusal as refusal:
             if not repeated and (assembly is None or assembly.fail(refusal)):
-                self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
-                logger.info("refused a stream from %s: %s (%s)", _short(peer), refusal.reason.name, refusal.detail)
+                blame = blamed(refusal.reason, peer, forwarder, verified)
+                self.counters.count_refusal_issued(refusal.reason, blame.to_base58())
+                logger.info("refused a stream from %s%s: %s (%s)", _short(peer),
+                            f" forwarded by {_short(forwarder)}" if forwarder else "", refusal.reason.name,
+                            refusal.detail)
             if not io.frame_open:
                 with suppress(Exception):
                     async with asyncio.timeout(2.0):
@@ -148,6 +165,25 @@ class IncomingStreams:
             io.close()
             self._tasks.discard(task)
 
+    async def _serve_forwarded(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A stream a member forwards to us from the peer its preamble names: served as that
+        peer's, its frames checked against that peer's key; what a forwarder could have caused
+        counts against the forwarder (p2p/forwarding.py `blamed`)."""
+        forwarder: PeerID = info.peer_id
+        try:
+            if self.admit is not None and not self.admit(forwarder.to_base58()):
+                raise Refusal(Reason.NOT_ADMITTED, "only members of this swarm may forward to it")
+            if self._bans.get(forwarder.to_bytes(), 0.0) > time.monotonic():
+                raise Refusal(Reason.BANNED, "this node has banned you for a while")
+            origin = await read_preamble(reader, self.limits.idle_timeout_s)
+        except Refusal as refusal:
+            self.counters.count_refusal_issued(refusal.reason, forwarder.to_base58())
+            logger.info("refused a forwarded stream from %s: %s (%s)", forwarder.to_base58()[-8:],
+                        refusal.reason.name, refusal.detail)
+            writer.close()
+            return
+        await self._serve(_ForwardedInfo(origin), reader, writer, forwarder=forwarder)
+
     def _check_request_head(self, raw: bytes, signature: bytes, peer: bytes) -> tuple[MessageHeader, _Handler]:
         header = check_head(raw, signature, peer, self._expect, time.time())
         return header, self._check_request(header)
@@ -171,11 +207,14 @@ class IncomingStreams:
         if verdict == "full":
             raise Refusal(Reason.BUSY, "too many recent messages from you")
 
-    def _join_incoming(self, peer: PeerID, header: MessageHeader, handler: _Handler) -> tuple[Assembly, int]:
+    def _join_incoming(self, peer: PeerID, header: MessageHeader, handler: _Handler,
+                       forwarder: PeerID | None = None) -> tuple[Assembly, int]:
         key = (peer.to_bytes(), header.nonce)
         assembly = self._assemblies.get(key)
         if assembly is None:
-            assembly = self._new_assembly(peer, header, on_expired=lambda refusal: self._expired(peer, refusal))
+            # a message left incomplete is a stall its forwarder could have caused
+            assembly = self._new_assembly(peer, header,
+                                          on_expired=lambda refusal: self._expired(forwarder or peer, refusal))
             self._assemblies[key] = assembly
             assembly.complete.add_done_callback(lambda _: self._assemblies.pop(key, None))
             self.counters.messages_received += 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
@@ -33,11 +34,12 @@ from p2p.assembly import Assembly, run_bound
 from p2p.counters import TransportCounters
 from p2p.errors import (HostError, Reason, Refusal, RemoteRefused, ReplyRejected,
                         TransferFailed, TransferTimeout)
+from p2p.forwarding import FORWARD_PROTOCOL, FORWARDED_PROTOCOL, Forwarder, preamble
 from p2p.framing import PeerStatus, StreamIO
 from p2p.identity import NodeIdentity
 from p2p.limits import InflightLedger, TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage, ReceivedMessage
-from p2p.paths import RelayLimits
+from p2p.paths import RelayLimits, relay_of
 from p2p.replay import RefusedMessages, ReplayGuard
 from p2p.sending import SendPlan, choose_streams, send_stream_frames
 from p2p.serving import (STREAM_PROTOCOL, IncomingStreams, RoundPredicate, SizePredicate, _check_size,
@@ -45,6 +47,17 @@ from p2p.serving import (STREAM_PROTOCOL, IncomingStreams, RoundPredicate, SizeP
 from p2p.wire import Expectations, MessageHeader, Mode, check_head
 
 logger = logging.getLogger("lowcomm.p2p.streams")
+NO_FORWARD_RETRY_S = 60.0  # a relay that did not forward is asked again after this long
+_MAX_TRACKED_PEERS = 1024
+
+
+def _bounded_put(table: OrderedDict, key, value) -> None:
+    table.pop(key, None)
+    table[key] = value
+    while len(table) > _MAX_TRACKED_PEERS:
+        table.popitem(last=False)
+
+
 def _peer_id(peer: PeerID | str | bytes) -> PeerID:
     if isinstance(peer, PeerID):
         return peer
@@ -69,6 +82,12 @@ class Transport(IncomingStreams):
         self.wire_limits, self.limits, self.protocol = wire_limits, limits, protocol
         self.counters = TransportCounters()
         self.relay_limits = RelayLimits()  # what we send over a relayed connection (p2p/paths.py)
+        # streams to a peer reached only through a relay go through a forwarding member instead
+        # (p2p/forwarding.py): the peer -> the relay that forwards for it, learnt from the relayed
+        # address of a stream opened to it
+        self.forwarder = Forwarder(self)
+        self._forward_via: OrderedDict[bytes, PeerID] = OrderedDict()
+        self._no_forward: OrderedDict[bytes, float] = OrderedDict()  # relay -> when to ask it again
         self._expect = Expectations(swarm, manifest, identity.peer_id.to_bytes(), wire_limits)
         self._ledger = InflightLedger(limits)
         self._replay = ReplayGuard(wire_limits.max_clock_skew_s)
@@ -116,6 +135,9 @@ class Transport(IncomingStreams):
 
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
+        if self.forwarder.enabled:  # a member behind NAT offers no forwarding: opening one fails at once
+            await self.p2p.add_binary_stream_handler(FORWARD_PROTOCOL, self.forwarder.serve)
+        await self.p2p.add_binary_stream_handler(FORWARDED_PROTOCOL, self._serve_forwarded)
         self._started = True
 
     async def stop(self, grace_s: float = 0.0) -> None:
@@ -125,8 +147,9 @@ class Transport(IncomingStreams):
         its last round is still on its way: cut, the partner's round fails)."""
         if self._started:
             self._started = False
-            with suppress(Exception):  # the daemon may already be gone
-                await self.p2p.remove_binary_stream_handler(self.protocol)
+            for protocol in (self.protocol, FORWARD_PROTOCOL, FORWARDED_PROTOCOL):
+                with suppress(Exception):  # the daemon may already be gone
+                    await self.p2p.remove_binary_stream_handler(protocol)
         if grace_s > 0 and self._tasks:
             await asyncio.wait(list(self._tasks), timeout=grace_s)
         for assembly in list(self._assemblies.values()):
@@ -184,7 +207,7 @@ class Transport(IncomingStreams):
         ios: list[StreamIO] = []
         try:
             async with asyncio.timeout(deadline):
-                ios = await self._open_streams(peer, plan.streams)
+                ios = await self._open(peer, plan.streams)
                 refusal = self._relay_refusal(ios, largest)
                 if refusal:
                     raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} was not "
@@ -215,20 +238,57 @@ class Transport(IncomingStreams):
         self.counters.messages_verified += 1
         return reply.assembly.complete.result()
 
-    async def _open_streams(self, peer: PeerID, count: int) -> list[StreamIO]:
+    async def _open(self, peer: PeerID, count: int) -> list[StreamIO]:
+        """`count` streams to `peer`: direct where libp2p has a direct connection; where it has
+        only a relayed one, through the relay as a forwarding member (p2p/forwarding.py); on a
+        relayed connection only where that relay does not forward (`_relay_refusal` then bounds
+        the size)."""
+        key = peer.to_bytes()
+        via = self._forward_via.get(key)
+        if via is None:
+            ios = await self._open_streams(peer, count)
+            relay = next((relay_of(io.addr) for io in ios if io.relayed), None)
+            if relay is None or not self._forwards(via := PeerID.from_base58(relay)):
+                return ios
+            for io in ios:
+                io.close()
+            _bounded_put(self._forward_via, key, via)
+        try:
+            return await self._open_streams(via, count, forward_to=peer)
+        except TransferFailed as failure:
+            # the relay forwards nothing (behind NAT, not one of our members, or gone): for a
+            # while the relayed connection carries what its limits allow (`_relay_refusal`)
+            self._forward_via.pop(key, None)
+            _bounded_put(self._no_forward, via.to_bytes(), time.monotonic() + NO_FORWARD_RETRY_S)
+            logger.info("member %s does not forward to %s (%s); using the relayed connection", via, peer, failure)
+            return await self._open_streams(peer, count)
+
+    def _forwards(self, relay: PeerID) -> bool:
+        return relay != self.p2p.peer_id and self._no_forward.get(relay.to_bytes(), 0.0) <= time.monotonic()
+
+    async def _open_streams(self, peer: PeerID, count: int, forward_to: PeerID | None = None) -> list[StreamIO]:
+        target = forward_to or peer
+        protocol = self.protocol if forward_to is None else FORWARD_PROTOCOL
+        through = "" if forward_to is None else f" through member {peer}"
+
         async def open_one() -> StreamIO:
             try:
                 async with asyncio.timeout(self.limits.open_timeout_s):
-                    info, reader, writer = await self.p2p.call_binary_stream_handler(peer, self.protocol)
+                    info, reader, writer = await self.p2p.call_binary_stream_handler(peer, protocol)
             except TimeoutError:
-                raise TransferFailed(f"could not open a stream to peer {peer} within "
+                raise TransferFailed(f"could not open a stream to peer {target}{through} within "
                                      f"{self.limits.open_timeout_s:.0f} s.") from None
             except (TransferFailed, asyncio.CancelledError):
                 raise
             except Exception as error:  # the daemon reports dial failures as several error types
-                raise TransferFailed(f"could not open a stream to peer {peer}: {error}.") from None
+                raise TransferFailed(f"could not open a stream to peer {target}{through}: {error}.") from None
             io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
-            io.relayed = self.counters.paths.note(peer.to_base58(), info.addr)
+            io.addr = info.addr
+            if forward_to is None:
+                io.relayed = self.counters.paths.note(peer.to_base58(), info.addr)
+            else:
+                writer.write(preamble(forward_to))
+                self.counters.paths.note_forwarded(forward_to.to_base58())
             return io
 
         tasks = [asyncio.create_task(open_one()) for _ in range(count)]

@@ -65,6 +65,8 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     limits = {} if node.transport_limits is None else dict(zip(("wire_limits", "limits"), node.transport_limits))
     network.transport = transport = Transport(host.p2p, identity, swarm=m.swarm.id, manifest=m.digest,
                                               **limits)
+    # a member behind NAT forwards for no one: the swarm never depends on one (p2p/forwarding.py)
+    transport.forwarder.enabled = host.reachability.mode != "private"
     admit = None
     if m.admission.mode == "allowlist":  # members refuse, and never call, unlisted keys
         admit = transport.admit = set(m.admission.public_keys).__contains__

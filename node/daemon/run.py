@@ -83,7 +83,9 @@ async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus
         reconnector.check()
         node.status_feed.transport_refusals({**transport.counters.refused_incoming,
                                              **network.cache.bans.other_refusals})
-        node.status_feed.transport_paths(transport.counters.paths.direct, transport.counters.paths.relayed)
+        paths = transport.counters.paths
+        node.status_feed.transport_paths(paths.direct, paths.relayed, paths.forwarded,
+                                         transport.counters.forwarded_streams)
         if stopping.done() and not worker.stop_requested.is_set():
             worker.request_stop()
             try:

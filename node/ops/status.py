@@ -52,6 +52,8 @@ Fields, units and meaning (None = not known yet):
                                     local, and how the node found out
     streams_direct           int    streams opened to or from peers over direct connections
     streams_relayed          int    ... and through a circuit relay (members behind NAT)
+    streams_forwarded        int    ... and forwarded by a public member (p2p/forwarding.py)
+    forwarded_for_others     int    streams this node forwarded between two other members
 
 Derived, added by `to_dict()` from the sender's own clock (so clock skew between machines
 does not distort them): `last_exchange_age_s` and `checkpoint_age_s` (seconds, None when the
@@ -121,6 +123,8 @@ class NodeStatus:
     reachability: str = ""
     streams_direct: int = 0
     streams_relayed: int = 0
+    streams_forwarded: int = 0
+    forwarded_for_others: int = 0
 
     def __post_init__(self) -> None:
         # Not a dataclass field: it stays out of fields(), equality and the JSON.

@@ -30,7 +30,8 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
     pair_interval                                  PairingPaced (NoLoCo: how often it pairs)
     state=stopping                                 Stopping
     reachability                                   ReachabilityFound (its one line)
-    streams_direct, streams_relayed                `transport_paths`, from the daemon's watch loop
+    streams_direct, streams_relayed,               `transport_paths`, from the daemon's watch loop
+    streams_forwarded, forwarded_for_others
 CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).
 """
 
@@ -70,10 +71,13 @@ class StatusFeed:
     def _reachability(self, event: ReachabilityFound) -> None:
         self.status.update(reachability=event.line)
 
-    def transport_paths(self, direct: int, relayed: int) -> None:
-        """Streams opened over direct connections and through relays (p2p/paths.py)."""
-        if (direct, relayed) != (self.status.streams_direct, self.status.streams_relayed):
-            self.status.update(streams_direct=direct, streams_relayed=relayed)
+    def transport_paths(self, direct: int, relayed: int, forwarded: int = 0, for_others: int = 0) -> None:
+        """Streams opened over direct connections, through relays and forwarded by a member
+        (p2p/paths.py), and those this node forwarded for others (p2p/forwarding.py)."""
+        paths = dict(streams_direct=direct, streams_relayed=relayed, streams_forwarded=forwarded,
+                     forwarded_for_others=for_others)
+        if any(getattr(self.status, name) != value for name, value in paths.items()):
+            self.status.update(**paths)
 
     def _step(self, event: StepDone) -> None:
         self.status.update(step=event.step, round=event.round, state="training",

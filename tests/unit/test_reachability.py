@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.utils.multiaddr import Multiaddr
 
-from p2p.paths import GiB, PathCounts, RelayLimits, for_p2pd
+from p2p.paths import GiB, PathCounts, RelayLimits, for_p2pd, relay_of
 from p2p.reachability import (DialBackAnswer, DialBackService, NoPublicMember, ReachabilityOptions,
                               _verdict, is_loopback_only, listening_ports, p2pd_options, relay_maddrs)
 
@@ -66,13 +66,20 @@ def test_addresses_and_options_are_checked():
 
 def test_relay_limits_refuse_what_the_relay_would_cut_and_paths_are_counted():
     limits = RelayLimits()
-    assert limits.refusal(3 * GiB) is None
-    assert "4.00 GiB would cross a relay, and relays cut a connection after 4 GiB (we send at most " \
-        "3.00 GiB that way)" in limits.refusal(4 * GiB)
+    assert limits.refusal(64 * 1024) is None
+    assert "2.0 MB would cross a circuit relay, which may cut a connection after 128 KiB (we send at most " \
+        "64 KiB that way)" in limits.refusal(2 * 10**6)
+    assert "4.00 GiB would cross" in limits.refusal(4 * GiB)
     counts = PathCounts()
-    assert counts.note(HOME, f"/ip4/11.22.0.10/tcp/4001/p2p/{RELAY}/p2p-circuit") is True
+    relayed = f"/ip4/11.22.0.10/tcp/4001/p2p/{RELAY}/p2p-circuit"
+    assert counts.note(HOME, relayed) is True
     assert counts.note(RELAY, "/ip4/11.22.0.10/tcp/4001") is False
+    counts.note_forwarded(HOME)
     assert counts.snapshot()["relayed_by_peer"] == {HOME: 1} and (counts.direct, counts.relayed) == (1, 1)
+    assert counts.snapshot()["forwarded_by_peer"] == {HOME: 1} and counts.forwarded == 1
+    # the relay a relayed address goes through: the one a forwarded stream is opened to
+    assert relay_of(relayed) == RELAY and relay_of(relayed + f"/p2p/{HOME}") == RELAY
+    assert relay_of("/ip4/11.22.0.10/tcp/4001") is None
 
 
 def _ask(service: DialBackService, addr: str, request: bytes) -> dict:

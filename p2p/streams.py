@@ -48,6 +48,7 @@ from p2p.wire import Expectations, MessageHeader, Mode, check_head
 
 logger = logging.getLogger("lowcomm.p2p.streams")
 NO_FORWARD_RETRY_S = 60.0  # a relay that did not forward is asked again after this long
+FORWARD_RECHECK_S = 60.0   # a peer we forward to is tried directly again after this long
 _MAX_TRACKED_PEERS = 1024
 
 
@@ -86,7 +87,7 @@ class Transport(IncomingStreams):
         # (p2p/forwarding.py): the peer -> the relay that forwards for it, learnt from the relayed
         # address of a stream opened to it
         self.forwarder = Forwarder(self)
-        self._forward_via: OrderedDict[bytes, PeerID] = OrderedDict()
+        self._forward_via: OrderedDict[bytes, tuple[PeerID, float]] = OrderedDict()  # until when
         self._no_forward: OrderedDict[bytes, float] = OrderedDict()  # relay -> when to ask it again
         self._expect = Expectations(swarm, manifest, identity.peer_id.to_bytes(), wire_limits)
         self._ledger = InflightLedger(limits)
@@ -244,15 +245,16 @@ class Transport(IncomingStreams):
         relayed connection only where that relay does not forward (`_relay_refusal` then bounds
         the size)."""
         key = peer.to_bytes()
-        via = self._forward_via.get(key)
-        if via is None:
+        via, until = self._forward_via.get(key, (None, 0.0))
+        if until <= time.monotonic():  # now and then libp2p's own way again: a hole may be punched
             ios = await self._open_streams(peer, count)
             relay = next((relay_of(io.addr) for io in ios if io.relayed), None)
             if relay is None or not self._forwards(via := PeerID.from_base58(relay)):
+                self._forward_via.pop(key, None)
                 return ios
             for io in ios:
                 io.close()
-            _bounded_put(self._forward_via, key, via)
+            self.forward_through(peer, via)
         try:
             return await self._open_streams(via, count, forward_to=peer)
         except TransferFailed as failure:
@@ -262,6 +264,10 @@ class Transport(IncomingStreams):
             _bounded_put(self._no_forward, via.to_bytes(), time.monotonic() + NO_FORWARD_RETRY_S)
             logger.info("member %s does not forward to %s (%s); using the relayed connection", via, peer, failure)
             return await self._open_streams(peer, count)
+
+    def forward_through(self, peer: PeerID, member: PeerID, seconds: float = FORWARD_RECHECK_S) -> None:
+        """Send our streams to `peer` through `member` (p2p/forwarding.py) for `seconds`."""
+        _bounded_put(self._forward_via, peer.to_bytes(), (member, time.monotonic() + seconds))
 
     def _forwards(self, relay: PeerID) -> bool:
         return relay != self.p2p.peer_id and self._no_forward.get(relay.to_bytes(), 0.0) <= time.monotonic()

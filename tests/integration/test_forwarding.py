@@ -55,7 +55,7 @@ def test_a_swap_and_a_push_forwarded_by_a_member_arrive_verified_as_the_origins(
             tb.on_push("note", deliver, accept_round=lambda r: True)
             for t in (tf, ta, tb):
                 await t.start()
-            ta._forward_via[b.peer_id.to_bytes()] = f.peer_id  # as a relayed address through F names it
+            ta.forward_through(b.peer_id, f.peer_id)  # as a relayed address through F would
             answer = await ta.swap(b.peer_id, OutgoingMessage.from_arrays("snapshot", 3, {"w": mine}))
             await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 3, {"w": mine[:10]}))
             assert np.array_equal(answer.arrays()["w"], theirs) and answer.sender == b.peer_id
@@ -68,6 +68,12 @@ def test_a_swap_and_a_push_forwarded_by_a_member_arrive_verified_as_the_origins(
             assert ta.counters.paths.forwarded >= 2 and tb.counters.paths.forwarded >= 2
             assert b.peer_id.to_base58() not in ta.counters.paths.direct_by_peer
             assert not tb.counters.refused_incoming and not ta.counters.refused_outgoing
+            # once the forwarding period is over, A tries its own connection again (a punched
+            # hole, or here loopback): direct, and no longer forwarded
+            ta.forward_through(b.peer_id, f.peer_id, seconds=0)
+            await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 4, {"w": mine[:10]}))
+            assert ta.counters.paths.direct_by_peer.get(b.peer_id.to_base58()) and len(delivered) == 3
+            assert b.peer_id.to_bytes() not in ta._forward_via
             for t in (tf, ta, tb):
                 await t.stop()
     run(scenario(), timeout_s=90)
@@ -105,7 +111,7 @@ def test_a_member_behind_nat_forwards_for_no_one_and_the_sender_goes_its_own_way
             tf.forwarder.enabled = False  # what join sets on a member behind NAT
             for t in (tf, ta, tb):
                 await t.start()
-            ta._forward_via[b.peer_id.to_bytes()] = f.peer_id
+            ta.forward_through(b.peer_id, f.peer_id)
             await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 1, {"w": np.zeros(4, np.float32)}))
             # F offered no forwarding, so A sent on its own connection to B, and asks F again later
             assert [m.sender for m in delivered] == [a.peer_id]
@@ -124,7 +130,7 @@ def test_a_forwarder_refuses_a_peer_outside_the_allowlist(tmp_path, p2p_cleanup)
             tf.admit = {f.peer_id.to_base58(), a.peer_id.to_base58()}.__contains__  # b is not listed
             for t in (tf, ta, tb):
                 await t.start()
-            ta._forward_via[b.peer_id.to_bytes()] = f.peer_id
+            ta.forward_through(b.peer_id, f.peer_id)
             with pytest.raises(RemoteRefused) as refused:
                 await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 1, {"w": np.zeros(4, np.float32)}))
             assert refused.value.reason == Reason.NOT_ADMITTED and f"peer {b.peer_id}" in refused.value.detail

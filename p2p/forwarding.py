@@ -105,6 +105,9 @@ async def pipe(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
         for task in tasks:
             task.cancel()
         await asyncio.wait(tasks)
+        for task in tasks:  # a broken or stalled side ends the forwarding; nothing to report
+            if not task.cancelled():
+                task.exception()
         for _, writer in (a, b):
             with suppress(Exception):
                 writer.close()

@@ -33,6 +33,7 @@ from hivemind.p2p import PeerID
 
 from p2p.errors import Reason, Refusal
 from p2p.framing import StreamIO
+from p2p.paths import is_relayed
 
 logger = logging.getLogger("lowcomm.p2p.forwarding")
 FORWARD_PROTOCOL = "/lowcomm/forward/1"      # origin -> forwarder: "open this stream to <peer>"
@@ -180,7 +181,7 @@ class Forwarder:
         except Exception as error:
             raise Refusal(Reason.UNSUPPORTED, f"could not open a stream to peer {target} to forward to "
                                               f"it ({type(error).__name__})") from None
-        if "/p2p-circuit" in str(info.addr):
+        if is_relayed(info.addr):
             writer.close()
             raise Refusal(Reason.UNSUPPORTED, f"peer {target} is reachable from here only through a relay; "
                                               "this member forwards only onto direct connections")

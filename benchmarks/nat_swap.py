@@ -1,22 +1,28 @@
-"""Swap time and throughput through a circuit relay against direct links, at the same shaped rate.
+"""Swap time and throughput between homes behind NAT (forwarded, or through a punched hole)
+against direct links, at the same shaped rate.
 
-    sudo .venv/bin/python benchmarks/nat_swap.py --rate 50mbit --size-mb 16 --repeats 3
+    sudo .venv/bin/python benchmarks/nat_swap.py --rate 50mbit --size-mb 16 --repeats 3 --publics 5
 
-The testbed (benchmarks/nat_testbed.py): three public namespaces and two homes behind NAT
-routers; tbf limits every access link (each public host's and each router's WAN port, both
-ways) to --rate. pub0 is the bootstrap peer and the relay; the others are peers with our real
-P2PHost (reachability found by the dial-back check) and signed Transport. Measured paths, one
-after the other, each timed `repeats` times after a warm-up:
+The testbed (benchmarks/nat_testbed.py): `--publics` public namespaces (at least three) and two
+homes behind NAT routers; tbf limits every access link (each public host's and each router's WAN
+port, both ways) to --rate. pub0 is the bootstrap peer, the relay and the forwarding member; the
+homes bootstrap from every public peer; all are peers with our real P2PHost (reachability found by
+the dial-back check) and signed Transport. Measured paths, one after the other, each timed
+`repeats` times after a warm-up:
 
-  public-public   pub1 -> pub2, a direct connection
-  home-public     home0 -> pub2, direct: the home dials out through its NAT
-  home-home       home0 -> home1: forwarded by pub0 (the homes cannot dial each other, and the
-                  circuit relay they reach each other through may cut a connection after 128 KiB:
-                  p2p/forwarding.py)
+  public-public       pub1 -> pub2, a direct connection
+  home-public         home0 -> pub2, direct: the home dials out through its NAT
+  home-home           home0 -> home1: forwarded by pub0 (the homes cannot dial each other, and
+                      the circuit relay they reach each other through may cut a connection after
+                      128 KiB: p2p/forwarding.py)
+  home-home, punched  (with --publics 4 or more) the same after 20 s, in which four public peers
+                      observed each home's address, a fresh relayed connection let DCUtR punch a
+                      hole, and the transport's recheck (0.5 s here, a minute in the daemon) found
+                      the direct connection
 
-per path: `push` (one direction) and `swap` (both halves at once, as a NoLoCo swap). A relayed
-byte crosses the relay's access link twice (in, then out), and in a swap both halves share it.
-The JSON with every timing lands beside RESULTS.md (benchmarks/nat_swap.json).
+per path: `push` (one direction) and `swap` (both halves at once, as a NoLoCo swap). A forwarded
+byte crosses the forwarder's access link twice (in, then out), and in a swap both halves share
+it. The JSON with every timing lands beside RESULTS.md (benchmarks/nat_swap.json).
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ async def run_peer(args) -> None:
         pass
     transport = Transport(host.p2p, host.identity, swarm=SWARM, manifest=SWARM)
     transport.forwarder.enabled = not args.no_forward
+    transport.forward_recheck_s = args.recheck_s
     if args.relay_limit_mb:  # what a relay would cut, scaled down (tests/integration/test_nat.py)
         transport.relay_limits = RelayLimits(max_bytes=args.relay_limit_mb * 10**6)
     transport.on_swap("bench", reply, accept_round=lambda r: True)
@@ -91,7 +98,10 @@ async def run_peer(args) -> None:
             print(json.dumps(said), flush=True)
             return
         await transport.swap(target, small, timeout=60)  # connect before timing
-        await asyncio.sleep(args.settle_s)  # time for DCUtR to punch a hole, where it can
+        if args.settle_s:  # the homes learn their public address; then a fresh relayed connection,
+            await asyncio.sleep(args.settle_s)  # on which DCUtR punches, and the hole at the recheck
+            await transport.swap(target, small, timeout=60)
+            await asyncio.sleep(2 * args.recheck_s)
         times: dict[str, list[float]] = {"push": [], "swap": []}
         for _ in range(args.repeats):
             for mode in times:
@@ -130,13 +140,12 @@ async def _refusals(transport, target, large, small) -> dict:
 # ---------------------------------------------------------------------------- the run
 def start_peer(net: NatTestbed, where: str, args, peer: str = "", target: str = "",
            extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, dict]:
-    namespace, listen = {
-        "pub0": (net.public(0), f"/ip4/{net.public_address(0)}/tcp/4001"),
-        "pub1": (net.public(1), f"/ip4/{net.public_address(1)}/tcp/0"),
-        "pub2": (net.public(2), f"/ip4/{net.public_address(2)}/tcp/0"),
-        "home0": (net.home(0), "/ip4/0.0.0.0/tcp/0"),
-        "home1": (net.home(1), "/ip4/0.0.0.0/tcp/0"),
-    }[where]
+    index = int(where[-1])
+    if where.startswith("pub"):
+        namespace, port = net.public(index), 4001 if index == 0 else 0
+        listen = f"/ip4/{net.public_address(index)}/tcp/{port}"
+    else:
+        namespace, listen = net.home(index), "/ip4/0.0.0.0/tcp/0"
     argv = [sys.executable, str(Path(__file__).resolve()), "peer", "--listen", listen, "--size-mb",
             str(args.size_mb), "--repeats", str(args.repeats), "--peer", peer, "--target", target, *extra]
     process = net.popen(namespace, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -148,12 +157,24 @@ def start_peer(net: NatTestbed, where: str, args, peer: str = "", target: str = 
 
 def run(args) -> dict:
     results = {}
-    with NatTestbed(publics=3, homes=2, rate=args.rate) as net:
+    with NatTestbed(publics=max(3, args.publics), homes=2, rate=args.rate) as net:
         _, relay = start_peer(net, "pub0", args)
         bootstrap = relay["addrs"][0]
-        servers = {name: start_peer(net, name, args, peer=bootstrap)[1] for name in ("pub2", "home1")}
-        for path, (client, server) in PATHS.items():
-            process, started = start_peer(net, client, args, peer=bootstrap, target=servers[server]["peer_id"])
+        # the homes bootstrap from every public peer: DCUtR punches only from an address that four
+        # of them observed (with --publics 4 or more; p2p/reachability.py)
+        observers = [bootstrap] + [start_peer(net, f"pub{i}", args, peer=bootstrap)[1]["addrs"][0]
+                                   for i in range(3, args.publics)]
+        peers = {name: ",".join(observers) if name.startswith("home") else bootstrap
+                 for name in ("pub1", "pub2", "home0", "home1")}
+        servers = {name: start_peer(net, name, args, peer=peers[name])[1] for name in ("pub2", "home1")}
+        paths = dict(PATHS)
+        if args.publics >= 4:
+            paths["home-home, punched"] = ("home0", "home1")
+        for path, (client, server) in paths.items():
+            # once punched, the hole is tried at the next recheck: at once here, after settling
+            punch = ("--settle-s", "20", "--recheck-s", "0.5") if "punched" in path else ()
+            process, started = start_peer(net, client, args, peer=peers[client], target=servers[server]["peer_id"],
+                                          extra=punch)
             line = process.stdout.readline()
             if not line:
                 raise RuntimeError(f"path {path}: the client failed (exit {process.wait()})")
@@ -180,8 +201,9 @@ def report(results: dict, args, command: str) -> str:
              "|---|---|---|---|---|---|---|"]
     base = results["public-public"]["median_s"]["swap"]
     for path, r in results.items():
-        how = ("forwarded by pub0" if r.get("streams_forwarded") else
-               "relayed" if r["streams_relayed"] and not r["streams_direct"] else "direct")
+        how = ("forwarded by pub0" if r.get("streams_forwarded") and not r["streams_direct"] else
+               "relayed" if r["streams_relayed"] and not r["streams_direct"] else
+               "direct, a punched hole" if "punched" in path else "direct")
         rate = r["mbit_per_s_per_direction"]
         lines.append(f"| {path} | {how} | {r['median_s']['push']:.2f} | {rate['push']:.1f} | "
                      f"{r['median_s']['swap']:.2f} | {rate['swap']:.1f} | {r['median_s']['swap'] / base:.2f}x |")
@@ -193,6 +215,7 @@ def main() -> None:
     parser.add_argument("command", nargs="?", default="run", choices=["run", "peer"])
     parser.add_argument("--rate", default="50mbit")
     parser.add_argument("--size-mb", type=int, default=16)
+    parser.add_argument("--publics", type=int, default=3, help="public peers (4 or more: a punched path too)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "nat_swap.json")
     parser.add_argument("--listen", default="/ip4/127.0.0.1/tcp/0")  # peer: where it listens
@@ -202,6 +225,7 @@ def main() -> None:
     parser.add_argument("--settle-s", type=float, default=0.0)  # peer: wait after connecting
     parser.add_argument("--relay-limit-mb", type=int, default=0)  # peer: refuse relayed transfers above this
     parser.add_argument("--no-forward", action="store_true")  # peer: forward no stream for others
+    parser.add_argument("--recheck-s", type=float, default=60.0)  # peer: forwarded peers tried directly again
     args = parser.parse_args()
     if args.command == "peer":
         from p2p.host import run_event_loop

@@ -34,7 +34,7 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2p.errors import HostError
 from p2p.identity import NodeIdentity
 from p2p.paths import for_p2pd
-from p2p.reachability import (DIAL_BACK, PRIVATE_ENV, DialBackService, Reachability, ReachabilityOptions, create_p2p,
+from p2p.reachability import (DIAL_BACK, DialBackService, Reachability, ReachabilityOptions, create_p2p,
                                find_reachability, p2pd_options, wait_for_relay_addresses)
 from p2p.records import STORE_SENDER, OwnerOnlyValidator
 
@@ -123,7 +123,7 @@ class P2PHost:
             announce_maddrs = None
         p2p = await start_p2pd(host_maddrs=listen,
                                 announce_maddrs=list(announce_maddrs) if announce_maddrs else None,
-                                extra_flags=flags, env=PRIVATE_ENV if found.mode == "private" else None,
+                                extra_flags=flags,
                                 **base, **create_options)
         try:
             if p2p.peer_id != identity.peer_id:
@@ -203,12 +203,12 @@ class P2PHost:
         await shutdown_p2p(self.p2p)
 
 
-async def start_p2pd(extra_flags: dict | None = None, env: dict | None = None, **create_options: Any) -> P2P:
+async def start_p2pd(extra_flags: dict | None = None, **create_options: Any) -> P2P:
     """p2pd, or a HostError of one sentence naming the cause and the fix."""
     initial_peers, startup_timeout_s = create_options["initial_peers"] or [], create_options["startup_timeout"]
     sockets_before = socket_paths()
     try:
-        return await create_p2p(extra_flags, env, **create_options)
+        return await create_p2p(extra_flags, **create_options)
     except Exception as error:
         # hivemind does not return the half-started daemon, so its socket cannot be named:
         # remove the sockets that appeared meanwhile once nothing listens on them.

@@ -8,8 +8,9 @@ accepts them. The verdict sets p2pd's flags (notes/containers-and-nat.md, measur
 - public: forced public, so that p2pd serves as a circuit-relay v2 hop for members behind NAT;
 - private: forced private, auto-relay reserving a slot through the public bootstrap peers
   (exactly one multiaddr per relay, `-relayDiscovery=0`), and `-relayService=0`: the swarm
-  never depends on a home node to relay. DCUtR (hole punching) stays on in p2pd (`-autonat`),
-  but without QUIC listening (see `ReachabilityOptions.hole_punching`) it punched no hole here;
+  never depends on a home node to relay. DCUtR (hole punching) stays on in p2pd (`-autonat`)
+  and punches a TCP hole between two homes once four public peers have seen each home's
+  address (go-libp2p makes an observed address its own after four observers);
 - local: every listen address is loopback; nobody off this machine can dial it anyway, and
   p2pd keeps hivemind's defaults (the loopback tests and the local swarm).
 
@@ -24,7 +25,6 @@ import contextvars
 import ipaddress
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,10 +50,9 @@ class ReachabilityOptions:
 
     mode: str = "auto"                 # auto: ask a bootstrap peer; public/private: trust the user
     relays: tuple[str, ...] = ()       # relays to reserve slots on; default: the initial peers
-    # Listen on QUIC too, which DCUtR hole punching needs (notes/containers-and-nat.md). Off:
-    # over QUIC, hivemind's p2pd dropped incoming streams before handing them over (measured on
-    # loopback: 4 of 6 rounds of 16 MB push + swap failed TRUNCATED, 0 of 6 over TCP), and no
-    # hole was punched in our NAT testbed with it on (4 public observers, 10 s to settle).
+    # Listen on QUIC too, so that DCUtR can punch UDP holes as well. Off: DCUtR punches TCP
+    # holes without it (measured, benchmarks/RESULTS.md), and over QUIC hivemind's p2pd once
+    # dropped incoming streams (loopback, 4 of 6 rounds of 16 MB; 6 of 6 passed on 2026-11-27).
     hole_punching: bool = False
     dial_back_timeout_s: float = 3.0   # per port, on the peer that dials us back
     relay_wait_s: float = 30.0         # a private node waits this long for a relay slot at start
@@ -95,30 +94,20 @@ class _P2PWithFlags(P2P):
         return P2P._make_process_args(*args, **{**kwargs, **_extra_flags.get()})
 
 
-# Behind NAT, p2pd dials out from ephemeral ports rather than its listening port (SO_REUSEPORT).
-# It was turned off when home-home swaps broke mid-stream, blamed on DCUtR's TCP punches from
-# the listening port; the cause was the relay's 128 KiB limit (p2p/forwarding.py). With reuse on
-# again (2026-11-27), the NAT test passed with no failed exchange, but no TCP hole was punched
-# either, with 1 or with 5 public peers observing the homes (20 s to settle): kept off.
-PRIVATE_ENV = {"LIBP2P_TCP_REUSEPORT": "false"}
+# Behind NAT, p2pd dials out from its listening port (SO_REUSEPORT, libp2p's default), so that
+# every public peer observes one address for the home, and four observations make it the home's
+# public address: DCUtR punches holes only from such an address (measured: with reuse off no
+# address ever became public, and no hole was punched; `Transport` retries the punch, see
+# p2p/streams.py `_punch_again`).
 
 
-async def create_p2p(extra_flags: dict[str, Any] | None = None, env: dict[str, str] | None = None,
-                     **create_options: Any) -> P2P:
-    """hivemind's P2P.create, with `extra_flags` for p2pd and `env` in p2pd's environment (hivemind
-    copies os.environ when it spawns p2pd, inside create: set for that moment, then restored)."""
+async def create_p2p(extra_flags: dict[str, Any] | None = None, **create_options: Any) -> P2P:
+    """hivemind's P2P.create, with `extra_flags` for p2pd."""
     token = _extra_flags.set(dict(extra_flags or {}))
-    saved = {name: os.environ.get(name) for name in (env or {})}
-    os.environ.update(env or {})
     try:
         return await _P2PWithFlags.create(**create_options)
     finally:
         _extra_flags.reset(token)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def is_loopback_only(maddrs: Sequence[str]) -> bool:

@@ -48,7 +48,8 @@ from p2p.wire import Expectations, MessageHeader, Mode, check_head
 
 logger = logging.getLogger("lowcomm.p2p.streams")
 NO_FORWARD_RETRY_S = 60.0  # a relay that did not forward is asked again after this long
-FORWARD_RECHECK_S = 60.0   # a peer we forward to is tried directly again after this long
+FORWARD_RECHECK_S = 20.0   # a peer we forward to is tried directly again (and a hole punched) after this long
+PING_PROTOCOL = "/ipfs/ping/1.0.0"  # served by every p2pd: a stream that only makes a connection
 _MAX_TRACKED_PEERS = 1024
 
 
@@ -89,6 +90,7 @@ class Transport(IncomingStreams):
         self.forwarder = Forwarder(self)
         self._forward_via: OrderedDict[bytes, tuple[PeerID, float]] = OrderedDict()  # until when
         self._no_forward: OrderedDict[bytes, float] = OrderedDict()  # relay -> when to ask it again
+        self.forward_recheck_s = FORWARD_RECHECK_S
         self._expect = Expectations(swarm, manifest, identity.peer_id.to_bytes(), wire_limits)
         self._ledger = InflightLedger(limits)
         self._replay = ReplayGuard(wire_limits.max_clock_skew_s)
@@ -254,7 +256,10 @@ class Transport(IncomingStreams):
                 return ios
             for io in ios:
                 io.close()
-            self.forward_through(peer, via)
+            self.forward_through(peer, via, self.forward_recheck_s)
+            task = asyncio.create_task(self._punch_again(peer))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         try:
             return await self._open_streams(via, count, forward_to=peer)
         except TransferFailed as failure:
@@ -264,6 +269,19 @@ class Transport(IncomingStreams):
             _bounded_put(self._no_forward, via.to_bytes(), time.monotonic() + NO_FORWARD_RETRY_S)
             logger.info("member %s does not forward to %s (%s); using the relayed connection", via, peer, failure)
             return await self._open_streams(peer, count)
+
+    async def _punch_again(self, peer: PeerID) -> None:
+        """Drop the relayed connection to `peer` and dial it again: a fresh relayed connection is
+        what starts DCUtR (libp2p punches once per relayed connection, and the first one between
+        two homes usually came before either knew its public address: "protocols not supported:
+        /libp2p/dcutr" in p2pd's log). A punched hole shows at the next recheck as a direct path."""
+        try:
+            async with asyncio.timeout(self.limits.open_timeout_s):
+                await self.p2p._client.disconnect(peer)
+                _, _, writer = await self.p2p.call_binary_stream_handler(peer, PING_PROTOCOL)
+                writer.close()
+        except Exception as error:  # the next recheck tries again; forwarding carries on meanwhile
+            logger.info("could not redial %s through its relay to punch a hole: %s", peer, error)
 
     def forward_through(self, peer: PeerID, member: PeerID, seconds: float = FORWARD_RECHECK_S) -> None:
         """Send our streams to `peer` through `member` (p2p/forwarding.py) for `seconds`."""

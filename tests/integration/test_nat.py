@@ -128,6 +128,53 @@ def test_two_homes_behind_nat_exchange_through_a_relay_or_a_punched_hole(tmp_pat
     assert not _our_namespaces(net), "namespaces left behind"
 
 
+@pytest.mark.skipif(os.environ.get(NAT_TESTS) != "all",
+                    reason=f"six daemons on a shared machine, about 2 minutes: on demand, {NAT_TESTS}=all")
+def test_two_homes_seen_by_four_public_members_punch_a_hole_and_swap_directly(tmp_path):
+    """go-libp2p makes an observed address a node's own after four observers, and DCUtR punches
+    only from such an address: with four public members (and p2pd dialling out from its listening
+    port, so that all four see one address) the homes learn theirs, DCUtR punches a TCP hole
+    through both NAT routers on the relayed connection between them, and their swaps go direct.
+    Seen failing with port reuse off (LIBP2P_TCP_REUSEPORT=false: 0 direct streams, 88 forwarded).
+    Homes that connected before they knew their address get a fresh relayed connection at the
+    transport's recheck (p2p/streams.py `_punch_again`; benchmarks/nat_swap.py --publics 5)."""
+    m = small_manifest("t-nat-punch", "noloco")
+    m.train.min_step_seconds = 0.05  # rounds of about 1 s, 2000 steps: past a few rechecks
+    harness = FaultHarness(tmp_path / "swarm", m)
+    net = NatTestbed(publics=4, homes=2)
+    try:
+        with net:
+            publics = [harness.start_node(0, extra=["--min-peers", "2"], netns=net.public(0),
+                                          listen=f"/ip4/{net.public_address(0)}/tcp/0")]
+            publics[0].wait_for(joined, JOIN_S, "joining")
+            publics += [harness.start_node(i, [publics[0].address], netns=net.public(i),
+                                           listen=f"/ip4/{net.public_address(i)}/tcp/0") for i in range(1, 4)]
+            for node in publics:
+                node.wait_for(joined, JOIN_S, "joining")
+            homes = [harness.start_node(4 + j, [p.address for p in publics], netns=net.home(j),
+                                        listen="/ip4/0.0.0.0/tcp/0") for j in range(2)]
+            for home in homes:
+                home.wait_for(joined, JOIN_S, "joining")
+            started = max(home.events("joined")[-1]["time"] for home in homes)
+            ids = [home.peer_id for home in homes]
+            for home, other in ((homes[0], ids[1]), (homes[1], ids[0])):  # two rechecks later
+                home.wait_for(lambda ev: any(e["event"] == "swapped" and e["partner"] == other
+                                             and e["time"] > started + 50 for e in ev), 300,
+                              "a swap with the other home 50 s after both joined")
+            assert stop_all([*publics, *homes]) == [0] * 6
+            counters = [home.events("transport")[-1] for home in homes]
+            paths = {kind: counters[0][f"{kind}_by_peer"].get(ids[1], 0) + counters[1][f"{kind}_by_peer"].get(ids[0], 0)
+                     for kind in ("relayed", "forwarded", "direct")}
+            swaps = [sum(e["partner"] == other for e in home.events("swapped"))
+                     for home, other in zip(homes, reversed(ids))]
+            print(f"\nthe homes swapped {swaps} times with each other; their streams {paths}")
+            assert paths["direct"] > 0, paths
+    finally:
+        harness.close()
+        net.close()
+    assert not _our_namespaces(net), "namespaces left behind"
+
+
 def _doctor(net: NatTestbed, namespace: str, harness: FaultHarness, peer: str, data_dir) -> tuple[int, str]:
     process = net.popen(namespace, [sys.executable, "-m", "node.cli", "doctor", "--manifest", str(harness.manifest_path),
                                     "--peer", peer, "--data-dir", str(data_dir)],

@@ -136,8 +136,8 @@ def relay_maddrs(peers: Sequence[str]) -> list[str]:
 
 
 def _with_quic(host_maddrs: Sequence[str]) -> list[str]:
-    """The listen addresses plus a QUIC one per TCP one: DCUtR punched holes only over QUIC here
-    (measured), and a home learns its QUIC address only from public peers it reached over QUIC."""
+    """The listen addresses plus a QUIC one per TCP one, for UDP hole punching; a home learns its
+    QUIC address only from public peers it reached over QUIC."""
     listen = list(host_maddrs)
     for text in host_maddrs:
         host = _host_of(Multiaddr(text))

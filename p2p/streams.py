@@ -249,11 +249,14 @@ class Transport(IncomingStreams):
         key = peer.to_bytes()
         via, until = self._forward_via.get(key, (None, 0.0))
         if until <= time.monotonic():  # now and then libp2p's own way again: a hole may be punched
-            ios = await self._open_streams(peer, count)
-            relay = next((relay_of(io.addr) for io in ios if io.relayed), None)
+            if via is None:  # our streams show the path (relayed ones are closed unused: once)
+                ios = await self._open_streams(peer, count)
+                relay = next((relay_of(io.addr) for io in ios if io.relayed), None)
+            else:  # a recheck: a ping stream shows the path without touching the peer's transport
+                ios, relay = [], await self._relay_on_the_way(peer)
             if relay is None or not self._forwards(via := PeerID.from_base58(relay)):
                 self._forward_via.pop(key, None)
-                return ios
+                return ios or await self._open_streams(peer, count)
             for io in ios:
                 io.close()
             self.forward_through(peer, via, self.forward_recheck_s)
@@ -269,6 +272,16 @@ class Transport(IncomingStreams):
             _bounded_put(self._no_forward, via.to_bytes(), time.monotonic() + NO_FORWARD_RETRY_S)
             logger.info("member %s does not forward to %s (%s); using the relayed connection", via, peer, failure)
             return await self._open_streams(peer, count)
+
+    async def _relay_on_the_way(self, peer: PeerID) -> str | None:
+        """The relay our connection to `peer` goes through (None: direct, or no connection)."""
+        try:
+            async with asyncio.timeout(self.limits.open_timeout_s):
+                info, _, writer = await self.p2p.call_binary_stream_handler(peer, PING_PROTOCOL)
+        except Exception:  # unreachable: opening our own streams says so in its words
+            return None
+        writer.close()
+        return relay_of(info.addr)
 
     async def _punch_again(self, peer: PeerID) -> None:
         """Drop the relayed connection to `peer` and dial it again: a fresh relayed connection is

@@ -8,6 +8,7 @@ address would (tests/integration/test_nat.py runs the same code behind real NAT 
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import numpy as np
 import pytest
@@ -23,6 +24,23 @@ pytestmark = pytest.mark.integration
 
 def _transports(hosts) -> list[Transport]:
     return [Transport(h.p2p, h.identity, swarm=SWARM, manifest=MANIFEST) for h in hosts]
+
+
+@asynccontextmanager
+async def _a_to_b_through_f(tmp_path, p2p_cleanup, configure):
+    """Hosts F, A and B with started transports (`configure(tf, ta, tb)` first); A sends to B
+    through F, as a relayed address through F would have it."""
+    async with p2p_cleanup.hosts(tmp_path, 3) as hosts:
+        transports = _transports(hosts)
+        configure(*transports)
+        for t in transports:
+            await t.start()
+        transports[1].forward_through(hosts[2].peer_id, hosts[0].peer_id)
+        try:
+            yield hosts, transports
+        finally:
+            for t in transports:
+                await t.stop()
 
 
 def _async(predicate):
@@ -41,21 +59,20 @@ def test_a_swap_and_a_push_forwarded_by_a_member_arrive_verified_as_the_origins(
     rng = np.random.default_rng(0)
     mine, theirs = rng.standard_normal(300_000, dtype=np.float32), rng.standard_normal(300_000, dtype=np.float32)
 
+    delivered = []
+
+    async def reply(header):
+        return OutgoingMessage.from_arrays("snapshot", header.round, {"w": theirs})
+
+    async def deliver(message):
+        delivered.append(message)
+
+    def configure(tf, ta, tb):
+        tb.on_swap("snapshot", reply, deliver=deliver, accept_round=lambda r: True)
+        tb.on_push("note", deliver, accept_round=lambda r: True)
+
     async def scenario():
-        async with p2p_cleanup.hosts(tmp_path, 3) as (f, a, b):
-            tf, ta, tb = _transports((f, a, b))
-            delivered = []
-
-            async def reply(header):
-                return OutgoingMessage.from_arrays("snapshot", header.round, {"w": theirs})
-
-            async def deliver(message):
-                delivered.append(message)
-            tb.on_swap("snapshot", reply, deliver=deliver, accept_round=lambda r: True)
-            tb.on_push("note", deliver, accept_round=lambda r: True)
-            for t in (tf, ta, tb):
-                await t.start()
-            ta.forward_through(b.peer_id, f.peer_id)  # as a relayed address through F would
+        async with _a_to_b_through_f(tmp_path, p2p_cleanup, configure) as ((f, a, b), (tf, ta, tb)):
             answer = await ta.swap(b.peer_id, OutgoingMessage.from_arrays("snapshot", 3, {"w": mine}))
             await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 3, {"w": mine[:10]}))
             assert np.array_equal(answer.arrays()["w"], theirs) and answer.sender == b.peer_id
@@ -74,8 +91,6 @@ def test_a_swap_and_a_push_forwarded_by_a_member_arrive_verified_as_the_origins(
             await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 4, {"w": mine[:10]}))
             assert ta.counters.paths.direct_by_peer.get(b.peer_id.to_base58()) and len(delivered) == 3
             assert b.peer_id.to_bytes() not in ta._forward_via
-            for t in (tf, ta, tb):
-                await t.stop()
     run(scenario(), timeout_s=90)
 
 
@@ -100,40 +115,33 @@ def test_a_forwarder_that_lies_about_the_origin_is_blamed_not_the_origin(tmp_pat
 
 
 def test_a_member_behind_nat_forwards_for_no_one_and_the_sender_goes_its_own_way(tmp_path, p2p_cleanup):
-    async def scenario():
-        async with p2p_cleanup.hosts(tmp_path, 3) as (f, a, b):
-            tf, ta, tb = _transports((f, a, b))
-            delivered = []
+    delivered = []
 
-            async def deliver(message):
-                delivered.append(message)
-            tb.on_push("note", deliver, accept_round=lambda r: True)
-            tf.forwarder.enabled = False  # what join sets on a member behind NAT
-            for t in (tf, ta, tb):
-                await t.start()
-            ta.forward_through(b.peer_id, f.peer_id)
+    async def deliver(message):
+        delivered.append(message)
+
+    def configure(tf, ta, tb):
+        tb.on_push("note", deliver, accept_round=lambda r: True)
+        tf.forwarder.enabled = False  # what join sets on a member behind NAT
+
+    async def scenario():
+        async with _a_to_b_through_f(tmp_path, p2p_cleanup, configure) as ((f, a, b), (tf, ta, tb)):
             await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 1, {"w": np.zeros(4, np.float32)}))
             # F offered no forwarding, so A sent on its own connection to B, and asks F again later
             assert [m.sender for m in delivered] == [a.peer_id]
             assert ta.counters.paths.direct_by_peer.get(b.peer_id.to_base58()) and not tb.counters.paths.forwarded
             assert tf.counters.forwarded_streams == 0 and f.peer_id.to_bytes() in ta._no_forward
             assert b.peer_id.to_bytes() not in ta._forward_via
-            for t in (tf, ta, tb):
-                await t.stop()
     run(scenario(), timeout_s=60)
 
 
 def test_a_forwarder_refuses_a_peer_outside_the_allowlist(tmp_path, p2p_cleanup):
+    def configure(tf, ta, tb):
+        tf.admit = {tf.p2p.peer_id.to_base58(), ta.p2p.peer_id.to_base58()}.__contains__  # b is not listed
+
     async def scenario():
-        async with p2p_cleanup.hosts(tmp_path, 3) as (f, a, b):
-            tf, ta, tb = _transports((f, a, b))
-            tf.admit = {f.peer_id.to_base58(), a.peer_id.to_base58()}.__contains__  # b is not listed
-            for t in (tf, ta, tb):
-                await t.start()
-            ta.forward_through(b.peer_id, f.peer_id)
+        async with _a_to_b_through_f(tmp_path, p2p_cleanup, configure) as ((f, a, b), (tf, ta, tb)):
             with pytest.raises(RemoteRefused) as refused:
                 await ta.push(b.peer_id, OutgoingMessage.from_arrays("note", 1, {"w": np.zeros(4, np.float32)}))
             assert refused.value.reason == Reason.NOT_ADMITTED and f"peer {b.peer_id}" in refused.value.detail
-            for t in (tf, ta, tb):
-                await t.stop()
     run(scenario(), timeout_s=60)

@@ -155,18 +155,34 @@ def start_peer(net: NatTestbed, where: str, args, peer: str = "", target: str = 
     return process, json.loads(line)
 
 
+def stop_peers(processes: list[subprocess.Popen]) -> None:
+    """Servers leave when their stdin closes (their p2pd and sockets with them); killed, they
+    would leave hivemind's client sockets in /tmp."""
+    for process in processes:
+        process.stdin.close()
+    for process in processes:
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def run(args) -> dict:
     results = {}
     with NatTestbed(publics=max(3, args.publics), homes=2, rate=args.rate) as net:
-        _, relay = start_peer(net, "pub0", args)
-        bootstrap = relay["addrs"][0]
+        serving = [start_peer(net, "pub0", args)]
+        bootstrap = serving[0][1]["addrs"][0]
         # the homes bootstrap from every public peer: DCUtR punches only from an address that four
         # of them observed (with --publics 4 or more; p2p/reachability.py)
-        observers = [bootstrap] + [start_peer(net, f"pub{i}", args, peer=bootstrap)[1]["addrs"][0]
-                                   for i in range(3, args.publics)]
+        serving += [start_peer(net, f"pub{i}", args, peer=bootstrap) for i in range(3, args.publics)]
+        observers = [info["addrs"][0] for _, info in serving]
         peers = {name: ",".join(observers) if name.startswith("home") else bootstrap
                  for name in ("pub1", "pub2", "home0", "home1")}
-        servers = {name: start_peer(net, name, args, peer=peers[name])[1] for name in ("pub2", "home1")}
+        servers = {}
+        for name in ("pub2", "home1"):
+            serving.append(start_peer(net, name, args, peer=peers[name]))
+            servers[name] = serving[-1][1]
         paths = dict(PATHS)
         if args.publics >= 4:
             paths["home-home, punched"] = ("home0", "home1")
@@ -191,6 +207,7 @@ def run(args) -> dict:
             print(f"{path:14} push {medians['push']:6.2f} s  swap {medians['swap']:6.2f} s  "
                   f"relayed streams {measured['streams_relayed']}, forwarded {measured['streams_forwarded']}, "
                   f"direct {measured['streams_direct']}", flush=True)
+        stop_peers([process for process, _ in serving])
     return results
 
 

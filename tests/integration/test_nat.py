@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.nat_swap import start_peer
+from benchmarks.nat_swap import start_peer, stop_peers
 from benchmarks.nat_testbed import NatTestbed, unavailable
 from p2p.errors import HostError
 from p2p.host import P2PHost
@@ -219,14 +219,15 @@ def test_a_relayed_transfer_the_relay_would_cut_is_refused_with_its_reason():
     net = NatTestbed(publics=1, homes=2)
     with net:
         args = SimpleNamespace(size_mb=4, repeats=1)
-        _, relay = start_peer(net, "pub0", args, extra=("--no-forward",))
+        relay_process, relay = start_peer(net, "pub0", args, extra=("--no-forward",))
         limit = ("--relay-limit-mb", "1")
-        _, server = start_peer(net, "home1", args, peer=relay["addrs"][0], extra=limit)
+        server_process, server = start_peer(net, "home1", args, peer=relay["addrs"][0], extra=limit)
         relayed = [a for a in server["addrs"] if "/p2p-circuit/" in a]
         client, _ = start_peer(net, "home0", args, peer=relay["addrs"][0], target=server["peer_id"],
                                extra=(*limit, "--redial", ",".join(relayed)))
         said = json.loads(client.stdout.readline() or "{}")
         assert client.wait(timeout=60) == 0
+        stop_peers([server_process, relay_process])
     assert said["streams_relayed"] > 0, said
     assert said["push"].startswith("TransferFailed: the push of 'bench' with peer"), said
     assert "was not started: 4.0 MB would cross a circuit relay, which may cut a connection after 128 KiB" \

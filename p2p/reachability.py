@@ -10,7 +10,10 @@ accepts them. The verdict sets p2pd's flags (notes/containers-and-nat.md, measur
   (exactly one multiaddr per relay, `-relayDiscovery=0`), and `-relayService=0`: the swarm
   never depends on a home node to relay. DCUtR (hole punching) stays on in p2pd (`-autonat`)
   and punches a TCP hole between two homes once four public peers have seen each home's
-  address (go-libp2p makes an observed address its own after four observers);
+  address (go-libp2p makes an observed address its own after four observers). They see one
+  address because p2pd dials out from its listening port (SO_REUSEPORT, libp2p's default: with
+  it off no address ever became the home's and no hole was punched, measured); the transport
+  gives DCUtR another relayed connection to punch on (p2p/streams.py `_punch_again`);
 - local: every listen address is loopback; nobody off this machine can dial it anyway, and
   p2pd keeps hivemind's defaults (the loopback tests and the local swarm).
 
@@ -92,13 +95,6 @@ class _P2PWithFlags(P2P):
 
     def _make_process_args(self, *args: Any, **kwargs: Any) -> list[str]:
         return P2P._make_process_args(*args, **{**kwargs, **_extra_flags.get()})
-
-
-# Behind NAT, p2pd dials out from its listening port (SO_REUSEPORT, libp2p's default), so that
-# every public peer observes one address for the home, and four observations make it the home's
-# public address: DCUtR punches holes only from such an address (measured: with reuse off no
-# address ever became public, and no hole was punched; `Transport` retries the punch, see
-# p2p/streams.py `_punch_again`).
 
 
 async def create_p2p(extra_flags: dict[str, Any] | None = None, **create_options: Any) -> P2P:

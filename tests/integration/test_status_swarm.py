@@ -205,9 +205,12 @@ def test_foreground_view_in_tmux_shows_every_field_live(swarm):
     print("fields seen in capture-pane:\n" + "\n".join(f"  {k}: {v}" for k, v in seen.items()))
     lines = screen.splitlines()
     assert len(lines) <= HIGH and max(map(len, lines)) <= WIDE
-    # the values are the daemon's: the view's round is one the node has reached
+    # the values are the daemon's: the view's round is one the node has reached. The view counts
+    # the next round once a round's last step is done, while that round's end (outer step,
+    # swap) is still running and not yet logged: a suite run saw round 5 at step 100 (H = 20)
+    # with round 3 the last logged
     rounds = [e["round"] for e in second.events("round")]
-    assert int(seen["round"]) <= rounds[-1] + 1
+    assert int(seen["round"]) <= rounds[-1] + 2
     # NoLoCo swaps θ in int8 (the default): 1.0625 bytes a parameter, 3.76x fewer than fp32
     assert 3.6 <= float(seen["compression ratio"][:-1]) <= 3.8, seen["compression ratio"]
     if os.environ.get(CAPTURE_ENV):

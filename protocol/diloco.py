@@ -46,12 +46,6 @@ class DiLoCoHyperParameters:
             raise ConfigurationError("nesterov=True needs momentum > 0 (torch's rule).")
 
 
-def pseudo_gradient(slow_weights: Mapping[str, torch.Tensor],
-                    fast_weights: Mapping[str, torch.Tensor]) -> NamedTensors:
-    """Δ = φ − θ, DiLoCo's and DiLoCoX's sign (a gradient-like direction: φ moves against it)."""
-    return difference(slow_weights, fast_weights)
-
-
 class DiLoCo:
     """One node's DiLoCo outer state: φ and the SGD momentum m.
 
@@ -89,8 +83,9 @@ class DiLoCo:
         return difference(self._slow_weights, tensors)
 
     def pseudo_gradient(self, fast_weights: Mapping[str, torch.Tensor]) -> NamedTensors:
-        """Δ = φ − θ for this node's fast weights θ at the end of a round."""
-        return pseudo_gradient(self._slow_weights, fast_weights)
+        """Δ = φ − θ for this node's fast weights θ at the end of a round (DiLoCo's and
+        DiLoCoX's sign: a gradient-like direction, φ moves against it)."""
+        return self.slow_weights_minus(fast_weights)
 
     def outer_step(self, pseudo_gradients: Sequence[Mapping[str, torch.Tensor]]) -> NamedTensors:
         """Average every node's Δ (in the order given) and apply it; returns the new φ."""

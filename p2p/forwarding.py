@@ -119,7 +119,8 @@ class Forwarder:
     """The forwarding member's side: one per Transport, serving FORWARD_PROTOCOL.
 
     `transport` gives the p2p daemon, the limits, the admission rule, the bans and the counters
-    (forwarded_streams, forwarded_bytes); `enabled` is False on a member behind NAT."""
+    (forwarded_streams, forwarded_bytes); `enabled` is False on a member behind NAT, whose
+    transport then does not serve FORWARD_PROTOCOL at all (a forwarding stream fails to open)."""
 
     def __init__(self, transport):
         self.transport = transport
@@ -132,9 +133,6 @@ class Forwarder:
         origin_bytes = origin.to_bytes()
         opened = False
         try:
-            if not self.enabled:
-                raise Refusal(Reason.UNSUPPORTED, "this member is behind NAT and forwards for no one; "
-                                                  "reach the peer through a public member")
             self._check_member(origin, "you")
             target = await read_preamble(reader, t.limits.idle_timeout_s)
             if target == t.p2p.peer_id or target == origin:

@@ -65,11 +65,11 @@ def summary(events: list[dict], tokens_per_step: int, inner_steps: int) -> dict:
             "outer_max_steps": max(outer) / median_step, "busy_fraction": busy,
             "between_steps_max_s": max(gaps), "between_steps_total_s": sum(gaps),
             # the worker's own account of it; NoLoCo's corrections: held, of which waiting on
-            # the loop and decoding
+            # the loop, decoding, checking and φ's digest (the rest: the correction itself)
             "between_steps_s": [r.get("between_steps_seconds") for r in rounds],
             "network_wait_s": [r.get("network_wait_seconds") for r in rounds],
-            "pair_corrections": [(e.get("seconds"), e.get("wait_seconds"),
-                                  e.get("decode_seconds"))
+            "pair_corrections": [{k: e.get(k) for k in ("seconds", "wait_seconds", "decode_seconds",
+                                                        "check_seconds", "digest_seconds")}
                                  for e in events if e["event"] == "pair_correction"],
             "exchanged_rounds": sum(bool(r.get("partner") or len(r.get("group") or []) > 1)
                                     for r in rounds)}

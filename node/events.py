@@ -132,7 +132,9 @@ class PairCorrected(Event, kind="pair_correction"):
     shift: float        # the norm of what the correction added to θ
     seconds: float = 0.0       # how long it held the training thread, in all
     wait_seconds: float = 0.0  # of which waiting on the event loop for the snapshot
-    decode_seconds: float = 0.0  # and decoding it from the wire onto the training device
+    decode_seconds: float = 0.0  # decoding it from the wire onto the training device
+    check_seconds: float = 0.0   # the contribution checks (node/rounds/contributions.py)
+    digest_seconds: float = 0.0  # φ's new digest (protocol/tensors.py weights_digest)
 
 
 @dataclass(frozen=True)

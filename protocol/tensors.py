@@ -118,11 +118,65 @@ def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     Nodes publish it every round to detect diverged φ (PROTOCOLS.md §3 "Consistency"); equal
     digests mean bitwise equal weights. It is taken in the training thread at each round's end:
     BLAKE3 on all cores hashes a `small` model's 536 MB in a fraction of the time BLAKE2b took
-    on one, and the bytes are hashed where they lie, not copied first.
+    on one, and host bytes are hashed where they lie, not copied first. Bytes on a GPU cross
+    through pinned buffers in turn (`HostStaging`), while the previous piece is hashed.
     """
     digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
+    staging = HostStaging()
     for name in sorted(tensors):
-        tensor = tensors[name].detach().to(device="cpu", dtype=torch.float32).contiguous()
-        digest.update(name.encode("utf-8") + b"\0" + repr(tuple(tensor.shape)).encode("ascii"))
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+        tensor = tensors[name].detach().to(dtype=torch.float32).contiguous()  # on its device
+        staging.put(name.encode("utf-8") + b"\0" + repr(tuple(tensor.shape)).encode("ascii"), digest)
+        flat = tensor.reshape(-1).view(torch.uint8)
+        if flat.device.type == "cpu":
+            staging.put(flat.numpy(), digest)
+        else:
+            for start in range(0, flat.numel(), staging.piece_bytes):
+                staging.put(flat[start:start + staging.piece_bytes], digest)
+    staging.drain(digest)
     return digest.hexdigest(length=16)
+
+
+class HostStaging:
+    """Bytes fed in order to a hash, device pieces through two host buffers in turn.
+
+    `put` takes host bytes (hashed in their turn) or a flat uint8 tensor of at most
+    `piece_bytes` (copied into the next buffer: pinned and asynchronous from a CUDA device, so
+    the copy engine fills one buffer while the other is hashed). Before a buffer is reused, what
+    was queued up to its last use is hashed: the hash sees every byte in the order given.
+    """
+
+    piece_bytes = 32 << 20
+
+    def __init__(self, piece_bytes: int | None = None):
+        self.piece_bytes = piece_bytes or self.piece_bytes
+        self.buffers: list[torch.Tensor] = []
+        self.queue: list[tuple[object, object]] = []  # (bytes or host tensor, copy done event)
+        self.turn = 0
+
+    def put(self, piece, digest) -> None:
+        if not isinstance(piece, torch.Tensor):
+            self.queue.append((piece, None))
+            return
+        while sum(isinstance(item, torch.Tensor) for item, _ in self.queue) > 1:
+            self._hash_first(digest)  # the buffer this piece goes into is hashed and free
+        cuda = piece.device.type == "cuda"
+        if len(self.buffers) < 2:
+            self.buffers.append(torch.empty(self.piece_bytes, dtype=torch.uint8, pin_memory=cuda))
+        host = self.buffers[self.turn % 2][:piece.numel()]
+        self.turn += 1
+        host.copy_(piece, non_blocking=cuda)
+        done = None
+        if cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(piece.device))
+        self.queue.append((host, done))
+
+    def drain(self, digest) -> None:
+        while self.queue:
+            self._hash_first(digest)
+
+    def _hash_first(self, digest) -> None:
+        item, done = self.queue.pop(0)
+        if done is not None:
+            done.synchronize()
+        digest.update(item.numpy() if isinstance(item, torch.Tensor) else item)

@@ -65,28 +65,34 @@ def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "") -
 
 def _to_wire_quantized(tensors: Mapping[str, torch.Tensor], bits: int,
                        prefix: str) -> list[OutgoingTensor]:
-    """One uint8 tensor a tensor: the blockwise payload. A tensor holding NaN or ±inf (a node
-    whose training diverged) sends NaN scales and zero codes, of the same length: its receiver
-    refuses it, as it refuses a NaN sent in bf16, and this node's round goes on."""
+    """One uint8 tensor a tensor: the blockwise payload, encoded where the tensors lie and
+    copied into one host buffer that the message's tensors view (the host holds the message's
+    bytes once; the GPU is waited on once for all the finiteness checks). A tensor holding NaN
+    or ±inf (a node whose training diverged) sends NaN scales and zero codes, of the same
+    length: its receiver refuses it, as it refuses a NaN sent in bf16, and this round goes on."""
     codec = BlockwiseCodec(bits, QUANT_BLOCK)
-    out = []
-    for name, tensor in tensors.items():
-        values = tensor.detach().to(torch.float32)
-        try:  # the codec checks finiteness (one pass over the values, not two)
-            data = codec.encode(values, name).payload
-        except CodecError:
-            if bool(torch.isfinite(values).all()):
-                raise
-            count = values.numel()
-            scales = np.full(-(-count // QUANT_BLOCK), np.nan, dtype=np.float32).tobytes()
-            data = scales + pack_codes(torch.zeros(count, dtype=torch.int8), bits)
-        out.append(OutgoingTensor(prefix + name, "uint8", (len(data),),
-                                  np.frombuffer(data, dtype=np.uint8)))
+    values = {name: t.detach().to(torch.float32).contiguous() for name, t in tensors.items()}
+    finite = torch.stack([torch.isfinite(v).all() for v in values.values()]).tolist() if values else []
+    sizes = [4 * -(-v.numel() // QUANT_BLOCK) + packed_length(v.numel(), bits) for v in values.values()]
+    host = torch.empty(sum(sizes), dtype=torch.uint8)
+    out, offset = [], 0
+    for (name, v), ok, size in zip(values.items(), finite, sizes):
+        part = host[offset:offset + size]
+        if ok:
+            part.copy_(codec.payload_tensor(v))
+        else:
+            scales = np.full(-(-v.numel() // QUANT_BLOCK), np.nan, dtype=np.float32).tobytes()
+            data = scales + pack_codes(torch.zeros(v.numel(), dtype=torch.int8), bits)
+            part.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        out.append(OutgoingTensor(prefix + name, "uint8", (size,), part.numpy()))
+        offset += size
     return out
 
 
-def from_wire(received, prefix: str = "", share: bool = False) -> dict[str, torch.Tensor]:
-    """The tensors of a ReceivedMessage whose names start with `prefix`, as fp32 copies.
+def from_wire(received, prefix: str = "", share: bool = False,
+              device: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a ReceivedMessage whose names start with `prefix`, as fp32 copies (on
+    `device` if given: the wire's bytes cross and are widened there).
 
     `share`: fp32 tensors are views of the message's own (writable) buffer instead of copies, so
     that a model-sized message is held once, not twice (a `medium` late-join state: 10.8 GB);
@@ -101,13 +107,16 @@ def from_wire(received, prefix: str = "", share: bool = False) -> dict[str, torc
             raise ValueError(f"tensor {full_name} arrived as {entry.dtype}, not a float dtype")
         source = view if share and not view.readonly else bytearray(view)
         raw = torch.frombuffer(source, dtype=TORCH_OF_WIRE[entry.dtype])
-        result[full_name[len(prefix):]] = raw.view(entry.shape).to(torch.float32)
+        raw = raw.view(entry.shape) if device is None else raw.view(entry.shape).to(device)
+        result[full_name[len(prefix):]] = raw.to(torch.float32)
     return result
 
 
 def from_wire_quantized(received, dtype: str, shapes: Mapping[str, tuple[int, ...]],
-                        prefixes: Iterable[str]) -> dict[str, dict[str, torch.Tensor]]:
-    """{prefix: {name: fp32 tensor}}: every prefix + name of `shapes`, quantized in `dtype`.
+                        prefixes: Iterable[str], device: torch.device | None = None
+                        ) -> dict[str, dict[str, torch.Tensor]]:
+    """{prefix: {name: fp32 tensor}}: every prefix + name of `shapes`, quantized in `dtype`,
+    decoded on `device` (default the host).
 
     The message must hold exactly those tensors, each uint8 of exactly `tensor_wire_bytes`;
     all of that is checked before anything is decoded, so nothing beyond those sizes is
@@ -136,7 +145,7 @@ def from_wire_quantized(received, dtype: str, shapes: Mapping[str, tuple[int, ..
                            "block": QUANT_BLOCK}
             try:
                 result[prefix][name] = codec.decode(description, views[prefix + name][1],
-                                                    max(1, math.prod(shape)))
+                                                    max(1, math.prod(shape)), device)
             except CodecError as exc:
                 raise ValueError(f"tensor {prefix}{name}: {str(exc).rstrip('.')}") from None
     return result

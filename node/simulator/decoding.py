@@ -34,12 +34,13 @@ class SharedDecoding(Codec):
     def encode(self, tensor: torch.Tensor, name: str = "") -> Encoded:
         return self.inner.encode(tensor, name)
 
-    def decode(self, description: Any, payload: Any, max_elements: int = 1 << 28) -> torch.Tensor:
+    def decode(self, description: Any, payload: Any, max_elements: int = 1 << 28,
+               device: torch.device | None = None) -> torch.Tensor:
         key = (bytes(payload), repr(description), max_elements)
         decoded = self.cache.get(key)
         if decoded is None:
             decoded = self.cache.put(key, self.inner.decode(description, payload, max_elements))
-        return decoded.clone()
+        return decoded.clone() if device is None else decoded.to(device, copy=True)
 
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:  # encode() is delegated whole
         return self.inner.encode(values, name)

@@ -134,11 +134,13 @@ def payload_view(payload: Any, expected_length: int, codec: str) -> memoryview:
     return view
 
 
-def tensor_from_bytes(view: memoryview, dtype: torch.dtype) -> torch.Tensor:
-    """A fresh 1-D tensor of `dtype` holding a copy of `view` (length already validated)."""
+def tensor_from_bytes(view: memoryview, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+    """A fresh 1-D tensor of `dtype` holding a copy of `view` (length already validated), on
+    `device` (default the host)."""
     if view.nbytes == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(view), dtype=dtype)
+        return torch.empty(0, dtype=dtype, device=device)
+    tensor = torch.frombuffer(bytearray(view), dtype=dtype)
+    return tensor if device is None else tensor.to(device)
 
 
 def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
@@ -178,11 +180,13 @@ class Codec(ABC):
             raise CodecError(f"tensor {name!r} holds NaN or infinite values and cannot be encoded.")
         return self._encode(values, name)
 
-    def decode(self, description: Any, payload: Any,
-               max_elements: int = DEFAULT_MAX_ELEMENTS) -> torch.Tensor:
-        """The fp32 tensor of an encoded pair; CodecError for anything malformed."""
+    def decode(self, description: Any, payload: Any, max_elements: int = DEFAULT_MAX_ELEMENTS,
+               device: torch.device | None = None) -> torch.Tensor:
+        """The fp32 tensor of an encoded pair, on `device` (default the host); CodecError for
+        anything malformed."""
         max_elements = check_max_elements(max_elements)
-        tensor = self._decode(description, payload, max_elements)
+        tensor = self._decode(description, payload, max_elements) if device is None else \
+            self._decode_on(description, payload, max_elements, torch.device(device))
         if not bool(torch.isfinite(tensor).all()):
             raise CodecError(f"{self.name} payload decodes to NaN or infinite values.")
         return tensor
@@ -195,6 +199,11 @@ class Codec(ABC):
     @abstractmethod
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:
         """Validate everything, then decode; allocate nothing before validation."""
+
+    def _decode_on(self, description: Any, payload: Any, max_elements: int,
+                   device: torch.device) -> torch.Tensor:
+        """`_decode` onto `device`: on the host, then moved, unless a codec does better."""
+        return self._decode(description, payload, max_elements).to(device)
 
     def params(self) -> dict[str, Any]:
         """The keyword arguments that rebuild this codec with `get_codec(name, **params)`."""

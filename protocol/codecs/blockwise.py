@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from protocol.codecs.base import Codec, DescriptionReader, Encoded, integer_parameter, payload_view, \
@@ -51,19 +52,26 @@ def packed_length(count: int, bits: int) -> int:
 
 def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
     """Flat int8 codes to wire bytes (see the module docstring for the layout)."""
+    return tensor_to_bytes(packed_codes(codes, bits))
+
+
+def packed_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`pack_codes`'s bytes as a uint8 tensor, where the codes lie."""
     flat = codes.reshape(-1)
     if bits == 8:
-        return tensor_to_bytes(flat)
+        return flat.view(torch.uint8)
     offset = (flat.to(torch.int16) + 8).to(torch.uint8)
     if offset.numel() % 2:
         offset = torch.cat([offset, torch.tensor([8], dtype=torch.uint8, device=offset.device)])
     pairs = offset.reshape(-1, 2)
-    return tensor_to_bytes(pairs[:, 0] | (pairs[:, 1] << 4))
+    return pairs[:, 0] | (pairs[:, 1] << 4)
 
 
-def unpack_codes(view: memoryview, count: int, bits: int, codec: str) -> torch.Tensor:
-    """Wire bytes (length already validated) to `count` flat int8 codes; refuses unused codes."""
-    raw = tensor_from_bytes(view, torch.uint8)
+def unpack_codes(view: memoryview, count: int, bits: int, codec: str,
+                 device: torch.device | None = None) -> torch.Tensor:
+    """Wire bytes (length already validated) to `count` flat int8 codes on `device` (default the
+    host); refuses unused codes."""
+    raw = tensor_from_bytes(view, torch.uint8, device)
     if bits == 8:
         codes = raw.view(torch.int8)
         if bool((codes == -128).any()):
@@ -76,11 +84,13 @@ def unpack_codes(view: memoryview, count: int, bits: int, codec: str) -> torch.T
 
 
 def read_scales(view: memoryview, codec: str) -> torch.Tensor:
-    """fp32 scales from the wire; each must be finite and >= 0."""
-    scales = tensor_from_bytes(view, torch.float32)
-    if not bool((torch.isfinite(scales) & (scales >= 0)).all()):
+    """fp32 scales from the wire, on the host; each must be finite and >= 0. Checked in numpy,
+    on one core: torch's small host operations wait on all of them, which a GPU node's other
+    threads keep busy."""
+    scales = np.frombuffer(view, dtype=np.float32).copy()
+    if not (np.isfinite(scales) & (scales >= 0)).all():
         raise CodecError(f"{codec} payload holds a negative or non-finite scale.")
-    return scales
+    return torch.from_numpy(scales)
 
 
 # ------------------------------------------------------------------ the codec
@@ -101,17 +111,30 @@ class BlockwiseCodec(Codec):
         return {"bits": self.bits, "block_size": self.block_size}
 
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:
+        description = {"codec": self.name, "shape": list(values.shape), "bits": self.bits,
+                       "block": self.block_size}
+        return Encoded(description, tensor_to_bytes(self.payload_tensor(values)))
+
+    def payload_tensor(self, values: torch.Tensor) -> torch.Tensor:
+        """The payload of finite fp32 `values` as a uint8 tensor where they lie (scales, then
+        codes): a caller on a GPU copies many of them to the host in one buffer."""
         flat = values.reshape(-1)
         count, block = flat.numel(), self.block_size
         blocks = -(-count // block)
         padded = torch.nn.functional.pad(flat, (0, blocks * block - count))
         scales, codes = quantize_groups(padded.reshape(blocks, block), self.bits)
-        payload = tensor_to_bytes(scales) + pack_codes(codes.reshape(-1)[:count], self.bits)
-        description = {"codec": self.name, "shape": list(values.shape), "bits": self.bits,
-                       "block": block}
-        return Encoded(description, payload)
+        return torch.cat([scales.contiguous().view(torch.uint8),
+                          packed_codes(codes.reshape(-1)[:count], self.bits)])
 
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:
+        return self._decode_on(description, payload, max_elements, None)
+
+    def _decode_on(self, description: Any, payload: Any, max_elements: int,
+                   device: torch.device | None) -> torch.Tensor:
+        # The codes cross to `device` as they came (a byte each) and are checked and scaled
+        # there: on a GPU node that is milliseconds, where the host's cores are busy feeding it
+        # (two daemons on one H100 took 5 s a snapshot decoding it on the host). The scales,
+        # one in 64 elements, are read and divided on the host, in numpy (read_scales).
         reader = DescriptionReader(description, self.decodes, _KEYS)
         shape = reader.shape(max_elements)
         bits = reader.choice("bits", SUPPORTED_BITS)
@@ -121,11 +144,13 @@ class BlockwiseCodec(Codec):
             count *= dim
         blocks = -(-count // block)
         view = payload_view(payload, 4 * blocks + packed_length(count, bits), self.name)
-        scales = read_scales(view[:4 * blocks], self.name)
-        codes = unpack_codes(view[4 * blocks:], count, bits, self.name)
+        # s / L on the host: a GPU divides by a scalar through its reciprocal, and a decoded
+        # value must not depend on where it was decoded (x̂ = q · step is one rounding anywhere)
+        scales = read_scales(view[:4 * blocks], self.name).numpy()
+        step = torch.from_numpy(scales / np.float32(_LEVELS[bits])).to(device or "cpu")
+        codes = unpack_codes(view[4 * blocks:], count, bits, self.name, device)
         # Full blocks as rows, then the short last one: nothing larger than `count` elements is
         # allocated, and no per-element index (8 bytes an element) either.
-        step = scales / _LEVELS[bits]
         values = codes.to(torch.float32)
         full = count // block
         values[:full * block].view(full, block).mul_(step[:full, None])

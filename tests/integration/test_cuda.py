@@ -124,3 +124,28 @@ def test_a_lone_daemon_killed_on_cuda_resumes_with_the_losses_of_an_uninterrupte
     gap = max(abs(expected[s] - got[s]) for s in expected)
     print(f"\nCUDA daemon resume: largest loss difference against the uninterrupted run {gap:.3g}")
     assert gap == 0, [(s, expected[s], got[s]) for s in expected if expected[s] != got[s]][:5]
+
+
+@pytest.mark.parametrize("wire_dtype", ["int8", "int4", "bf16"])
+def test_a_snapshot_decoded_on_the_gpu_equals_the_hosts_and_so_does_the_digest(wire_dtype):
+    """A partner's snapshot is decoded where φ lies (node/rounds/noloco/round.py), and φ's digest
+    stages GPU bytes through pinned buffers (protocol/tensors.py): both must give, bitwise, what
+    the host gives, or a GPU node would apply other numbers or publish another digest."""
+    from node.rounds.noloco.payload import decode_snapshot, encode_snapshot
+    from node.simulator.exchange import InMemoryMessage
+    from protocol.noloco import NoLoCoSnapshot
+    from protocol.tensors import HostStaging, weights_digest
+
+    generator = torch.Generator().manual_seed(1)
+    shapes = {"w": (3000, 77), "b": (77,), "odd": (5, 13)}  # 77 and 65: blocks cut short
+    theta = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+    phi = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    sent = encode_snapshot(NoLoCoSnapshot(phi, theta), wire_dtype, "theta")
+    host = decode_snapshot(InMemoryMessage(0, sent), "theta", "peer", wire_dtype, shapes)["theta"]
+    gpu = decode_snapshot(InMemoryMessage(0, sent), "theta", "peer", wire_dtype, shapes,
+                          torch.device("cuda"))["theta"]
+    for name in shapes:
+        assert gpu[name].device.type == "cuda"
+        assert torch.equal(gpu[name].cpu(), host[name]), name
+    big = {"embed": torch.randn(3 * HostStaging.piece_bytes // 4 + 5, generator=generator), **theta}
+    assert weights_digest({k: v.cuda() for k, v in big.items()}) == weights_digest(big)

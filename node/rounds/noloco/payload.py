@@ -57,9 +57,10 @@ def encode_snapshot(snapshot: NoLoCoSnapshot, wire_dtype: str, layout: str) -> l
 
 
 def decode_snapshot(message: Any, layout: str, sender: str, wire_dtype: str = "bf16",
-                    shapes: Mapping[str, tuple[int, ...]] | None = None
-                    ) -> dict[str, dict[str, torch.Tensor]]:
-    """{group: {name: fp32 tensor}} for the groups of `layout`; ContributionRefused("layout")
+                    shapes: Mapping[str, tuple[int, ...]] | None = None,
+                    device: torch.device | None = None) -> dict[str, dict[str, torch.Tensor]]:
+    """{group: {name: fp32 tensor}} for the groups of `layout`, decoded on `device` (default
+    the host: the wire's bytes cross, then are widened there); ContributionRefused("layout")
     when the message holds tensors of any other group. A quantized `wire_dtype` needs
     `shapes`, the receiver's own parameter shapes: ContributionRefused("malformed") when the
     message does not hold exactly those tensors, validly encoded."""
@@ -70,9 +71,9 @@ def decode_snapshot(message: Any, layout: str, sender: str, wire_dtype: str = "b
             "layout", f"NoLoCo snapshot from {sender} carries the groups {found}, but "
             f"protocol.snapshot = {layout!r} sends {list(expected)}; dropped")
     if wire_dtype not in QUANTIZED_BITS:
-        return {group: from_wire(message, group + "/") for group in expected}
+        return {group: from_wire(message, group + "/", device=device) for group in expected}
     try:
-        decoded = from_wire_quantized(message, wire_dtype, shapes, [g + "/" for g in expected])
+        decoded = from_wire_quantized(message, wire_dtype, shapes, [g + "/" for g in expected], device)
     except ValueError as exc:
         raise ContributionRefused(
             "malformed", f"NoLoCo snapshot from {sender} is malformed: {exc}; dropped") from None

@@ -135,8 +135,9 @@ class NoLoCoRound:
         # a pair of that round may still land
         self.offered: dict[int, NoLoCoSnapshot] = {}
         self._applied: list[_Pair] = []  # overlap: partner snapshots applied in this round
-        self._take_wait = 0.0  # seconds in link.take_partner since between_steps began
-        self._decode_time = 0.0  # seconds decoding partner snapshots, likewise
+        # seconds of a mid-round correction, by part (PairCorrected): waiting on the event loop
+        # (link.take_partner), decoding, the contribution checks, φ's digest
+        self._held = dict.fromkeys(("wait", "decode", "check", "digest"), 0.0)
         self.noise_check = NoiseCheck(contributions.noise_ratio)
 
     def between_steps(self, round_index: int) -> PairCorrected | None:
@@ -147,7 +148,7 @@ class NoLoCoRound:
         if self.config.timing != "overlap" or not self.link.partner_landed():
             return None
         before, started = self.phi_digest, time.monotonic()
-        self._take_wait = self._decode_time = 0.0
+        self._held = dict.fromkeys(self._held, 0.0)
         pairs = self._overlap_corrections(round_index, mid_round=True)
         self._applied += pairs
         used = [pair for pair in pairs if pair.used]
@@ -155,8 +156,8 @@ class NoLoCoRound:
             return None
         return PairCorrected(round=self.state_round, phi_digest=self.phi_digest,
                              partner=used[-1].partner.peer, phi_before=before, shift=used[-1].shift,
-                             seconds=time.monotonic() - started, wait_seconds=self._take_wait,
-                             decode_seconds=self._decode_time)
+                             seconds=time.monotonic() - started,
+                             **{f"{part}_seconds": t for part, t in self._held.items()})
 
     def end_round(self, round_index: int) -> NoLoCoOutcome:
         next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
@@ -221,7 +222,9 @@ class NoLoCoRound:
                 with self.lock:
                     correction = self.outer.late_pair_correction(own, pair.used)
                     if mid_round:
+                        digesting = time.monotonic()
                         self.phi_digest = weights_digest(self.outer.slow_weights)
+                        self._held["digest"] += time.monotonic() - digesting
                 shift_in_place(self.trainer.named_parameters(), correction)
                 pair.shift = global_norm(correction)
             pairs.append(pair)
@@ -232,7 +235,7 @@ class NoLoCoRound:
         try:
             return self.link.take_partner(round_index)
         finally:
-            self._take_wait += time.monotonic() - asked
+            self._held["wait"] += time.monotonic() - asked
 
     def _checked(self, partner: PartnerSnapshot | None, reference: NoLoCoSnapshot) -> _Pair:
         """The partner's snapshot, used if it passes the contribution checks (else counted)."""
@@ -241,21 +244,24 @@ class NoLoCoRound:
         try:
             shapes = {name: tuple(t.shape) for name, t in reference.slow_weights.items()}
             decoding = time.monotonic()
-            try:
-                groups = self._on_device(payload.decode_snapshot(
-                    partner.message, self.config.snapshot, partner.peer, self.config.wire_dtype,
-                    shapes))
+            try:  # decoded where φ lies: on a GPU node the host's cores stay with training
+                groups = payload.decode_snapshot(partner.message, self.config.snapshot, partner.peer,
+                                                 self.config.wire_dtype, shapes, self.device)
             finally:
-                self._decode_time += time.monotonic() - decoding
+                checking = time.monotonic()
+                self._held["decode"] += checking - decoding
             if self.config.snapshot == "theta":
                 checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
             else:  # the alignment check compares progress only (node/rounds/contributions.py)
                 checks = [("slow weights", groups["phi"], reference.slow_weights, 0.0),
                           ("progress", groups["delta"], reference.local_progress,
                            self.contributions.min_alignment_sigmas)]
-            for what, theirs, mine, sigmas in checks:
-                check_contribution(partner.peer, theirs, mine, global_norm(mine),
-                                   self.contributions.max_norm_ratio, f"NoLoCo {what}", sigmas)
+            try:
+                for what, theirs, mine, sigmas in checks:
+                    check_contribution(partner.peer, theirs, mine, global_norm(mine),
+                                       self.contributions.max_norm_ratio, f"NoLoCo {what}", sigmas)
+            finally:  # a norm is read on the host: the device's queue is drained by here
+                self._held["check"] += time.monotonic() - checking
             if self.config.snapshot == "theta":
                 snapshot = theta_only_snapshot(groups["theta"], self.outer.hyper)
             else:
@@ -268,11 +274,6 @@ class NoLoCoRound:
             reason = getattr(exc, "reason", "malformed")
             self.link.refused(partner.peer, reason, str(exc))
             return _Pair(partner, [], [str(exc)])
-
-    def _on_device(self, groups: dict) -> dict:
-        """Tensors decoded from the wire (host memory) moved beside φ."""
-        return {group: {name: t.to(self.device) for name, t in tensors.items()}
-                for group, tensors in groups.items()}
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.

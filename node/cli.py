@@ -213,10 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
                       "(repeatable; default: the bootstrap peers)")
     join.add_argument("--p2pd-timeout", type=float, default=15.0, metavar="S",
                       help="seconds p2pd may take to start (default 15)")
-    join.add_argument("--round-end", choices=("inline", "beside"), default="inline",
-                      help="DiLoCoX: inline (default) ends each round in the training thread; "
-                      "beside runs it (message, outer step) in a thread beside training, which "
-                      "keeps a GPU training while the host does the round's arithmetic")
+    join.add_argument("--round-end", choices=("auto", "inline", "beside"), default="auto",
+                      help="DiLoCoX: inline ends each round in the training thread; beside runs "
+                      "it (message, outer step) in a thread beside training, which keeps a GPU "
+                      "training while the host does the round's arithmetic (on one H100: 1.5 "
+                      "steps held instead of 52) but on a CPU takes its cores; auto (default): "
+                      "beside on CUDA, inline elsewhere")
     from node.ops.cli import add_join_ops_arguments
     add_join_ops_arguments(join)
     join.set_defaults(func=cmd_join)

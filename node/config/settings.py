@@ -56,5 +56,6 @@ class NodeSettings:
     ops: dict = field(default_factory=dict)  # node.ops.NodeOps options: mqtt, preemption, display
     min_peers: int = 0            # a fresh swarm: wait for this many other members before round 0
     min_peers_timeout_s: float = 120.0
-    round_end: str = "inline"     # DiLoCoX: "beside", the round's end in a thread beside training
+    round_end: str = "auto"       # DiLoCoX: "beside", the round's end in a thread beside training;
+                                  # "auto": beside on CUDA (node/daemon/run.py)
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)

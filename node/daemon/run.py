@@ -43,6 +43,15 @@ def serve_state(node: Daemon, policy: RoundPolicy) -> None:
                          accept_round=lambda _r: True)
 
 
+def round_end_beside(choice: str, protocol: str, device_type: str) -> bool:
+    """`join --round-end`: DiLoCoX's round end in a thread beside training where the host's cores
+    are free while the accelerator trains ("auto": on CUDA); on a CPU that thread would take the
+    cores training needs (benchmarks/RESULTS.md, "The CUDA path on one H100")."""
+    if choice == "auto":
+        return protocol == "dilocox" and device_type == "cuda"
+    return choice == "beside"
+
+
 async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus_digest: str) -> int:
     """Runs the training thread to the schedule's end or a stop; the exit code."""
     m, settings, timeouts = node.manifest, node.settings, node.settings.timeouts
@@ -55,7 +64,7 @@ async def train(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy, corpus
         publish=lambda event: node.bridge.post(node.events.publish, event),
         save_checkpoint=lambda: node.checkpoint(trainer, policy, corpus_digest),
         peers_alive=lambda: len(network.cache.peers()),
-        round_end_beside=settings.round_end == "beside")
+        round_end_beside=round_end_beside(settings.round_end, m.protocol.name, trainer.device.type))
     worker.start()
     finished = asyncio.ensure_future(node.loop.run_in_executor(None, worker.finished.wait))
     stopping = asyncio.ensure_future(node.stop_event.wait())

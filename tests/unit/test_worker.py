@@ -176,3 +176,11 @@ def test_a_catch_up_in_a_round_end_beside_moves_the_rounds_that_follow(corpus):
     ends = [c[1] for c in policy.calls if c[0] == "beside"]
     assert ends == [0, 5, 6], ends
     assert [e.round for e in events if isinstance(e, RoundEnded)] == [0, 5, 6]
+
+
+def test_round_end_auto_runs_beside_only_for_dilocox_training_on_cuda():
+    from node.daemon.run import round_end_beside
+    assert round_end_beside("auto", "dilocox", "cuda")
+    assert not round_end_beside("auto", "dilocox", "cpu")
+    assert not round_end_beside("auto", "noloco", "cuda")
+    assert round_end_beside("beside", "dilocox", "cpu") and not round_end_beside("inline", "dilocox", "cuda")

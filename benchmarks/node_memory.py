@@ -107,7 +107,7 @@ def as_received(kind: str, tensors: list):
     return ReceivedMessage(None, None, sent.manifest(), memoryview(buffer)), sent.total_bytes
 
 
-def measure(model: str, device_name: str, batch: int, seq_len: int) -> dict:
+def measure(model: str, device_name: str, batch: int, seq_len: int, recompute: bool) -> dict:
     """One model's parts, in this process, on `device_name` (θ, AdamW and NoLoCo's φ and δ on
     it, as the daemon keeps them; DiLoCoX's outer state on the host)."""
     import torch
@@ -129,7 +129,7 @@ def measure(model: str, device_name: str, batch: int, seq_len: int) -> dict:
     m = load_manifest(ROOT / "configs/swarms/local.toml",
                       {"model": {"preset": model, "vocab_size": vocab},
                        "train": {"micro_batch_size": batch, "tokens_per_step": batch * seq_len,
-                                 "device": device_name},
+                                 "device": device_name, "activation_checkpointing": recompute},
                        "data": {"seq_len": seq_len}})
     corpus = load_corpus(m.data)
     meter = Meter(device)
@@ -154,13 +154,14 @@ def measure(model: str, device_name: str, batch: int, seq_len: int) -> dict:
     meter.stop("outer_step")
     meter.start()  # a partner's snapshot (here our own bytes) decoded, checked and applied
     message, snapshot_bytes = as_received("snapshot", offered)
-    groups = decode_snapshot(message, layout, "partner", wire, {k: tuple(v.shape) for k, v in weights.items()})
-    theirs = {group: {name: t.to(device) for name, t in tensors.items()} for group, tensors in groups.items()}
-    partner = theta_only_snapshot(theirs["theta"], noloco.hyper) if layout == "theta" else \
-        NoLoCoSnapshot(theirs["phi"], theirs["delta"])
+    shapes = {k: tuple(v.shape) for k, v in weights.items()}
+    groups = decode_snapshot(message, layout, "partner", wire, shapes, device)
+    partner = theta_only_snapshot(groups["theta"], noloco.hyper) if layout == "theta" else \
+        NoLoCoSnapshot(groups["phi"], groups["delta"])
+    del groups, message  # as the round's check returns only the snapshot
     correction = noloco.late_pair_correction(own, [partner])
     shift_in_place(weights, correction)
-    del message, groups, theirs, partner, correction, offered
+    del partner, correction, offered
     meter.stop("pair_correction")
     meter.start()
     served = encode_state({"phi": noloco.slow_weights, "momentum": noloco.outer_momentum})
@@ -184,6 +185,7 @@ def measure(model: str, device_name: str, batch: int, seq_len: int) -> dict:
     del dilocox
     row = {"model": model, "vocab": vocab, "parameters": params, "measured": True,
            "device": device_name, "batch": batch, "seq_len": seq_len,
+           "activation_checkpointing": recompute,
            "snapshot": f"{layout} in {wire}", "snapshot_bytes": snapshot_bytes,
            "state_bytes": state_bytes, "checkpoint_bytes": checkpoint_bytes, "parts": meter.parts,
            "peak_rss_mb": max(p["peak_rss_mb"] for p in meter.parts.values())}
@@ -238,6 +240,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, or cuda: the GPU's memory too")
     parser.add_argument("--batch", type=int, default=1, help="sequences in the measured inner step")
     parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="train.activation_checkpointing in the measured step")
     parser.add_argument("--json", type=Path, help=f"where the rows go (default {OUT.name}; "
                         "with --device cuda, node_memory_cuda.json)")
     parser.add_argument("--recompute", action="store_true",
@@ -245,7 +249,8 @@ def main() -> None:
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: measure this model
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure(args.one, args.device, args.batch, args.seq_len)))
+        print(json.dumps(measure(args.one, args.device, args.batch, args.seq_len,
+                                 args.activation_checkpointing)))
         return
     out = args.json or (OUT if args.device == "cpu" else OUT.with_name("node_memory_cuda.json"))
     rows = [r for r in json.loads(out.read_text())["rows"] if r["measured"]] if args.recompute else []
@@ -253,7 +258,9 @@ def main() -> None:
         print(f"{model}:", file=sys.stderr, flush=True)
         started = time.time()
         child = subprocess.run([sys.executable, __file__, "--one", model, "--device", args.device,
-                                "--batch", str(args.batch), "--seq-len", str(args.seq_len)], stdout=subprocess.PIPE,
+                                "--batch", str(args.batch), "--seq-len", str(args.seq_len),
+                                *(["--activation-checkpointing"] if args.activation_checkpointing else [])],
+                               stdout=subprocess.PIPE,
                                text=True, check=True, timeout=1800)
         rows.append({**json.loads(child.stdout), "seconds": round(time.time() - started, 1)})
     reference = max(rows, key=lambda r: r["parameters"])

@@ -126,7 +126,11 @@ def theta_only_snapshot(fast_weights: Mapping[str, torch.Tensor],
             f"a partner known only by its fast weights θ needs progress_weight β = consensus_weight "
             f"γ, but β = {beta} and γ = {gamma}: send both φ and Δ (protocol.snapshot = 'phi_delta').")
     slow = fp32_clone(fast_weights, what="partner fast weights θ")
-    return NoLoCoSnapshot(slow_weights=slow, local_progress=zeros_like(slow))
+    # Δ = 0 as a broadcast zero, one element a tensor: read-only, like every snapshot, and on a
+    # `medium` GPU node 5.4 GB that a partner's correction does not allocate
+    zero = {name: torch.zeros((), dtype=torch.float32, device=t.device).expand(t.shape)
+            for name, t in slow.items()}
+    return NoLoCoSnapshot(slow_weights=slow, local_progress=zero)
 
 
 def noloco_update(slow_weights: Mapping[str, torch.Tensor], outer_momentum: Mapping[str, torch.Tensor],
@@ -236,7 +240,7 @@ class NoLoCo:
         for name, c in correction.items():
             self._slow_weights[name] = self._slow_weights[name] + c
             self._outer_momentum[name] = self._outer_momentum[name] + c
-        return fp32_clone(correction, what="correction")
+        return correction  # fresh tensors: φ and δ above are new ones, nothing here aliases c
 
     def state_dict(self) -> dict[str, Any]:
         """φ and δ by name, for checkpoints."""

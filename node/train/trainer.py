@@ -65,6 +65,7 @@ class InnerTrainer:
                              f"{corpus.vocab_size}: set it to 0 to take the data's")
         torch.manual_seed(train_cfg.seed)  # same initial weights on every node of a run
         self.model: Decoder = build_model(model_cfg, vocab, self.device)
+        self.model.activation_checkpointing = train_cfg.activation_checkpointing
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=train_cfg.lr, betas=(train_cfg.beta1, train_cfg.beta2),
             weight_decay=train_cfg.weight_decay, fused=self.device.type == "cuda" or None)

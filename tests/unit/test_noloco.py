@@ -72,6 +72,8 @@ def test_a_partner_known_by_theta_alone_gives_the_test_vector(late: bool) -> Non
         other = snaps[1 - index]
         partner = theta_only_snapshot(other.fast_weights(), node.hyper)
         torch.testing.assert_close(partner.slow_weights["w"], thetas[1 - index], atol=1e-6, rtol=0)
+        zero = partner.local_progress["w"]  # Δ = 0 holds one element, whatever the model's size
+        assert zero.shape == (3,) and not zero.any() and zero.untyped_storage().nbytes() == 4
         if late:
             node.outer_step(snaps[index])
             node.late_pair_correction(snaps[index], [partner])

@@ -85,3 +85,33 @@ def test_start_at_puts_a_late_joiner_on_the_swarms_schedule(corpus):
     expected = cfg.train.lr * lr_factor(12, cfg.train.warmup_steps, cfg.train.steps,
                                          cfg.train.min_lr_ratio)
     assert trainer.step == 13 and result.lr == pytest.approx(expected)
+
+
+def saved_for_backward_bytes(trainer: InnerTrainer) -> int:
+    """Bytes autograd keeps from one micro-batch's forward pass for its backward one (what
+    activation checkpointing trades for recomputation)."""
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    tokens, targets = trainer.stream.next()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        trainer.model.loss(tokens, targets).backward()
+    return sum(saved)
+
+
+def test_activation_checkpointing_keeps_less_and_trains_the_same(corpus):
+    """train.activation_checkpointing: each block's inside is recomputed in the backward pass,
+    so the forward pass keeps a fraction of the bytes, and the steps give the same losses and
+    weights (the same kernels run again on the same inputs)."""
+    deep = ["model.n_layers=4"]
+    plain, recomputing = make(corpus, deep), make(corpus, [*deep, "train.activation_checkpointing=true"])
+    kept_plain, kept_recomputing = saved_for_backward_bytes(plain), saved_for_backward_bytes(recomputing)
+    assert kept_recomputing < kept_plain / 3, (kept_plain, kept_recomputing)
+    plain, recomputing = make(corpus, deep), make(corpus, [*deep, "train.activation_checkpointing=true"])
+    for _ in range(5):
+        assert recomputing.train_step().loss == pytest.approx(plain.train_step().loss, rel=1e-6)
+    for (name, a), b in zip(plain.model.named_parameters(), recomputing.model.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7, msg=name)

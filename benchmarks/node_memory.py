@@ -107,6 +107,25 @@ def as_received(kind: str, tensors: list):
     return ReceivedMessage(None, None, sent.manifest(), memoryview(buffer)), sent.total_bytes
 
 
+def kept_for_backward(trainer) -> int:
+    """Bytes of the distinct storages that one micro-batch's forward pass keeps for its backward
+    one, parameters included (an exact count, where resident memory is blurred by reuse). With
+    activation checkpointing the blocks' insides are not kept (nor counted: each block's input,
+    which the checkpoint keeps, is not seen by these hooks)."""
+    import torch
+    storages = {}
+
+    def pack(tensor):
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens, targets = (t.to(trainer.device) for t in trainer.stream.next())
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), trainer._autocast():
+        loss = trainer.model.loss(tokens, targets)
+    del loss
+    return sum(storages.values())
+
+
 def measure(model: str, device_name: str, batch: int, seq_len: int, recompute: bool) -> dict:
     """One model's parts, in this process, on `device_name` (θ, AdamW and NoLoCo's φ and δ on
     it, as the daemon keeps them; DiLoCoX's outer state on the host)."""
@@ -129,7 +148,7 @@ def measure(model: str, device_name: str, batch: int, seq_len: int, recompute: b
     m = load_manifest(ROOT / "configs/swarms/local.toml",
                       {"model": {"preset": model, "vocab_size": vocab},
                        "train": {"micro_batch_size": batch, "tokens_per_step": batch * seq_len,
-                                 "device": device_name, "activation_checkpointing": recompute},
+                                 "device": device_name} | ({"activation_checkpointing": True} if recompute else {}),
                        "data": {"seq_len": seq_len}})
     corpus = load_corpus(m.data)
     meter = Meter(device)
@@ -140,6 +159,7 @@ def measure(model: str, device_name: str, batch: int, seq_len: int, recompute: b
     meter.start()
     trainer.train_step()
     meter.stop("inner_step")
+    kept = kept_for_backward(trainer)
     weights = {k: v.detach() for k, v in trainer.named_parameters().items()}
     meter.start()
     noloco = NoLoCo(weights, NoLoCoHyperParameters())
@@ -185,7 +205,7 @@ def measure(model: str, device_name: str, batch: int, seq_len: int, recompute: b
     del dilocox
     row = {"model": model, "vocab": vocab, "parameters": params, "measured": True,
            "device": device_name, "batch": batch, "seq_len": seq_len,
-           "activation_checkpointing": recompute,
+           "activation_checkpointing": recompute, "kept_for_backward_mb": round(kept / MB, 1),
            "snapshot": f"{layout} in {wire}", "snapshot_bytes": snapshot_bytes,
            "state_bytes": state_bytes, "checkpoint_bytes": checkpoint_bytes, "parts": meter.parts,
            "peak_rss_mb": max(p["peak_rss_mb"] for p in meter.parts.values())}

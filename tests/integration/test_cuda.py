@@ -1,5 +1,5 @@
 """The CUDA path, as a volunteer with a GPU runs it: resume after SIGKILL, two daemons exchanging,
-the status view's GPU fields. Skipped where torch sees no CUDA device (CI has none); run on a GPU
+the status view's GPU fields, a snapshot decoded and φ digested on the GPU as on the host. Skipped where torch sees no CUDA device (CI has none); run on a GPU
 machine with `python -m pytest -q tests/integration/test_cuda.py`.
 """
 

@@ -8,8 +8,9 @@ DiLoCo and not in a pair is how many replicas' progress each outer step averages
 builds asynchronous group matching: every round a shared random permutation cuts the replicas
 into groups of n (the paper's own scheme), each member applies protocol/noloco.py's outer step
 with its group's snapshots of this round (blocking timing, exact fp32 θ: the group size alone
-changes), on the grid's budget (benchmarks/grid_jobs.py). Bytes: a member sends its θ to the
-n − 1 others, (n − 1) · 1.06 bytes a parameter in int8, against the fp32 ring's 2(N − 1)/N · 4.
+changes; `--wire-dtype int8|int4` passes each θ through the daemon's encoding instead), on the
+grid's budget (benchmarks/grid_jobs.py). Bytes: a member sends its θ to the n − 1 others,
+(n − 1) · 1.06 bytes a parameter in int8 (0.56 in int4), against the fp32 ring's 2(N − 1)/N · 4.
 
     .venv/bin/python benchmarks/noloco_groups.py --workers 8 --inner-steps 25 --group 4 --seed 0
 
@@ -35,15 +36,18 @@ from convergence import node_config, parse_args as convergence_args  # noqa: E40
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator.methods.base import Method  # noqa: E402
 from node.simulator.runner import Simulation  # noqa: E402
-from protocol.noloco import NoLoCo, NoLoCoHyperParameters  # noqa: E402
+from node.rounds.noloco.payload import decode_snapshot, encode_snapshot  # noqa: E402
+from node.simulator.exchange import InMemoryMessage  # noqa: E402
+from protocol.noloco import NoLoCo, NoLoCoHyperParameters, theta_only_snapshot  # noqa: E402
 
 
 class NoLoCoGroups(Method):
     """Blocking NoLoCo where a shared permutation cuts the replicas into groups of `group`."""
 
-    def __init__(self, settings, replicas, exchange, group: int, hyper: NoLoCoHyperParameters) -> None:
+    def __init__(self, settings, replicas, exchange, group: int, hyper: NoLoCoHyperParameters,
+                 wire_dtype: str = "fp32") -> None:
         super().__init__(settings, replicas, exchange)
-        self.group = group
+        self.group, self.hyper, self.wire_dtype = group, hyper, wire_dtype
         self.outer = {r.name: NoLoCo(r.trainer.named_parameters(), hyper) for r in replicas}
         self.permutation = random.Random(settings.seed)
 
@@ -51,14 +55,25 @@ class NoLoCoGroups(Method):
         self.inner_phase()
         snapshots = {r.name: self.outer[r.name].snapshot(r.trainer.named_parameters())
                      for r in self.replicas}
+        received = snapshots if self.wire_dtype == "fp32" else \
+            {name: self._through_the_wire(s, round_index, name) for name, s in snapshots.items()}
         names = sorted(snapshots)
         self.permutation.shuffle(names)
         groups = [names[i:i + self.group] for i in range(0, len(names), self.group)]
         by_name = {r.name: r for r in self.replicas}
         for members in groups:
             for name in members:
-                partners = [snapshots[other] for other in members if other != name]
+                partners = [received[other] for other in members if other != name]
                 by_name[name].load(self.outer[name].outer_step(snapshots[name], partners))
+
+
+    def _through_the_wire(self, snapshot, round_index: int, sender: str):
+        """What a member receives of `sender`'s snapshot: its θ encoded as the daemon encodes it
+        and decoded (node/rounds/noloco/payload.py), applied as the snapshot (θ, 0)."""
+        shapes = {name: tuple(t.shape) for name, t in snapshot.slow_weights.items()}
+        message = InMemoryMessage(round_index, encode_snapshot(snapshot, self.wire_dtype, "theta"))
+        theta = decode_snapshot(message, "theta", sender, self.wire_dtype, shapes)["theta"]
+        return theta_only_snapshot(theta, self.hyper)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--alpha", type=float, default=0.5, help="α, NoLoCo's outer momentum")
     p.add_argument("--beta", type=float, default=0.7, help="β = γ")
+    p.add_argument("--wire-dtype", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
+                   help="θ as the daemon sends it (fp32: exact, the partners' own snapshots)")
     p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
     args = p.parse_args(argv)
     job = Job(args.workers, args.inner_steps, "local", args.seed)  # the grid's budget and evaluation
@@ -76,10 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     simulation = Simulation(job.settings(), config, load_corpus(config.data))
     method = simulation.method
     hyper = NoLoCoHyperParameters(args.alpha, args.beta, args.beta)
-    simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group, hyper)
+    simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group, hyper,
+                                     args.wire_dtype)
     result = simulation.run()
     tuned = "" if (args.alpha, args.beta) == (0.5, 0.7) else f"-a{args.alpha}-g{args.beta}"
-    name = f"noloco-groups{args.group}{tuned}"
+    wire = "" if args.wire_dtype == "fp32" else f"-{args.wire_dtype}"
+    name = f"noloco-groups{args.group}{tuned}{wire}"
     key = f"N{args.workers}-H{args.inner_steps}-{name}-s{args.seed}"
     data = {"job": {**job.__dict__, "method": name}, **result.to_dict()}
     (args.jobs_dir / f"{key}.json").write_text(json.dumps(data) + "\n", encoding="utf-8")

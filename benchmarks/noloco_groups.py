@@ -36,7 +36,10 @@ from convergence import node_config, parse_args as convergence_args  # noqa: E40
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator.methods.base import Method  # noqa: E402
 from node.simulator.runner import Simulation  # noqa: E402
+import torch  # noqa: E402
+
 from node.rounds.noloco.payload import decode_snapshot, encode_snapshot  # noqa: E402
+from protocol.codecs import blockwise  # noqa: E402
 from node.simulator.exchange import InMemoryMessage  # noqa: E402
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, theta_only_snapshot  # noqa: E402
 
@@ -76,6 +79,22 @@ class NoLoCoGroups(Method):
         return theta_only_snapshot(theta, self.hyper)
 
 
+def stochastic_quantize_groups(seed: int):
+    """blockwise.quantize_groups with stochastic rounding: q = ⌊x/s·L + u⌋, u uniform in [0, 1),
+    so E[q] = x/s·L and a weight that barely moves is not pulled to the same grid point every
+    round. The same wire format; only the sender's rounding differs."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def quantize(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+        levels = blockwise._LEVELS[bits]
+        scales = groups.abs().amax(dim=1) if groups.shape[1] else torch.zeros(groups.shape[0])
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        scaled = groups / safe[:, None] * levels
+        noise = torch.rand(scaled.shape, generator=generator).to(scaled.device)
+        return scales, torch.floor(scaled + noise).clamp_(-levels, levels).to(torch.int8)
+    return quantize
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=8)
@@ -86,8 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--beta", type=float, default=0.7, help="β = γ")
     p.add_argument("--wire-dtype", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
                    help="θ as the daemon sends it (fp32: exact, the partners' own snapshots)")
+    p.add_argument("--stochastic-rounding", action="store_true",
+                   help="an experiment: quantize θ with stochastic rounding (the daemon rounds to "
+                   "nearest); replaces protocol/codecs/blockwise.py's quantize_groups for this run")
     p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
     args = p.parse_args(argv)
+    if args.stochastic_rounding:
+        blockwise.quantize_groups = stochastic_quantize_groups(args.seed)
     job = Job(args.workers, args.inner_steps, "local", args.seed)  # the grid's budget and evaluation
     config = node_config(convergence_args([]))
     simulation = Simulation(job.settings(), config, load_corpus(config.data))
@@ -97,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
                                      args.wire_dtype)
     result = simulation.run()
     tuned = "" if (args.alpha, args.beta) == (0.5, 0.7) else f"-a{args.alpha}-g{args.beta}"
-    wire = "" if args.wire_dtype == "fp32" else f"-{args.wire_dtype}"
+    wire = ("" if args.wire_dtype == "fp32" else f"-{args.wire_dtype}") + ("-sr" if args.stochastic_rounding else "")
     name = f"noloco-groups{args.group}{tuned}{wire}"
     key = f"N{args.workers}-H{args.inner_steps}-{name}-s{args.seed}"
     data = {"job": {**job.__dict__, "method": name}, **result.to_dict()}

@@ -154,8 +154,11 @@ class HostStaging:
         self.turn = 0
 
     def put(self, piece, digest) -> None:
-        if not isinstance(piece, torch.Tensor):
-            self.queue.append((piece, None))
+        if not isinstance(piece, torch.Tensor):  # host bytes: now, unless device pieces are ahead
+            if self.queue:
+                self.queue.append((piece, None))
+            else:
+                digest.update(piece)
             return
         while sum(isinstance(item, torch.Tensor) for item, _ in self.queue) > 1:
             self._hash_first(digest)  # the buffer this piece goes into is hashed and free

@@ -151,7 +151,7 @@ class Forwarder:
         except Refusal as refusal:
             logger.info("did not forward a stream from %s: %s (%s)", origin.to_base58()[-8:],
                         refusal.reason.name, refusal.detail)
-            await _answer(writer, refusal, t)
+            await _answer(reader, writer, refusal, t)
         except (ConnectionError, OSError, TimeoutError) as error:
             logger.info("a stream forwarded for %s broke: %s", origin.to_base58()[-8:], type(error).__name__)
         finally:
@@ -187,9 +187,13 @@ class Forwarder:
         return reader, writer
 
 
-async def _answer(writer: asyncio.StreamWriter, refusal: Refusal, transport) -> None:
-    """A refusal as a status frame, which the origin reads as the exchange's answer."""
-    io = StreamIO(asyncio.StreamReader(), writer, transport.counters, 2.0)
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, refusal: Refusal,
+                  transport) -> None:
+    """A refusal as a status frame, which the origin reads as the exchange's answer; what the
+    origin still sends is drained first (`StreamIO.linger`), or closing with it unread would
+    reset the stream and the reset could overtake the status."""
+    io = StreamIO(reader, writer, transport.counters, 2.0)
     with suppress(Exception):
         async with asyncio.timeout(2.0):
             await io.write_status(refusal.reason, f"forwarder: {refusal.detail}")
+    await io.linger()

@@ -139,6 +139,10 @@ class IncomingStreams:
                 with suppress(Exception):
                     async with asyncio.timeout(2.0):
                         await io.write_status(refusal.reason, refusal.detail)
+                # This stream's frame reader may still be waiting on the stream (the assembly's
+                # failure only asked it to stop): lingering beside it would fail at once, close
+                # with the peer's bytes unread and reset the stream over our status.
+                await _stopped(bound)
                 await io.linger()
         except PeerStatus as status:  # the peer gave up mid-message (e.g. it rejected our reply)
             self.counters.count_refusal_received(status.reason)
@@ -156,10 +160,7 @@ class IncomingStreams:
             if assembly is not None:
                 assembly.fail(Refusal(Reason.INTERNAL, "the receiver failed"))
         finally:
-            for future in bound:
-                future.cancel()
-            if bound:
-                await asyncio.wait(bound)
+            await _stopped(bound)
             if opened:
                 self._ledger.close_stream(peer_bytes)
             io.close()
@@ -316,3 +317,11 @@ class IncomingStreams:
         await verification
         self.counters.frames_received += 1
         assembly.frame_done()
+
+
+async def _stopped(futures: list[asyncio.Future]) -> None:
+    """Cancel a stream's reading and writing and wait until they have let go of it."""
+    for future in futures:
+        future.cancel()
+    if futures:
+        await asyncio.wait(futures)

@@ -220,3 +220,33 @@ def test_a_declared_size_the_kind_rules_out_is_refused_before_its_payload_is_rea
             await ta.stop()
             await tb.stop()
     run(scenario(), timeout_s=60)
+
+
+
+def test_a_reply_refused_while_the_message_streams_in_reaches_the_sender_as_a_reason(tmp_path, p2p_cleanup):
+    """The replier refuses its own reply while the sender's frames still arrive (here: b takes
+    the connection for a relayed one, whose limit the reply crosses, as behind NAT): its status
+    must reach the sender, not a reset from closing with the sender's bytes unread while this
+    stream's frame reader still held it (the NAT test saw BrokenPipe instead of the reason)."""
+    from p2p.paths import RelayLimits
+
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
+            ta, tb = transports(a, b)
+            tb.counters.paths.note = lambda peer, maddr: True  # fault injection: every stream "relayed"
+            tb.relay_limits = RelayLimits(max_bytes=MB)
+
+            async def reply(header):
+                return OutgoingMessage.from_arrays("snapshot", 4, {"x": np.zeros(MB, np.float32)})
+            tb.on_swap("snapshot", reply, accept_round=lambda r: True)
+            await ta.start()
+            await tb.start()
+            large = OutgoingMessage.from_arrays("snapshot", 4, {"x": np.zeros(8 * MB, np.float32)})
+            for _ in range(10):
+                with pytest.raises(RemoteRefused) as refused:
+                    await ta.swap(b.peer_id, large, streams=3)
+                assert refused.value.reason == Reason.TOO_LARGE and "would cross a circuit relay" \
+                    in str(refused.value), refused.value
+            await ta.stop()
+            await tb.stop()
+    run(scenario(), timeout_s=90)

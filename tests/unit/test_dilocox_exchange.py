@@ -184,6 +184,49 @@ def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
     asyncio.run(main())
 
 
+def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never_does():
+    """A resync is adopted at the outer step after its round, or dropped: a node whose checks
+    are slower than its rounds (votes come with the slowest member) resynced every round and
+    never healed. So a node known to be off the majority's φ waits, bounded, for the check in
+    flight before its step; a node that agrees does not wait at all."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+
+        def view(round_index: int, phi_round: int, phi: str = "0" * 32) -> list[MemberRecord]:
+            return [live_member(peer, round_index, "dilocox", "training", since=0, phi=phi,
+                                phi_round=phi_round) for peer in ("a", "b")]
+
+        swarm = unit_swarm(loop, view(6, 5), transport=NoStateServer(), events=events)
+        swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.6))
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+
+        async def settle_seconds(wait_s: float) -> float:
+            began = loop.time()
+            await ex._settle(wait_s)
+            return loop.time() - began
+
+        ex._after_round(6, "f" * 32)  # round 6's votes are not in: the check waits for them
+        assert not ex.diverged and await settle_seconds(5.0) < 0.05  # agreeing so far: no wait
+        await asyncio.wait(set(ex._checks))
+        await ex._check_consensus(5, "f" * 32)  # two members hold another φ of round 5
+        assert ex.diverged and [e.round for e in events if isinstance(e, Diverged)] == [5]
+        ex.members.records = {r.peer_id: r for r in view(8, 5)}  # their votes of 7 and 8 lag
+        ex._after_round(7, "f" * 32)
+        waited = await settle_seconds(5.0)  # diverged: the check of round 7 is waited for...
+        assert 0.4 < waited < 2.0 and not ex._checks, waited
+        ex._after_round(8, "f" * 32)
+        assert await settle_seconds(0.2) < 0.4  # ...at most as long as asked
+        await asyncio.wait(set(ex._checks))
+        ex.members.records = {r.peer_id: r for r in view(10, 9, "f" * 32)}  # our φ again
+        await ex._check_consensus(9, "f" * 32)
+        assert not ex.diverged
+        ex._after_round(10, "f" * 32)
+        assert await settle_seconds(5.0) < 0.05
+        await asyncio.wait(set(ex._checks))
+    asyncio.run(main())
+
+
 class FailingTransport:
     """One peer's push fails with the network's error, another's with any other error (a bound
     the send planner enforces raised ValueError, which escaped the send and vanished)."""

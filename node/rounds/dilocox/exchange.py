@@ -87,6 +87,9 @@ class DiLoCoXExchange:
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
+        # our last finished check found our φ off the majority's: until one finds it agreed, a
+        # round's end waits for the check in flight (`settle`), whose resync is due at that step
+        self.diverged = False
         self.next_catch_up = 0  # the first round whose end may try to catch up (one try a lag)
         self._catch_up_task: asyncio.Task | None = None  # the swarm's state, downloading
         # the controller's link measurement (send_ratio): written on one thread each, read on
@@ -147,6 +150,14 @@ class DiLoCoXExchange:
 
     def take_resync(self, round_index: int) -> dict | None:
         return self.swarm.bridge.call("a resync state", self._pop_resync, round_index)
+
+    def settle(self, wait_s: float) -> None:
+        """While this node is known to be off the majority's φ, waits at most `wait_s` for the
+        consensus checks in flight: the resync one brings must be adopted at this outer step;
+        after it, it is a round old and dropped, and a check slower than a round then lost
+        every resync (CI: a node diverged and resynced rounds 1-8, never healing). A node that
+        agrees never waits here."""
+        self.swarm.bridge.call("the consensus checks in flight", self._settle, wait_s, wait_s=wait_s)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
@@ -320,6 +331,8 @@ class DiLoCoXExchange:
         majority = winning_digest(votes)
         complete = sum(votes.values()) > len(self._finished(round_index - 1))
         if majority == digest:
+            # agreed, as far as the votes say: with no other vote in, nothing is confirmed
+            self.diverged = self.diverged and votes[digest] < 2
             return
         if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:
             # A tie is broken only once every vote is in: a missing one may decide it. But a
@@ -334,7 +347,9 @@ class DiLoCoXExchange:
             # members on three φ for 15 rounds after one caught up)
             majority = split_winner({digest: [self.peer_id], **holders}, round_index)
             if majority == digest:
+                self.diverged = False
                 return
+        self.diverged = True
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
         for peer in holders.get(majority, []):
@@ -398,6 +413,10 @@ class DiLoCoXExchange:
             log.warning("%d rounds behind the swarm (round %d), and could not take its state: %s",
                         behind, swarm_round, failure_sentence(exc))
             return None
+
+    async def _settle(self, wait_s: float) -> None:
+        if self.diverged and self._checks:
+            await asyncio.wait(set(self._checks), timeout=wait_s)
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)

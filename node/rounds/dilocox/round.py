@@ -69,6 +69,10 @@ class DiLoCoXLink(Protocol):
     def take_resync(self, round_index: int) -> dict | None:
         """A majority peer's verified state after `round_index`, if ours disagreed; else None."""
 
+    def settle(self, wait_s: float) -> None:
+        """Before a round's end takes its outer step: when our φ is known to be off the
+        majority's, waits at most `wait_s` for the resync on its way; at once otherwise."""
+
     def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
         """(the round to train next, the state's round, {"phi", "momentum"}) when this node,
         ending `round_index`, fell too far behind its swarm and took the swarm's state; else
@@ -221,11 +225,13 @@ class DiLoCoXRound:
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
         arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
-        waited = time.monotonic() - waited
         refused: list[str] = []
         if self.stepped_round < round_index:
+            self.link.settle(self.config.message_deadline_s)
+            waited = time.monotonic() - waited
             _, refused = self._take_step(round_index, arrived)
         else:
+            waited = time.monotonic() - waited
             self.outer.counters.late += len(arrived)
         self.link.publish_digest(round_index, self.phi_digest)
         return self.outer.last_step, refused, waited

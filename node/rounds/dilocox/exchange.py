@@ -22,7 +22,9 @@ Invariants:
   that large should raise `fan_out`);
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
-  as a contribution;
+  as a contribution; it is due at the outer step after its round, so a node whose last check
+  found it diverged waits for the check in flight at its round's end (`settle`, bounded by the
+  deadline): checks end with the slowest member's vote, later than a short round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest; a total split of three or more lone digests to the digest of the holder
   ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,

@@ -7,7 +7,8 @@ inner lr 1e-3, the tiny model, evaluated every 50 steps.
 
 Method strings:
 - "local"; "diloco-<μ>" (η = 0.7, Nesterov);
-- "noloco-new" (θ alone in int8), "noloco-old" (φ and Δ in bf16), "noloco-new-a<α>-g<β = γ>";
+- "noloco-new[-a<α>][-g<β = γ>][-w<wire dtype>][-sr]" (θ alone, in int8 unless w names another
+  wire dtype; "sr" rounds it stochastically), "noloco-old" (φ and Δ in bf16);
 - "dilocox-<codec>[-arr][-d0][-m<μ>][-e<η>][-r<decay>][-l<steps>]": codec "lr<rank>b<bits>"
   (low-rank), "topk[<k>]" (k of every 4096, the manifest's 64 and 2 bits otherwise) or "id"
   (identity); "arr" takes the outer step as the group's messages arrive (apply_on_arrival);
@@ -70,6 +71,26 @@ def dilocox_settings(method: str) -> dict:
     return {**kwargs, "protocol_values": values}
 
 
+def noloco_settings(method: str) -> dict:
+    """SimulationSettings keywords of a "noloco-..." method string."""
+    payload, *options = method.split("-")[1:]
+    kwargs = dict(NEW_PAYLOAD if payload == "new" else OLD_PAYLOAD)
+    values = {}  # manifest [protocol] keys the settings have no field for
+    for option in options:
+        if option.startswith("a"):
+            kwargs["noloco_momentum"] = float(option[1:])
+        elif option.startswith("g"):
+            kwargs["noloco_progress_weight"] = kwargs["noloco_consensus_weight"] = float(option[1:])
+        elif option.startswith("w"):
+            kwargs["wire_dtype"] = option[1:]
+        elif option == "sr":
+            values["wire_rounding"] = "stochastic"
+        else:
+            raise ValueError(f"NoLoCo option {option!r} of {method!r} is unknown: use a<α>, g<γ>, "
+                             "w<wire dtype> or sr.")
+    return {**kwargs, "protocol_values": values}
+
+
 @dataclass(frozen=True)
 class Job:
     workers: int
@@ -87,13 +108,8 @@ class Job:
                   # evaluate every 50 steps in every cell: the same evaluation cost per token
                   "eval_every": max(1, 50 // self.inner_steps)}
         if self.method.startswith("noloco"):
-            payload = NEW_PAYLOAD if self.method.startswith("noloco-new") else OLD_PAYLOAD
-            outer = {}
-            if self.method.count("-") == 3:  # noloco-new-a<α>-g<γ>
-                alpha, gamma = (float(part[1:]) for part in self.method.split("-")[2:])
-                outer = {"noloco_momentum": alpha, "noloco_progress_weight": gamma,
-                         "noloco_consensus_weight": gamma}
-            return SimulationSettings("noloco", timing="overlap", **payload, **outer, **common)
+            return SimulationSettings("noloco", timing="overlap", **noloco_settings(self.method),
+                                      **common)
         if self.method.startswith("dilocox"):
             return SimulationSettings("dilocox", **dilocox_settings(self.method), **common)
         if self.method.startswith("diloco"):

@@ -61,6 +61,13 @@ class ProtocolSection:
                            "quantized in blocks of 64 with one fp32 scale each (1.0625 or 0.5625 "
                            "bytes a parameter, lossy), or bf16, fp16 or fp32 (2, 2 or 4)",
                            choices=WIRE_DTYPE_CHOICES)
+    # a sender's choice; receivers decode alike. Stochastic rounding is unbiased: to nearest, a
+    # θ that barely moves is pulled to the same code round after round (benchmarks/RESULTS.md,
+    # issue 19: int4 pairs ended 2.9% above exact θ to nearest, -0.03% stochastic)
+    wire_rounding: str = spec("nearest", "how a quantized wire_dtype rounds a snapshot: nearest, "
+                              "or stochastic (q = floor(x/s*L + u), u uniform in [0, 1): "
+                              "unbiased, from each node's own random generator)",
+                              choices=("nearest", "stochastic"))
     # θ alone is exact only when β = γ (protocol/noloco.py theta_only_snapshot); half the bytes
     snapshot: str = spec("theta", "what a NoLoCo snapshot sends: theta, the fast weights alone "
                          "(needs progress_weight = consensus_weight), or phi_delta, φ and Δ "

@@ -138,8 +138,9 @@ class Daemon:
         m = self.manifest
         self.network.exchange = exchange = build_exchange(m.protocol, swarm, self.settings.seed)
         if m.protocol.name == "noloco":
-            from node.rounds.noloco.round import NoLoCoRound
-            return NoLoCoRound(m.protocol, m.contributions, trainer, exchange)
+            from node.rounds.noloco.round import NoLoCoRound, rounding_seed
+            return NoLoCoRound(m.protocol, m.contributions, trainer, exchange,
+                               rounding_seed(self.settings.seed, swarm.peer_id))
         from node.rounds.dilocox.round import DiLoCoXRound
         return DiLoCoXRound(m.protocol, m.contributions, trainer, swarm.peer_id, exchange)
 

@@ -12,7 +12,9 @@ q = round(x/s·L) (L = 127 at 8 bits, one byte each; L = 7 at 4 bits, two to a b
     bytes(n) = 4·⌈n/64⌉ + ⌈n/2⌉        (int4: 0.5625 bytes a parameter)
 
 and decoding gives x̂ = q·s/L, off by at most s/(2L) per element (the rounding of q) plus
-fp32 arithmetic (relative 2^-23). Scales travel in fp32, not fp16: fp16 would save 2/64 =
+fp32 arithmetic (relative 2^-23); with `protocol.wire_rounding = "stochastic"` the sender
+rounds q = ⌊x/s·L + u⌋, u uniform in [0, 1) from its own generator: unbiased, off by less
+than s/L (protocol/codecs/blockwise.py). Scales travel in fp32, not fp16: fp16 would save 2/64 =
 0.031 bytes a parameter (2.9% of an int8 message, 5.6% of an int4 one) but add up to 2^-11·s
 per element (12% of the int8 bound), overflow for a block beyond 65504 and lose relative
 precision below 6.1e-5; in fp32 each tensor's bytes are exactly the `blockwise` codec's
@@ -49,11 +51,12 @@ def tensor_wire_bytes(count: int, dtype: str) -> int:
     return count * torch.empty(0, dtype=WIRE_DTYPES[dtype]).element_size()
 
 
-def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "") -> list[OutgoingTensor]:
+def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "",
+            rounding: torch.Generator | None = None) -> list[OutgoingTensor]:
     """Casts to the wire dtype, or quantizes, where the tensors are (on a GPU, only the wire's
-    bytes cross to the host)."""
+    bytes cross to the host); `rounding`: a quantized dtype rounds stochastically with it."""
     if dtype in QUANTIZED_BITS:
-        return _to_wire_quantized(tensors, QUANTIZED_BITS[dtype], prefix)
+        return _to_wire_quantized(tensors, QUANTIZED_BITS[dtype], prefix, rounding)
     torch_dtype = WIRE_DTYPES[dtype]
     out = []
     for name, tensor in tensors.items():
@@ -63,8 +66,8 @@ def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "") -
     return out
 
 
-def _to_wire_quantized(tensors: Mapping[str, torch.Tensor], bits: int,
-                       prefix: str) -> list[OutgoingTensor]:
+def _to_wire_quantized(tensors: Mapping[str, torch.Tensor], bits: int, prefix: str,
+                       rounding: torch.Generator | None) -> list[OutgoingTensor]:
     """One uint8 tensor a tensor: the blockwise payload, encoded where the tensors lie and
     copied into one host buffer that the message's tensors view (the host holds the message's
     bytes once; the GPU is waited on once for all the finiteness checks). A tensor holding NaN
@@ -79,7 +82,7 @@ def _to_wire_quantized(tensors: Mapping[str, torch.Tensor], bits: int,
     for (name, v), ok, size in zip(values.items(), finite, sizes):
         part = host[offset:offset + size]
         if ok:
-            part.copy_(codec.payload_tensor(v))
+            part.copy_(codec.payload_tensor(v, rounding))
         else:
             scales = np.full(-(-v.numel() // QUANT_BLOCK), np.nan, dtype=np.float32).tobytes()
             data = scales + pack_codes(torch.zeros(v.numel(), dtype=torch.int8), bits)

@@ -3,7 +3,10 @@
 A tensor is flattened and cut into blocks of `block_size` elements (the last may be short).
 Each block keeps one fp32 scale s = max|x| and integer codes q = round(x / s · L) with
 L = 127 (8 bits) or L = 7 (4 bits); decoding gives x̂ = q · s / L. Per element the error is at
-most s / (2L), so an outlier only coarsens its own block.
+most s / (2L), so an outlier only coarsens its own block. With a random generator the sender
+rounds stochastically instead, q = ⌊x / s · L + u⌋ with u uniform in [0, 1): E[x̂] = x, the
+error below s / L; a value sent round after round then is not pulled to the same code each
+time (NoLoCo's θ, benchmarks/RESULTS.md issue 19). The wire format is the same.
 
 Description: {"codec": "blockwise", "shape": [...], "bits": 8|4, "block": int}.
 Payload: nblocks fp32 scales, then the codes: int8 per element (8 bits), or two 4-bit codes
@@ -30,14 +33,21 @@ _KEYS = frozenset({"codec", "shape", "bits", "block"})
 
 
 # ------------------------------------------------------------------ group quantizer (shared)
-def quantize_groups(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row absmax quantization of a 2-D fp32 tensor: (scales [rows], codes int8 [rows, cols])."""
+def quantize_groups(groups: torch.Tensor, bits: int, generator: torch.Generator | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row absmax quantization of a 2-D fp32 tensor: (scales [rows], codes int8 [rows, cols]);
+    rounded to nearest, or stochastically with `generator` (on the tensor's device)."""
     levels = _LEVELS[bits]
     scales = groups.abs().amax(dim=1) if groups.shape[1] \
         else torch.zeros(groups.shape[0], device=groups.device)
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(groups / safe[:, None] * levels).clamp_(-levels, levels).to(torch.int8)
-    return scales, codes
+    scaled = groups / safe[:, None] * levels
+    if generator is None:
+        codes = torch.round(scaled)
+    else:
+        codes = torch.floor(scaled.add_(torch.rand(scaled.shape, generator=generator,
+                                                   device=scaled.device)))
+    return scales, codes.clamp_(-levels, levels).to(torch.int8)
 
 
 def dequantize_groups(scales: torch.Tensor, codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -115,14 +125,16 @@ class BlockwiseCodec(Codec):
                        "block": self.block_size}
         return Encoded(description, tensor_to_bytes(self.payload_tensor(values)))
 
-    def payload_tensor(self, values: torch.Tensor) -> torch.Tensor:
+    def payload_tensor(self, values: torch.Tensor, generator: torch.Generator | None = None
+                       ) -> torch.Tensor:
         """The payload of finite fp32 `values` as a uint8 tensor where they lie (scales, then
-        codes): a caller on a GPU copies many of them to the host in one buffer."""
+        codes): a caller on a GPU copies many of them to the host in one buffer. `generator`:
+        stochastic rounding (see the module docstring)."""
         flat = values.reshape(-1)
         count, block = flat.numel(), self.block_size
         blocks = -(-count // block)
         padded = torch.nn.functional.pad(flat, (0, blocks * block - count))
-        scales, codes = quantize_groups(padded.reshape(blocks, block), self.bits)
+        scales, codes = quantize_groups(padded.reshape(blocks, block), self.bits, generator)
         return torch.cat([scales.contiguous().view(torch.uint8),
                           packed_codes(codes.reshape(-1)[:count], self.bits)])
 

@@ -77,6 +77,40 @@ def test_round_trip_is_within_half_a_step_of_each_blocks_scale(dtype, layout):
                               {"z": (70,)})["theta"]["z"], torch.zeros(70))
 
 
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_stochastic_rounding_is_unbiased_within_one_step_and_reproducible(dtype):
+    """protocol.wire_rounding = "stochastic": q = ⌊x/s·L + u⌋, so |x − q·s/L| < s/L (+ fp32, as
+    above) and E[q·s/L] = x, where rounding to nearest sends a value that sits between two codes
+    to the same one every time (its bias does not average out over rounds: issue 19). The same
+    wire format, decoded by the same code; one seed, the same bytes."""
+    levels = LEVELS[QUANTIZED_BITS[dtype]]
+    snapshot = snapshot_of(SHAPES)
+    theta = snapshot.fast_weights()
+
+    def sent(seed: int | None) -> list:
+        rounding = None if seed is None else torch.Generator().manual_seed(seed)
+        return payload.encode_snapshot(snapshot, dtype, "theta", rounding)
+
+    assert [t.data.tobytes() for t in sent(3)] == [t.data.tobytes() for t in sent(3)]
+    assert [t.data.tobytes() for t in sent(3)] != [t.data.tobytes() for t in sent(4)]
+    draws = 400
+    total = {n: torch.zeros(shape) for n, shape in SHAPES.items()}
+    for seed in range(draws):
+        for name, decoded in decode(sent(seed), "theta", dtype)["theta"].items():
+            s = block_scales(theta[name])
+            assert ((decoded - theta[name]).abs() <= s / levels + 4 * U * s).all()
+            total[name] += decoded
+    nearest = decode(sent(None), "theta", dtype)["theta"]
+    for name, original in theta.items():
+        step = block_scales(original) / levels
+        # the mean of 400 draws: each off by less than one step, so its spread is under
+        # step / (2·√400) = step / 40; 4 such spreads is a bound no honest run crosses
+        mean_error = (total[name] / draws - original).abs()
+        assert (mean_error <= step / 10 + 8 * U * block_scales(original)).all(), name
+        if name == "w":  # to nearest, the same error every time: many are above that bound
+            assert ((nearest[name] - original).abs() > step / 10).sum() > 50
+
+
 @pytest.mark.parametrize("count", [0, 1, 2, 63, 64, 65, 127, 128, 129, 1000])
 def test_byte_sizes_are_exact(count):
     tensor = {"t": torch.randn(count)}

@@ -22,7 +22,7 @@ from node.events import PairCorrected
 from node.rounds.dilocox import payload as dilocox_payload
 from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
 from node.rounds.noloco import payload as noloco_payload
-from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot
+from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot, rounding_seed
 from node.rounds.wire_tensors import WIRE_DTYPES, to_wire
 from node.simulator.exchange import InMemoryMessage
 from node.train.trainer import InnerTrainer
@@ -316,6 +316,25 @@ def test_a_quantized_snapshot_is_applied_within_beta_half_of_its_rounding(
     for name, want in exact.items():
         bound = beta / 2 * sum(block_scales(group[name]) for group in sent) / (2 * levels)
         assert ((policy.outer.slow_weights[name] - want).abs() <= bound + slack).all()
+
+
+def test_stochastic_rounding_gives_each_node_its_own_unbiased_draws(config, corpus):
+    """protocol.wire_rounding = "stochastic": the snapshot a node offers is rounded with its own
+    generator (rounding_seed: the daemon's seed and peer id), so two nodes holding the same θ
+    send different codes, and one node sends the same ones again from the same seed."""
+    def offered(rounding: str, seed: int) -> list[bytes]:
+        section = ProtocolSection(timing="overlap", inner_steps=H, wire_dtype="int4",
+                                  wire_rounding=rounding)
+        link = ScriptedNoLoCoLink()
+        policy = NoLoCoRound(section, ContributionSection(), trainer(config, corpus, 1), link, seed)
+        policy.end_round(0)  # no training: every node offers the same θ
+        return [t.data.tobytes() for t in link.offered[0][1]]
+
+    nearest = offered("nearest", 1)
+    assert offered("nearest", 2) == nearest  # to nearest, the seed plays no part
+    first, again, other = offered("stochastic", 1), offered("stochastic", 1), offered("stochastic", 2)
+    assert first == again and first != other and first != nearest
+    assert rounding_seed(0, "peer-a") != rounding_seed(0, "peer-b") == rounding_seed(0, "peer-b")
 
 
 @pytest.mark.parametrize("case", ["length", "scale", "code"])

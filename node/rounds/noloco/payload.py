@@ -49,11 +49,13 @@ def snapshot_bytes(shapes: Mapping[str, tuple[int, ...]], wire_dtype: str, layou
     return tensor_sets(layout) * one_set
 
 
-def encode_snapshot(snapshot: NoLoCoSnapshot, wire_dtype: str, layout: str) -> list:
+def encode_snapshot(snapshot: NoLoCoSnapshot, wire_dtype: str, layout: str,
+                    rounding: torch.Generator | None = None) -> list:
+    """`rounding`: a quantized wire dtype rounds stochastically with this generator."""
     if layout == "theta":
-        return to_wire(snapshot.fast_weights(), wire_dtype, "theta/")
-    return (to_wire(snapshot.slow_weights, wire_dtype, "phi/")
-            + to_wire(snapshot.local_progress, wire_dtype, "delta/"))
+        return to_wire(snapshot.fast_weights(), wire_dtype, "theta/", rounding)
+    return (to_wire(snapshot.slow_weights, wire_dtype, "phi/", rounding)
+            + to_wire(snapshot.local_progress, wire_dtype, "delta/", rounding))
 
 
 def decode_snapshot(message: Any, layout: str, sender: str, wire_dtype: str = "bf16",

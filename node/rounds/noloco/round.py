@@ -33,10 +33,13 @@ What travels is encoded in node/rounds/noloco/payload.py.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from node.config.manifest import ContributionSection, ProtocolSection, check_snapshot
 from node.events import PairCorrected
@@ -44,6 +47,7 @@ from node.rounds.contributions import ContributionRefused, check_contribution, g
 from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
+from node.rounds.wire_tensors import QUANTIZED_BITS
 from node.train.trainer import InnerTrainer
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, theta_only_snapshot
 from protocol.tensors import shift_in_place, weights_digest
@@ -115,9 +119,16 @@ class _Pair:
         return _Pair(last.partner, last.used, [s for pair in pairs for s in pair.refused], last.shift)
 
 
+def rounding_seed(seed: int, node: str) -> int:
+    """The seed of `node`'s stochastic rounding: its own, and one run's the same every time."""
+    return random.Random(f"{seed}:{node}:wire-rounding").getrandbits(63)
+
+
 class NoLoCoRound:
     def __init__(self, config: ProtocolSection, contributions: ContributionSection,
-                 trainer: InnerTrainer, link: NoLoCoLink):
+                 trainer: InnerTrainer, link: NoLoCoLink, rounding_seed: int = 0):
+        """`rounding_seed`: of this node's stochastic rounding (protocol.wire_rounding); nodes
+        should differ, so that their rounding errors are independent."""
         check_snapshot(config, contributions)  # a manifest's rule, for sections built in code too
         self.config, self.contributions = config, contributions
         self.trainer, self.link = trainer, link
@@ -139,6 +150,9 @@ class NoLoCoRound:
         # (link.take_partner), decoding, the contribution checks, φ's digest
         self._held = dict.fromkeys(("wait", "decode", "check", "digest"), 0.0)
         self.noise_check = NoiseCheck(contributions.noise_ratio)
+        self.rounding = None  # rounding to nearest
+        if config.wire_rounding == "stochastic" and config.wire_dtype in QUANTIZED_BITS:
+            self.rounding = torch.Generator(device=self.device or "cpu").manual_seed(rounding_seed)
 
     def between_steps(self, round_index: int) -> PairCorrected | None:
         """Overlap: a partner snapshot that landed during the round corrects θ at this step
@@ -203,7 +217,8 @@ class NoLoCoRound:
             partner_updates=self.partner_updates, caught_up_to=next_round, pair_shift=pair.shift)
 
     def _encoded(self, own: NoLoCoSnapshot) -> list:
-        return payload.encode_snapshot(own, self.config.wire_dtype, self.config.snapshot)
+        return payload.encode_snapshot(own, self.config.wire_dtype, self.config.snapshot,
+                                       self.rounding)
 
     def _overlap_corrections(self, round_index: int, mid_round: bool = False) -> list[_Pair]:
         """Each pair that swapped one of our snapshots for a partner's and landed since the last

@@ -20,7 +20,7 @@ from __future__ import annotations
 from functools import partial
 
 from node.rounds.dilocox.round import DiLoCoXRound, codec_for
-from node.rounds.noloco.round import NoLoCoRound
+from node.rounds.noloco.round import NoLoCoRound, rounding_seed
 from node.simulator.decoding import DecodingCache, SharedDecoding
 from node.simulator.dilocox_link import DiLoCoXMemoryNetwork
 from node.simulator.lockstep import Lockstep
@@ -40,7 +40,9 @@ class RoundSwarm(Method):
                                                settings.max_staleness, settings.seed,
                                                contributions.ban_after)
             self.rounds = {r.name: NoLoCoRound(protocol, contributions, r.trainer,
-                                               self.network.link(r.name)) for r in replicas}
+                                               self.network.link(r.name),
+                                               rounding_seed(settings.seed, r.name))
+                           for r in replicas}
         else:
             self.network = DiLoCoXMemoryNetwork(names, exchange, self.lockstep, settings.delay)
             self.rounds = {r.name: DiLoCoXRound(protocol, contributions, r.trainer, r.name,

@@ -120,23 +120,38 @@ class Assembly:
             raise Refusal(Reason.MALFORMED, "frame header disagrees with the message it claims to belong to")
 
 
-def run_bound(assembly: Assembly, coroutine: Coroutine) -> "asyncio.Future[None]":
-    """Run a stream's reading or writing as a task the assembly cancels if the message fails;
-    awaiting the returned future raises the assembly's failure in that case."""
-    task = asyncio.create_task(coroutine)
-    assembly.readers.add(task)
+class BoundWork:
+    """A stream's reading or writing, run as a task the assembly cancels if the message fails.
 
-    async def result() -> None:
+    Awaiting it raises the assembly's failure in that case. `stop()` cancels it and returns
+    once the task has let go of the stream: only then may the stream be read by anyone else
+    (a refusal's linger) or closed. The task's error is always retrieved: the assembly's
+    failure, or whoever awaits this, reports it."""
+
+    def __init__(self, assembly: Assembly, coroutine: Coroutine):
+        self.assembly = assembly
+        self.task = asyncio.create_task(coroutine)
+        self.task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        assembly.readers.add(self.task)
+
+    def __await__(self):
+        return self._result().__await__()
+
+    async def _result(self) -> None:
         try:
-            await asyncio.wait({task})
+            await asyncio.wait({self.task})
         except asyncio.CancelledError:
-            task.cancel()
-            await asyncio.wait({task})
+            await self.stop()
             raise
-        if task.cancelled():
-            raise assembly.failure or Refusal(Reason.INTERNAL, "stream work cancelled")
-        task.result()
+        if self.task.cancelled():
+            raise self.assembly.failure or Refusal(Reason.INTERNAL, "stream work cancelled")
+        self.task.result()
 
-    future = asyncio.ensure_future(result())
-    future.add_done_callback(lambda f: f.cancelled() or f.exception())  # failures are reported elsewhere
-    return future
+    async def stop(self) -> None:
+        self.task.cancel()
+        await asyncio.wait({self.task})
+
+
+def run_bound(assembly: Assembly, coroutine: Coroutine) -> BoundWork:
+    """Runs a stream's reading or writing bound to `assembly` (see BoundWork)."""
+    return BoundWork(assembly, coroutine)

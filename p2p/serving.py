@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
-from p2p.assembly import Assembly, run_bound
+from p2p.assembly import Assembly, BoundWork, run_bound
 from p2p.errors import LimitsError, Reason, Refusal
 from p2p.forwarding import blamed, read_preamble
 from p2p.framing import PeerStatus, StreamIO
@@ -82,7 +82,7 @@ class IncomingStreams:
             relayed = False
             self.counters.paths.note_forwarded(peer.to_base58())
         assembly: Assembly | None = None
-        bound: list[asyncio.Future] = []
+        bound: list[BoundWork] = []
         opened = repeated = verified = False
         try:
             if self.admit is not None and not self.admit(peer.to_base58()):
@@ -319,9 +319,7 @@ class IncomingStreams:
         assembly.frame_done()
 
 
-async def _stopped(futures: list[asyncio.Future]) -> None:
+async def _stopped(works: list[BoundWork]) -> None:
     """Cancel a stream's reading and writing and wait until they have let go of it."""
-    for future in futures:
-        future.cancel()
-    if futures:
-        await asyncio.wait(futures)
+    for work in works:
+        await work.stop()

@@ -75,10 +75,10 @@ def _poison(kind: str):
                 out[name] = noise * (t.norm() / noise.norm().clamp_min(1e-12))
         return out
 
-    def encode_snapshot(snapshot, wire_dtype, layout):
+    def encode_snapshot(snapshot, wire_dtype, layout, rounding=None):
         bad = dataclasses.replace(snapshot, local_progress=corrupt(snapshot.local_progress))
         log.warning("adversary: offering a %s snapshot", kind)
-        return honest(bad, wire_dtype, layout)  # θ = φ + the corrupted Δ, or φ and it
+        return honest(bad, wire_dtype, layout, rounding)  # θ = φ + the corrupted Δ, or φ and it
 
     noloco_payload.encode_snapshot = encode_snapshot
 

@@ -37,6 +37,12 @@ TWO_SEED_CELL = (8, 25)
 # seeds. int4 to nearest pulled a θ that barely moves to the same code every round
 # (benchmarks/noloco_groups.py's experiment); stochastic rounding is unbiased.
 ROUNDING = (("noloco-new-wint4", (0,)), ("noloco-new-wint4-sr", (0, 1)), ("noloco-new-sr", (0,)))
+# and in the other cells, seed 0: int4 rounded stochastically, the candidate default
+ROUNDING_ELSEWHERE = (("noloco-new-wint4-sr", (0,)),)
+
+
+def rounding_methods(workers: int, h: int) -> tuple:
+    return ROUNDING if (workers, h) == TWO_SEED_CELL else ROUNDING_ELSEWHERE
 
 
 def all_jobs() -> list[Job]:
@@ -51,8 +57,7 @@ def all_jobs() -> list[Job]:
             methods = ["noloco-new", "noloco-old", *(f"diloco-{m}" for m in momenta)]
             if (workers, h, seed) == (*TWO_SEED_CELL, 0):
                 methods += [f"noloco-new-{t}" for t in NOLOCO_TUNING]
-            if (workers, h) == TWO_SEED_CELL:
-                methods += [m for m, seeds in ROUNDING if seed in seeds]
+            methods += [m for m, seeds in rounding_methods(workers, h) if seed in seeds]
             jobs += [Job(workers, h, m, seed) for m in methods]
             if seed == 1 or h == 50:
                 # once per N and seed, keyed H = 50: local-only does not depend on H
@@ -116,7 +121,7 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
         tuned = ("\n\nNoLoCo's own outer settings at N = 8, H = 25, seed 0 (θ int8; the default is "
                  "α = 0.5, β = γ = 0.7):\n\n| α | β = γ | final val loss |\n|---|---|---|\n"
                  f"| 0.5 | 0.7 | {default['final_val_loss']:.4f} |\n" + tuned)
-    rounding, summary["rounding"] = rounding_table(finished, summary.get("N{}-H{}".format(*TWO_SEED_CELL)))
+    rounding, summary["rounding"] = rounding_table(finished, summary)
     text = ("### NoLoCo against DiLoCo and local-only: N × H (issue 19)\n\n"
             f"{STEPS} inner steps of 3×64 tokens per replica in every cell (the convergence table's "
             "budget), tiny model, inner lr 1e-3; NoLoCo overlap, α = 0.5, β = γ = 0.7; DiLoCo η = 0.7, "
@@ -128,37 +133,41 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
     return text, summary
 
 
-def rounding_table(finished: dict[str, dict], cell: dict | None) -> tuple[str, dict]:
-    """θ's wire dtype and rounding in the two-seed cell, against θ int8 to nearest (the default)
-    and DiLoCo at its best μ; each seed, and its bytes a round."""
-    if cell is None:
-        return "", {}
-    methods = (("noloco-new", "int8", "nearest", (0, 1)),
-               *((m, "int4" if "wint4" in m else "int8", "stochastic" if m.endswith("-sr") else "nearest",
-                  seeds) for m, seeds in ROUNDING))
+def rounding_table(finished: dict[str, dict], cells: dict) -> tuple[str, dict]:
+    """θ's wire dtype and rounding in each cell, against θ int8 to nearest (the default, over
+    the cell's seeds) and DiLoCo at its best μ; each seed, and its bytes a round."""
     rows, summary = [], {}
-    for method, dtype, how, seeds in methods:
-        runs = [finished.get(Job(*TWO_SEED_CELL, method, s).key) for s in seeds]
-        if None in runs:
+    for workers, h in CELLS:
+        cell = cells.get(f"N{workers}-H{h}")
+        if cell is None:
             continue
-        losses = [r["final_val_loss"] for r in runs]
-        mean = statistics.fmean(losses)
-        ring = cell["bytes_per_round"]["diloco_fp32_ring"]
-        sent = per_round_bytes(runs[0])
-        summary[method] = {"wire_dtype": dtype, "rounding": how, "seeds": list(seeds),
-                           "final_val_loss": losses, "bytes_per_round": sent}
-        rows.append(f"| {dtype} | {how} | " + " / ".join(f"{v:.4f}" for v in losses)
-                    + f" | {100 * (mean / cell['noloco_new'] - 1):+.2f}% | "
-                    f"{100 * (mean / cell['diloco'] - 1):+.2f}% | {100 * (mean / cell['local'] - 1):+.2f}% | "
-                    f"{human_bytes(sent)} ({ring / sent:.1f}x) |")
-    if len(rows) < 2:
+        seeds_of_default = tuple(cell["seeds"])
+        methods = (("noloco-new", seeds_of_default), *rounding_methods(workers, h))
+        for method, seeds in methods:
+            runs = [finished.get(Job(workers, h, method, s).key) for s in seeds]
+            if None in runs:
+                continue
+            dtype = "int4" if "wint4" in method else "int8"
+            how = "stochastic" if method.endswith("-sr") else "nearest"
+            losses = [r["final_val_loss"] for r in runs]
+            mean = statistics.fmean(losses)
+            ring, sent = cell["bytes_per_round"]["diloco_fp32_ring"], per_round_bytes(runs[0])
+            summary[f"N{workers}-H{h}-{method}"] = {
+                "wire_dtype": dtype, "rounding": how, "seeds": list(seeds),
+                "final_val_loss": losses, "bytes_per_round": sent}
+            rows.append(f"| {workers} | {h} | {dtype} | {how} | " + " / ".join(f"{v:.4f}" for v in losses)
+                        + f" | {100 * (mean / cell['noloco_new'] - 1):+.2f}% | "
+                        f"{100 * (mean / cell['noloco_old'] - 1):+.2f}% | "
+                        f"{100 * (mean / cell['diloco'] - 1):+.2f}% | {100 * (mean / cell['local'] - 1):+.2f}% | "
+                        f"{human_bytes(sent)} ({ring / sent:.1f}x) |")
+    if not any("stochastic" in row for row in rows):
         return "", summary
-    return ("\n\nθ's rounding on the wire at N = 8, H = 25 (the daemon's NoLoCoRound, "
-            "`protocol.wire_rounding`; α = 0.5, β = γ = 0.7; the mean over the seeds listed "
-            "against the int8 row's mean over seeds 0 and 1):\n\n"
-            "| θ on the wire | rounding | final val loss by seed | vs θ int8 nearest | vs DiLoCo (best μ) "
-            "| vs local | per round (DiLoCo's / these) |\n|---|---|---|---|---|---|---|\n"
-            + "\n".join(rows)), summary
+    return ("\n\nθ's rounding on the wire (the daemon's NoLoCoRound, `protocol.wire_rounding`; "
+            "α = 0.5, β = γ = 0.7; a row's mean over the seeds it lists, against the cell's θ int8 "
+            "and φ,Δ bf16 over the cell's seeds):\n\n"
+            "| N | H | θ on the wire | rounding | final val loss by seed | vs θ int8 nearest | vs φ,Δ bf16 "
+            "| vs DiLoCo (best μ) | vs local | per round (DiLoCo's / these) |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows)), summary
 
 
 def main(argv: list[str] | None = None) -> int:

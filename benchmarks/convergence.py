@@ -69,8 +69,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "in inner steps (default 0)")
     p.add_argument("--dilocox-set", action="append", default=[], metavar="KEY=VALUE",
                    help="a key of DiLoCoX's manifest [protocol] section, e.g. topk_k=32 (repeatable)")
-    p.add_argument("--wire-dtype", default="int8", choices=WIRE_DTYPE_CHOICES,
-                   help="how NoLoCo snapshots travel (default int8, the manifest's; int4; bf16, fp16, fp32)")
+    p.add_argument("--wire-dtype", default="int4", choices=WIRE_DTYPE_CHOICES,
+                   help="how NoLoCo snapshots travel (default int4, the manifest's, rounded "
+                   "stochastically; int8; bf16, fp16, fp32)")
     p.add_argument("--snapshot", choices=("theta", "phi_delta"), default="theta",
                    help="what a NoLoCo snapshot sends: θ alone (default; exact as β = γ) or φ and Δ")
     p.add_argument("--methods", help="comma-separated subset of the method keys, for pilots")

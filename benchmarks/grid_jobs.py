@@ -8,7 +8,7 @@ inner lr 1e-3, the tiny model, evaluated every 50 steps.
 Method strings:
 - "local"; "diloco-<μ>" (η = 0.7, Nesterov);
 - "noloco-new[-a<α>][-g<β = γ>][-w<wire dtype>][-sr]" (θ alone, in int8 unless w names another
-  wire dtype; "sr" rounds it stochastically), "noloco-old" (φ and Δ in bf16);
+  wire dtype, rounded to nearest unless "sr": stochastically), "noloco-old" (φ and Δ in bf16);
 - "dilocox-<codec>[-arr][-d0][-m<μ>][-e<η>][-r<decay>][-l<steps>]": codec "lr<rank>b<bits>"
   (low-rank), "topk[<k>]" (k of every 4096, the manifest's 64 and 2 bits otherwise) or "id"
   (identity); "arr" takes the outer step as the group's messages arrive (apply_on_arrival);
@@ -75,7 +75,9 @@ def noloco_settings(method: str) -> dict:
     """SimulationSettings keywords of a "noloco-..." method string."""
     payload, *options = method.split("-")[1:]
     kwargs = dict(NEW_PAYLOAD if payload == "new" else OLD_PAYLOAD)
-    values = {}  # manifest [protocol] keys the settings have no field for
+    # manifest [protocol] keys the settings have no field for; the names keep their meaning
+    # when the manifest's default rounding changes
+    values = {"wire_rounding": "nearest"}
     for option in options:
         if option.startswith("a"):
             kwargs["noloco_momentum"] = float(option[1:])

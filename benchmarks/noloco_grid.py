@@ -134,7 +134,7 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
 
 
 def rounding_table(finished: dict[str, dict], cells: dict) -> tuple[str, dict]:
-    """θ's wire dtype and rounding in each cell, against θ int8 to nearest (the default, over
+    """θ's wire dtype and rounding in each cell, against θ int8 to nearest ("noloco-new", over
     the cell's seeds) and DiLoCo at its best μ; each seed, and its bytes a round."""
     rows, summary = [], {}
     for workers, h in CELLS:

@@ -54,19 +54,20 @@ class ProtocolSection:
                                 "most this many, and a snapshot landing later is dropped",
                                 min=1, max=64)
     # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py).
-    # int8 is the default: θ in int8 ended within 0.3% of φ and Δ in bf16 at 16 and 32 rounds, 2
-    # seeds (benchmarks/RESULTS.md, issue 19), at 1.9x fewer bytes than θ in bf16; a θ is a whole
-    # state, not a delta, so its rounding does not accumulate from round to round
-    wire_dtype: str = spec("int8", "how NoLoCo snapshots travel: int8 (default) or int4, "
+    # int4, rounded stochastically, is the default: it ended -0.34% to +0.73% against φ and Δ in
+    # bf16 in every cell of the N x H grid (benchmarks/RESULTS.md, issue 19), at 10.7-12.4x fewer
+    # bytes than DiLoCo's fp32 ring (int8: 5.6-6.6x); a θ is a whole state, not a delta, so its
+    # rounding does not accumulate from round to round
+    wire_dtype: str = spec("int4", "how NoLoCo snapshots travel: int4 (default) or int8, "
                            "quantized in blocks of 64 with one fp32 scale each (1.0625 or 0.5625 "
                            "bytes a parameter, lossy), or bf16, fp16 or fp32 (2, 2 or 4)",
                            choices=WIRE_DTYPE_CHOICES)
     # a sender's choice; receivers decode alike. Stochastic rounding is unbiased: to nearest, a
     # θ that barely moves is pulled to the same code round after round (benchmarks/RESULTS.md,
-    # issue 19: int4 pairs ended 2.9% above exact θ to nearest, -0.03% stochastic)
-    wire_rounding: str = spec("nearest", "how a quantized wire_dtype rounds a snapshot: nearest, "
-                              "or stochastic (q = floor(x/s*L + u), u uniform in [0, 1): "
-                              "unbiased, from each node's own random generator)",
+    # issue 19: int4 θ ended 1.5% above int8 rounded to nearest, +0.31% rounded stochastically)
+    wire_rounding: str = spec("stochastic", "how a quantized wire_dtype rounds a snapshot: "
+                              "stochastic (default; q = floor(x/s*L + u), u uniform in [0, 1): "
+                              "unbiased, from each node's own random generator) or nearest",
                               choices=("nearest", "stochastic"))
     # θ alone is exact only when β = γ (protocol/noloco.py theta_only_snapshot); half the bytes
     snapshot: str = spec("theta", "what a NoLoCo snapshot sends: theta, the fast weights alone "

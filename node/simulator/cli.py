@@ -63,8 +63,9 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     noloco.add_argument("--beta", type=float, help="progress weight β (default 0.7)")
     noloco.add_argument("--gamma", type=float, help="consensus weight γ (default 0.7)")
     noloco.add_argument("--wire-dtype", choices=WIRE_DTYPES,
-                        help="how the snapshots travel (default bf16; int8 and int4: quantized "
-                        "in blocks of 64, about 1 and 0.5 bytes a parameter)")
+                        help="how the snapshots travel (default int4, the manifest's; int4 and "
+                        "int8: quantized in blocks of 64, about 0.5 and 1 bytes a parameter; "
+                        "their rounding: --set protocol.wire_rounding=stochastic|nearest)")
     noloco.add_argument("--snapshot", choices=("theta", "phi_delta"),
                         help="what a snapshot sends: the fast weights θ alone (default when "
                         "β = γ; half the bytes) or φ and Δ (default, and needed, when β ≠ γ)")

@@ -187,8 +187,10 @@ def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
 def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never_does():
     """A resync is adopted at the outer step after its round, or dropped: a node whose checks
     are slower than its rounds (votes come with the slowest member) resynced every round and
-    never healed. So a node known to be off the majority's φ waits, bounded, for the check in
-    flight before its step; a node that agrees does not wait at all."""
+    never healed. So a node known to be off the majority's φ waits, at most one of its rounds,
+    for the check in flight before its step; a node that agrees does not wait at all, nor one
+    whose last check heard no other vote (a node rounds behind the others, which waited on
+    votes that never came, fell further behind)."""
     async def main():
         loop = asyncio.get_running_loop()
         events: list = []
@@ -200,6 +202,7 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
         swarm = unit_swarm(loop, view(6, 5), transport=NoStateServer(), events=events)
         swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.6))
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        ex.pace = 3.0  # our rounds take 3 s
 
         async def settle_seconds(wait_s: float) -> float:
             began = loop.time()
@@ -217,7 +220,13 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
         assert 0.4 < waited < 2.0 and not ex._checks, waited
         ex._after_round(8, "f" * 32)
         assert await settle_seconds(0.2) < 0.4  # ...at most as long as asked
+        ex.pace = 0.2
+        assert await settle_seconds(5.0) < 0.4  # ...and at most one of our rounds
         await asyncio.wait(set(ex._checks))
+        assert not ex.diverged  # the checks of 7 and 8 heard no other vote: nothing to wait for
+        ex.members.records = {r.peer_id: r for r in view(6, 5)}
+        await ex._check_consensus(5, "f" * 32)
+        assert ex.diverged
         ex.members.records = {r.peer_id: r for r in view(10, 9, "f" * 32)}  # our φ again
         await ex._check_consensus(9, "f" * 32)
         assert not ex.diverged

@@ -23,8 +23,8 @@ Invariants:
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution; it is due at the outer step after its round, so a node whose last check
-  found it diverged waits for the check in flight at its round's end (`settle`, bounded by the
-  deadline): checks end with the slowest member's vote, later than a short round;
+  found it diverged waits for the check in flight at its round's end (`settle`, at most one of
+  its rounds): checks end with the slowest member's vote, later than a short round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest; a total split of three or more lone digests to the digest of the holder
   ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
@@ -87,6 +87,7 @@ class DiLoCoXExchange:
         self.first_round = 0  # the round this node (re)started at: see _collect
         self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
+        self.pace = 0.0  # seconds between our last two collects: one of our rounds
         self._checks: set[asyncio.Task] = set()  # consensus checks in flight
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
         # our last finished check found our φ off the majority's: until one finds it agreed, a
@@ -269,6 +270,7 @@ class DiLoCoXExchange:
         self.collected = round_index
         now = self.loop.time()
         pace = now - self.last_collect_at if self.last_collect_at is not None else 0.0
+        self.pace = pace
         self.last_collect_at = now
         if round_index < self.first_round:
             # Sent before this node (re)joined: members whose group did not list us yet never
@@ -333,8 +335,9 @@ class DiLoCoXExchange:
         majority = winning_digest(votes)
         complete = sum(votes.values()) > len(self._finished(round_index - 1))
         if majority == digest:
-            # agreed, as far as the votes say: with no other vote in, nothing is confirmed
-            self.diverged = self.diverged and votes[digest] < 2
+            # agreed (another vote for our φ), or nothing known (no other vote came): either
+            # way nothing to wait for at the next round's end
+            self.diverged = self.diverged and 1 < sum(votes.values()) and votes[digest] < 2
             return
         if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:
             # A tie is broken only once every vote is in: a missing one may decide it. But a
@@ -383,6 +386,7 @@ class DiLoCoXExchange:
             if joined is None or joined.round_index <= round_index + 1:
                 return None  # no state, or we are no longer behind it
             self._restart_at(joined.round_index)
+            self.diverged = False  # the swarm's agreed state, adopted
             for old in [r for r in self.inbox if r < self.oldest_wanted]:
                 del self.inbox[old]
             self.members.update(round=joined.round_index, status="training",
@@ -417,8 +421,11 @@ class DiLoCoXExchange:
             return None
 
     async def _settle(self, wait_s: float) -> None:
-        if self.diverged and self._checks:
-            await asyncio.wait(set(self._checks), timeout=wait_s)
+        # at most one of our rounds: a check may be waiting for votes that never come (members
+        # rounds ahead announce other rounds), and a node waiting longer falls behind (CI: a
+        # node that had caught up waited 5 s a round and fell 12 rounds behind again)
+        if self.diverged and self._checks and self.pace > 0:
+            await asyncio.wait(set(self._checks), timeout=min(wait_s, self.pace))
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)

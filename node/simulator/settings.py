@@ -62,7 +62,7 @@ class SimulationSettings:
     noloco_momentum: float = 0.5           # α
     noloco_progress_weight: float = 0.7    # β
     noloco_consensus_weight: float = 0.7   # γ
-    wire_dtype: str = "int4"               # of the snapshots sent (the manifest's default)
+    wire_dtype: str = ProtocolSection().wire_dtype  # of the snapshots sent: the manifest's default
     # what a snapshot sends: "theta" or "phi_delta"; None: theta when β = γ, else phi_delta
     snapshot: str | None = None
     max_staleness: int = 2
@@ -166,7 +166,7 @@ class SimulationSettings:
         if self.protocol == "noloco":
             latency = f", swap takes {self.latency_steps} steps" if self.latency_steps else ""
             wire = self.protocol_values.get("wire_dtype", self.wire_dtype)
-            wire = f", {wire} snapshots" if wire != "int4" else ""
+            wire = f", {wire} snapshots" if wire != ProtocolSection().wire_dtype else ""
             return f"NoLoCo H={self.inner_steps} {self.timing}{latency}{wire}"
         if self.protocol == "dilocox":
             values = dict(self.codec_parameters())

@@ -150,8 +150,3 @@ class BoundWork:
     async def stop(self) -> None:
         self.task.cancel()
         await asyncio.wait({self.task})
-
-
-def run_bound(assembly: Assembly, coroutine: Coroutine) -> BoundWork:
-    """Runs a stream's reading or writing bound to `assembly` (see BoundWork)."""
-    return BoundWork(assembly, coroutine)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from hivemind.p2p import PeerID
 
-from p2p.assembly import Assembly, BoundWork, run_bound
+from p2p.assembly import Assembly, BoundWork
 from p2p.errors import LimitsError, Reason, Refusal
 from p2p.forwarding import blamed, read_preamble
 from p2p.framing import PeerStatus, StreamIO
@@ -107,14 +107,14 @@ class IncomingStreams:
                 self._refused.remember(peer_bytes, header.nonce, header.streams, refusal)
                 raise
             check = lambda raw, sig: self._check_request_head(raw, sig, peer_bytes)[0]  # noqa: E731
-            bound.append(run_bound(assembly, self._receive_frames(io, assembly, stream, header, check)))
+            bound.append(BoundWork(assembly, self._receive_frames(io, assembly, stream, header, check)))
             if header.mode == Mode.SWAP:
                 plan: SendPlan = await assembly.reply
                 refusal = relayed and self.relay_limits.refusal(plan.message.total_bytes)
                 if refusal:
                     raise Refusal(Reason.TOO_LARGE, f"our reply was not sent: {refusal}")
                 # Our half goes out while the peer's half comes in (the reader runs meanwhile).
-                bound.append(run_bound(assembly, send_stream_frames(io, plan, stream, self._executor)))
+                bound.append(BoundWork(assembly, send_stream_frames(io, plan, stream, self._executor)))
                 await bound[-1]
             await bound[0]
             await assembly.complete

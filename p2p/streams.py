@@ -30,7 +30,7 @@ from contextlib import suppress
 
 from hivemind.p2p import P2P, PeerID
 
-from p2p.assembly import Assembly, run_bound
+from p2p.assembly import Assembly, BoundWork
 from p2p.counters import TransportCounters
 from p2p.errors import (HostError, Reason, Refusal, RemoteRefused, ReplyRejected,
                         TransferFailed, TransferTimeout)
@@ -383,7 +383,7 @@ class Transport(IncomingStreams):
                 assembly = reply.join(self, peer, header)
                 if assembly.attach_stream(header) != stream:
                     raise Refusal(Reason.MALFORMED, "reply frames arrived on another stream than they belong to")
-                await run_bound(assembly, self._receive_frames(io, assembly, stream, header, check))
+                await BoundWork(assembly, self._receive_frames(io, assembly, stream, header, check))
                 await assembly.complete
             except PeerStatus as status:  # the peer refused our message instead of replying
                 self._raise_remote(peer, plan, Reason.MALFORMED if status.reason == Reason.OK else status.reason,

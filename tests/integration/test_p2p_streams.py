@@ -224,7 +224,6 @@ def test_a_declared_size_the_kind_rules_out_is_refused_before_its_payload_is_rea
     run(scenario(), timeout_s=60)
 
 
-
 def test_a_reply_refused_while_the_message_streams_in_reaches_the_sender_as_a_reason(tmp_path, p2p_cleanup,
                                                                                     caplog):
     """The replier refuses its own reply while the sender's frames still arrive (here: b takes

@@ -102,7 +102,7 @@ class DiLoCoXMemoryLink:
     def take_resync(self, round_index: int) -> dict | None:
         return self.network.resyncs.pop((self.name, round_index), None)
 
-    def settle(self, wait_s: float) -> None:
+    def settle(self, round_index: int, wait_s: float) -> None:
         """Nothing to wait for: in lockstep a resync is ready before the next outer step."""
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:

@@ -188,9 +188,9 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
     """A resync is adopted at the outer step after its round, or dropped: a node whose checks
     are slower than its rounds (votes come with the slowest member) resynced every round and
     never healed. So a node known to be off the majority's φ waits, at most one of its rounds,
-    for the check in flight before its step; a node that agrees does not wait at all, nor one
-    whose last check heard no other vote (a node rounds behind the others, which waited on
-    votes that never came, fell further behind)."""
+    for the check of the round before its step; a node that agrees does not wait at all, nor
+    one whose last check heard no other vote, nor one the swarm is a round ahead of (a node
+    rounds behind the others, which waited on votes that never came, fell further behind)."""
     async def main():
         loop = asyncio.get_running_loop()
         events: list = []
@@ -204,28 +204,32 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         ex.pace = 3.0  # our rounds take 3 s
 
-        async def settle_seconds(wait_s: float) -> float:
+        async def settle_seconds(round_index: int, wait_s: float) -> float:
             began = loop.time()
-            await ex._settle(wait_s)
+            await ex._settle(round_index, wait_s)
             return loop.time() - began
 
         ex._after_round(6, "f" * 32)  # round 6's votes are not in: the check waits for them
-        assert not ex.diverged and await settle_seconds(5.0) < 0.05  # agreeing so far: no wait
-        await asyncio.wait(set(ex._checks))
+        assert not ex.diverged and await settle_seconds(7, 5.0) < 0.05  # agreeing so far: no wait
+        await asyncio.wait(set(ex._checks.values()))
         await ex._check_consensus(5, "f" * 32)  # two members hold another φ of round 5
         assert ex.diverged and [e.round for e in events if isinstance(e, Diverged)] == [5]
         ex.members.records = {r.peer_id: r for r in view(8, 5)}  # their votes of 7 and 8 lag
         ex._after_round(7, "f" * 32)
-        waited = await settle_seconds(5.0)  # diverged: the check of round 7 is waited for...
+        waited = await settle_seconds(8, 5.0)  # diverged: the check of round 7 is waited for...
         assert 0.4 < waited < 2.0 and not ex._checks, waited
         assert not ex.diverged  # it heard no other vote: nothing to wait for any more
         ex.diverged = True  # as a divergent check leaves it
         ex._after_round(8, "f" * 32)  # a check of 1 s
-        assert 0.15 < await settle_seconds(0.2) < 0.5  # ...at most as long as asked
+        assert 0.15 < await settle_seconds(9, 0.2) < 0.5  # ...at most as long as asked
         ex.pace = 0.2
-        assert 0.15 < await settle_seconds(5.0) < 0.5  # ...and at most one of our rounds
+        assert 0.15 < await settle_seconds(9, 5.0) < 0.5  # ...and at most one of our rounds
         assert ex._checks  # still waiting for votes
-        await asyncio.wait(set(ex._checks))
+        ex.pace = 3.0
+        assert await settle_seconds(10, 5.0) < 0.05  # a check of another round is not waited for
+        ex.members.records = {r.peer_id: r for r in view(11, 10)}
+        assert 8 in ex._checks and await settle_seconds(9, 5.0) < 0.05  # nor one the swarm is a round ahead of
+        await asyncio.wait(set(ex._checks.values()))
         ex.members.records = {r.peer_id: r for r in view(6, 5)}
         await ex._check_consensus(5, "f" * 32)
         assert ex.diverged
@@ -233,8 +237,8 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
         await ex._check_consensus(9, "f" * 32)
         assert not ex.diverged
         ex._after_round(10, "f" * 32)
-        assert await settle_seconds(5.0) < 0.05
-        await asyncio.wait(set(ex._checks))
+        assert await settle_seconds(11, 5.0) < 0.05
+        await asyncio.wait(set(ex._checks.values()))
     asyncio.run(main())
 
 

@@ -425,7 +425,7 @@ class ScriptedDiLoCoXLink:
     def take_resync(self, round_index: int) -> dict | None:
         return self.resync.pop(round_index, None)
 
-    def settle(self, wait_s: float) -> None:
+    def settle(self, round_index: int, wait_s: float) -> None:
         pass
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:

@@ -23,8 +23,9 @@ Invariants:
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution; it is due at the outer step after its round, so a node whose last check
-  found it diverged waits for the check in flight at its round's end (`settle`, at most one of
-  its rounds): checks end with the slowest member's vote, later than a short round;
+  found it diverged waits for that round's check at its round's end (`settle`, at most one of
+  its rounds, and not once the swarm is a round ahead): checks end with the slowest member's
+  vote, later than a short round;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest; a total split of three or more lone digests to the digest of the holder
   ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
@@ -88,7 +89,7 @@ class DiLoCoXExchange:
         self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
-        self._checks: set[asyncio.Task] = set()  # consensus checks in flight
+        self._checks: dict[int, asyncio.Task] = {}  # consensus checks in flight, by round
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
         # our last finished check found our φ off the majority's: until one finds it agreed, a
         # round's end waits for the check in flight (`settle`), whose resync is due at that step
@@ -116,7 +117,7 @@ class DiLoCoXExchange:
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
-        running = [*self._checks, *([self._catch_up_task] if self._catch_up_task else [])]
+        running = [*self._checks.values(), *([self._catch_up_task] if self._catch_up_task else [])]
         for task in running:
             task.cancel()
         if running:
@@ -154,13 +155,14 @@ class DiLoCoXExchange:
     def take_resync(self, round_index: int) -> dict | None:
         return self.swarm.bridge.call("a resync state", self._pop_resync, round_index)
 
-    def settle(self, wait_s: float) -> None:
-        """While this node is known to be off the majority's φ, waits at most `wait_s` for the
-        consensus checks in flight: the resync one brings must be adopted at this outer step;
-        after it, it is a round old and dropped, and a check slower than a round then lost
-        every resync (CI: a node diverged and resynced rounds 1-8, never healing). A node that
-        agrees never waits here."""
-        self.swarm.bridge.call("the consensus checks in flight", self._settle, wait_s, wait_s=wait_s)
+    def settle(self, round_index: int, wait_s: float) -> None:
+        """While this node is known to be off the majority's φ, waits at most `wait_s` before the
+        outer step of `round_index` for the consensus check of the round before: the resync it
+        brings must be adopted at this step; after it, it is a round old and dropped, and a
+        check slower than a round then lost every resync (CI: a node diverged and resynced
+        rounds 1-8, never healing). A node that agrees never waits here."""
+        self.swarm.bridge.call("the consensus check in flight", self._settle, round_index, wait_s,
+                               wait_s=wait_s)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
@@ -314,8 +316,8 @@ class DiLoCoXExchange:
         self.members.update(round=round_index + 1, status="training")
         check = self.swarm.tasks.spawn(self._check_consensus(round_index, digest),
                                        f"dilocox consensus of round {round_index}")
-        self._checks.add(check)
-        check.add_done_callback(self._checks.discard)
+        self._checks[round_index] = check
+        check.add_done_callback(lambda _: self._checks.pop(round_index, None))
 
     async def _check_consensus(self, round_index: int, digest: str) -> None:
         """Waits for the members that reach this round to announce their φ, then compares."""
@@ -420,12 +422,17 @@ class DiLoCoXExchange:
                         behind, swarm_round, failure_sentence(exc))
             return None
 
-    async def _settle(self, wait_s: float) -> None:
-        # at most one of our rounds: a check may be waiting for votes that never come (members
-        # rounds ahead announce other rounds), and a node waiting longer falls behind (CI: a
-        # node that had caught up waited 5 s a round and fell 12 rounds behind again)
-        if self.diverged and self._checks and self.pace > 0:
-            await asyncio.wait(set(self._checks), timeout=min(wait_s, self.pace))
+    async def _settle(self, round_index: int, wait_s: float) -> None:
+        # Only the check whose resync this step can take, at most one of our rounds, and never
+        # once the swarm is a round ahead: a check may wait for votes that never come (members
+        # rounds ahead announce other rounds), and a node that waits then falls further behind,
+        # its messages refused as stale and its φ off again (CI: a node that had caught up
+        # waited 5 s a round and fell 12 rounds behind again; one that waited at each round's
+        # end fell two rounds behind a three-node swarm, and caught up, skipping four rounds)
+        check = self._checks.get(round_index - 1)
+        if self.diverged and check is not None and self.pace > 0 \
+                and agreed_round(self.members.eligible()) <= round_index + 1:
+            await asyncio.wait({check}, timeout=min(wait_s, self.pace))
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)

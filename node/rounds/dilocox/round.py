@@ -69,9 +69,9 @@ class DiLoCoXLink(Protocol):
     def take_resync(self, round_index: int) -> dict | None:
         """A majority peer's verified state after `round_index`, if ours disagreed; else None."""
 
-    def settle(self, wait_s: float) -> None:
-        """Before a round's end takes its outer step: when our φ is known to be off the
-        majority's, waits at most `wait_s` for the resync on its way; at once otherwise."""
+    def settle(self, round_index: int, wait_s: float) -> None:
+        """Before the outer step of `round_index`: when our φ is known to be off the majority's,
+        waits at most `wait_s` for the resync of the round before on its way; at once otherwise."""
 
     def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
         """(the round to train next, the state's round, {"phi", "momentum"}) when this node,
@@ -227,7 +227,7 @@ class DiLoCoXRound:
         arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
         refused: list[str] = []
         if self.stepped_round < round_index:
-            self.link.settle(self.config.message_deadline_s)
+            self.link.settle(round_index, self.config.message_deadline_s)
             waited = time.monotonic() - waited
             _, refused = self._take_step(round_index, arrived)
         else:

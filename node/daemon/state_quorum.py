@@ -60,14 +60,13 @@ from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
 from node.rounds.state import (STATE_KIND, agreed_round, announced_phi, decode_state, majority,
-                               settled)
+                               round_bound, settled)
 from p2p.errors import P2PError, Reason, RemoteRefused
 from p2p.records import MemberRecord
 
 log = logging.getLogger("lowcomm.join")
 ANNOUNCEMENT_POLL_S = 0.1  # a joiner looks up a member's announcement this often, while waiting
 STATE_SOURCES = 3          # NoLoCo: states compared before one is adopted (one liar among three loses)
-LEAD_FACTOR, LEAD_ROUNDS = 4, 16
 # NoLoCo: honest members' φ measured at most 0.17 apart (RMS distance to their mean over the
 # mean's norm, benchmarks/RESULTS.md "scale", 64 replicas), about 0.24 between two of them:
 # states closer than 0.35 of φ's norm agree; a fourfold of the closest pair's distance, when
@@ -95,11 +94,6 @@ class _Candidate:
     groups: dict[str, dict[str, torch.Tensor]]
     digest: str
     meta: dict
-
-
-def round_bound(agreed: int) -> int:
-    """The highest round an honest member can claim while a majority is at `agreed`."""
-    return LEAD_FACTOR * agreed + LEAD_ROUNDS
 
 
 def claimed_round(record: MemberRecord) -> int:

@@ -47,6 +47,16 @@ def announced_phi(extra: dict[str, Any], round_index: int) -> str | None:
     return None
 
 
+# How far an honest member's round can run ahead of the rounds known to have passed (the
+# majority's, or as many as this node could have trained since it started): 4x, plus 16.
+LEAD_FACTOR, LEAD_ROUNDS = 4, 16
+
+
+def round_bound(rounds_passed: float) -> int:
+    """The highest round an honest member can claim while `rounds_passed` rounds are known."""
+    return int(LEAD_FACTOR * rounds_passed) + LEAD_ROUNDS
+
+
 def majority(count: int) -> int:
     return count // 2 + 1
 

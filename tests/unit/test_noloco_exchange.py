@@ -237,6 +237,27 @@ def test_a_node_ahead_of_its_swarm_goes_back_to_its_round_once_no_pair_is_in_fli
     asyncio.run(main())
 
 
+def test_a_member_claiming_a_round_no_one_could_have_reached_does_not_move_the_node(caplog):
+    """The swarm's round with one peer in view is that peer's: a liar claiming round 10^6 moved
+    an honest node there in CI, its step schedule over at once. A member's round counts only up
+    to `round_bound` of the rounds this node could have trained since it started (its waiting
+    for peers included: they train meanwhile), and the claim is logged once."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        liar = member(STRANGER, 10**6)
+        swarm = unit_swarm(loop, [liar], peer_id=ME)
+        ex = NoLoCoExchange(ProtocolSection(timing="overlap"), swarm, random.Random(0))
+        ex.started_at -= 10.0  # it waited 9 s for peers (since it was built at round 0)...
+        ex._round_started -= 1.0  # ...then trained a round of 1 s
+        for _ in range(2):
+            assert await loop.run_in_executor(None, ex.catch_up_round, 0) is None
+        said = [r.getMessage() for r in caplog.records if "claims round 1000000" in r.message]
+        assert len(said) == 1 and STRANGER in said[0] and "(at most 5" in said[0], said  # 16 + 4 x 10 s / 1 s
+        swarm.members.records[PEER] = member(PEER, 30)  # 30 rounds in 10 s: possible, honest
+        assert await loop.run_in_executor(None, ex.catch_up_round, 0) == 30
+    asyncio.run(main())
+
+
 def test_a_node_whose_swaps_outlast_its_rounds_rests_then_pairs_again():
     async def main():
         loop = asyncio.get_running_loop()

@@ -3,8 +3,8 @@
 import torch
 
 from node.daemon.state_quorum import (SPREAD_TOLERANCE, _Candidate, agreed_round, choose_agreed,
-                                      quorum_digest, round_bound)
-from node.rounds.state import announcement
+                                      quorum_digest)
+from node.rounds.state import announcement, round_bound
 from p2p.records import MemberRecord
 
 

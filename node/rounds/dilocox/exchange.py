@@ -317,7 +317,8 @@ class DiLoCoXExchange:
         check = self.swarm.tasks.spawn(self._check_consensus(round_index, digest),
                                        f"dilocox consensus of round {round_index}")
         self._checks[round_index] = check
-        check.add_done_callback(lambda _: self._checks.pop(round_index, None))
+        check.add_done_callback(lambda task: self._checks.get(round_index) is task
+                                and self._checks.pop(round_index))
 
     async def _check_consensus(self, round_index: int, digest: str) -> None:
         """Waits for the members that reach this round to announce their φ, then compares."""

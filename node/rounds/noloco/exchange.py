@@ -32,6 +32,7 @@ from node.events import (NoPartner, PairCancelled, Paired, PairingPaced, Rested,
                          SwapLate, Swapped)
 from node.rounds.noloco.pacing import SwapPacer
 from node.rounds.noloco.round import PartnerSnapshot
+from node.rounds.state import round_bound
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -83,9 +84,14 @@ class NoLoCoExchange:
         self.failed_round: int | None = None  # blocking: this round's swap failed, stop waiting
         self._round_started = self.loop.time()
         self.round_seconds = 0.0
+        # where a member's claimed round is checked against: this node's round and clock when it
+        # started (the clock from now, so that waiting for peers counts: they train meanwhile)
+        self.started_round, self.started_at = 0, self.loop.time()
+        self._implausible: set[str] = set()  # members whose round was left out, logged once each
 
     # ------------------------------------------------------------------ life
     def start(self, round_index: int) -> None:
+        self.started_round, self._round_started = round_index, self.loop.time()
         self.matching = MatchingState(self.peer_id, self.manifest, round_index,
                                       self.matching.max_staleness, admitted=self.membership.admitted)
         accept_any = lambda _round: True  # the matching checks rounds itself (staleness)
@@ -135,13 +141,34 @@ class NoLoCoExchange:
         A node ahead goes back only with no pair in flight: pairs and landed snapshots are kept
         by round, and one of a round it would leave would land as if from the future."""
         def decide() -> int | None:  # a member still joining has no round yet
-            rounds = [rec.round for rec in self.membership.eligible() if rec.status != "joining"]
+            rounds = self._plausible_rounds()
             swarm_round = catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
             if swarm_round is not None and swarm_round <= round_index \
                     and (self.open_pairs or self.partners):
                 return None
             return swarm_round
         return self.swarm.bridge.call("the swarm's round", decide)
+
+    def _plausible_rounds(self) -> list[int]:
+        """The members' rounds, less any past what this node could have seen pass: at most
+        `round_bound` of the rounds it could have trained since it started, at its fastest
+        round. With one peer in view the swarm's round is that peer's, and a member claiming
+        round 10^6 moved an honest node there (its step schedule over at once, CI)."""
+        now = self.loop.time()
+        fastest = min([*self.pacer.round_seconds, now - self._round_started])
+        ceiling = self.started_round + round_bound((now - self.started_at) / max(fastest, 1e-3))
+        rounds = []
+        for rec in self.membership.eligible():
+            if rec.status == "joining":
+                continue
+            if rec.round <= ceiling:
+                rounds.append(rec.round)
+            elif rec.peer_id not in self._implausible:
+                self._implausible.add(rec.peer_id)
+                log.warning("member %s claims round %d, more than this node could have seen pass "
+                            "since it started at round %d (at most %d): left out of the swarm's "
+                            "round", rec.peer_id, rec.round, self.started_round, ceiling)
+        return rounds
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)

@@ -13,7 +13,8 @@ exchange of build_exchange) on the default manifest (node/config/manifest.py), c
 blocking timing, and send what the daemon's round encodes (node/rounds/<protocol>/payload.py):
 - `noloco`: our NoLoCo swap, NoLoCoExchange in blocking timing: the snapshot protocol.snapshot
   names (`--snapshot`: θ alone by default, or φ and Δ, twice the bytes; results say
-  noloco-theta or noloco-phi_delta) in the manifest's wire dtype (bf16), paired by the random
+  noloco-theta or noloco-phi_delta) in the manifest's wire dtype and rounding (int4, stochastic
+  since 2026-11-27; each result says which, `wire`), paired by the random
   matching, one swap per pair; a node left unpaired ends its round at the manifest's pair
   deadline (60 s): such rounds are left out of the median and counted apart (`paired`);
 - `dilocox`: our DiLoCoX exchange, DiLoCoXExchange: the message of the manifest's codec (low-rank,
@@ -102,8 +103,9 @@ def encode_round(manifest, peer_id: str, tensors: dict[str, torch.Tensor]) -> li
     if config.name == "noloco":
         from node.rounds.noloco.payload import encode_snapshot
         from protocol.noloco import NoLoCoSnapshot
+        rounding = torch.Generator().manual_seed(0) if config.wire_rounding == "stochastic" else None
         return encode_snapshot(NoLoCoSnapshot(slow_weights=tensors, local_progress=tensors),
-                               config.wire_dtype, config.snapshot)
+                               config.wire_dtype, config.snapshot, rounding)
     from node.rounds.dilocox.payload import encode_message
     from node.rounds.dilocox.round import codec_for
     from protocol.dilocox import DiLoCoX
@@ -296,7 +298,9 @@ def summarize(method: str, n: int, rate: str, delay_ms: float, rows: list[list[d
                "message_bytes": message, "bound_seconds": bound, "ratio_to_bound": sync / bound,
                "load_average": os.getloadavg()[0]}
     if method == "noloco":
+        config = bench_manifest(method, snapshot).protocol
         summary["snapshot"] = snapshot
+        summary["wire"] = f"{config.wire_dtype}, rounding {config.wire_rounding}"
         summary["paired_fraction"] = len(times) / sum(len(row) for row in rows)
     return summary
 

@@ -14,7 +14,8 @@ Method strings:
   (identity); "arr" takes the outer step as the group's messages arrive (apply_on_arrival);
   "d0" waits for the round's messages (delay 0); "m<μ>" and "e<η>" the outer momentum and
   learning rate (the manifest's 0.3 and 0.7 otherwise); "r<decay>" the error feedback's decay
-  (1 otherwise); "l<steps>" a message's travel time in inner steps (0 otherwise).
+  (1 otherwise); "l<steps>" a message's travel time in inner steps (0 otherwise); "c" scales
+  each message down to the median sender's norm (clip_to_median).
 """
 
 from __future__ import annotations
@@ -65,9 +66,11 @@ def dilocox_settings(method: str) -> dict:
             kwargs["outer_lr"] = float(option[1:])
         elif option.startswith("r"):
             values["residual_decay"] = float(option[1:])
+        elif option == "c":
+            values["clip_to_median"] = True
         else:
             raise ValueError(f"DiLoCoX option {option!r} of {method!r} is unknown: use arr, d0, "
-                             "m<μ>, e<η>, r<decay> or l<steps>.")
+                             "m<μ>, e<η>, r<decay>, l<steps> or c.")
     return {**kwargs, "protocol_values": values}
 
 

@@ -35,11 +35,32 @@ from protocol.errors import CodecError
 
 MAX_RANK = 4096
 _KEYS = frozenset({"codec", "shape", "rank", "bits"})
+ROW_BLOCK = 32  # rows of P·Qᵀ a decoding pass keeps in cache (outer_sum)
 
 
 def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, cols) of the matrix a tensor of `shape` (2-D or more) is compressed as."""
     return shape[0], math.prod(shape[1:])
+
+
+def outer_sum(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """P·Qᵀ from P's and Q's columns (`left` rank × rows, `right` rank × cols), in one fixed order:
+
+        out[i, j] = ((left[0, i]·right[0, j] + left[1, i]·right[1, j]) + left[2, i]·right[2, j]) + …
+
+    Every node must decode a message to the same bits (DiLoCoX agrees on φ bitwise, PROTOCOLS.md
+    §3), and a matmul's order of summation and its fused multiply-adds depend on the BLAS and
+    the CPU: MKL's default path and its reproducible one (MKL_CBWR=COMPATIBLE) decode the same
+    message to different bits on one machine. Elementwise products and sums are rounded alike
+    on any hardware; blocks of rows keep it near a matmul's speed for small ranks."""
+    rank, rows = left.shape
+    out = torch.empty(rows, right.shape[1], dtype=right.dtype)
+    for start in range(0, rows, ROW_BLOCK):
+        block = out[start:start + ROW_BLOCK]
+        torch.mul(left[0, start:start + ROW_BLOCK, None], right[0], out=block)
+        for k in range(1, rank):
+            block.add_(left[k, start:start + ROW_BLOCK, None] * right[k])
+    return out
 
 
 @register_codec
@@ -149,7 +170,7 @@ class LowRankCodec(Codec):
         right_codes = unpack_codes(view[8 * rank + left_bytes:], cols * rank, bits, self.name)
         left = dequantize_groups(left_scales, left_codes.reshape(rank, rows), bits)
         right = dequantize_groups(right_scales, right_codes.reshape(rank, cols), bits)
-        return (left.T @ right).reshape(shape)
+        return outer_sum(left, right).reshape(shape)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

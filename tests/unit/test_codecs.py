@@ -150,6 +150,32 @@ def test_lowrank_fallbacks_and_rank_changes() -> None:
         codec.set_rank("m", 0)
 
 
+def test_lowrank_decodes_to_the_bits_of_a_fixed_order_sum_on_any_hardware() -> None:
+    """φ is agreed bitwise, so a message must decode to the same bits on every node: P·Qᵀ summed
+    term by term in rank order, each product and sum rounded once, as numpy's elementwise fp32
+    arithmetic does anywhere. A matmul differs from it on this machine (MKL's default path;
+    its reproducible mode MKL_CBWR=COMPATIBLE agrees), so this fails if decoding uses one."""
+    import numpy as np
+    from protocol.codecs.blockwise import dequantize_groups, unpack_codes
+    from protocol.codecs.lowrank import outer_sum
+    codec = LowRankCodec(rank=8, bits=8)
+    rows, cols, rank = 100, 48, 8  # 100 rows: more than one block of outer_sum, and a partial one
+    encoded = codec.encode(torch.randn(rows, cols, generator=torch.Generator().manual_seed(3)), "w")
+    payload = bytes(encoded.payload)
+    scales = np.frombuffer(payload[:8 * rank], dtype="<f4")
+    codes = unpack_codes(memoryview(payload[8 * rank:]), (rows + cols) * rank, 8, "lowrank").numpy()
+    left = dequantize_groups(torch.from_numpy(scales[:rank].copy()),
+                             torch.from_numpy(codes[:rows * rank].reshape(rank, rows)), 8).numpy()
+    right = dequantize_groups(torch.from_numpy(scales[rank:].copy()),
+                              torch.from_numpy(codes[rows * rank:].reshape(rank, cols)), 8).numpy()
+    expected = left[0][:, None] * right[0]
+    for k in range(1, rank):
+        expected = expected + left[k][:, None] * right[k]
+    decoded = codec.decode(encoded.description, encoded.payload)
+    assert torch.equal(decoded, torch.from_numpy(expected))
+    assert torch.equal(outer_sum(torch.from_numpy(left), torch.from_numpy(right)), decoded)
+
+
 def test_lowrank_state_round_trip_reproduces_encoding() -> None:
     matrix = torch.randn(64, 32)
     first = LowRankCodec(rank=3)

@@ -5,7 +5,7 @@ a socket, starts a loop or imports `node` or `p2p`. Every algorithm works on dic
 tensors (name -> torch.Tensor, a model's parameters). Modules include:
 
 - protocol.noloco      NoLoCo outer step with a group of any size (§1)
-- protocol.diloco      DiLoCo outer Nesterov step on torch's SGD (§2)
+- protocol.diloco      DiLoCo outer Nesterov step, torch SGD's update rounded alike on any hardware (§2)
 - protocol.dilocox     DiLoCoX: compressed pseudo-gradients, error feedback, one-step delay (§3)
 - protocol.codecs      tensor codecs behind one interface, with a registry `get_codec`
 - protocol.controller  the per-round adaptation of rank, bits and H (§3 "Adaptation")

@@ -1,14 +1,19 @@
-"""DiLoCo's outer step (PROTOCOLS.md §2, arXiv 2311.08105), on torch's own SGD.
+"""DiLoCo's outer step (PROTOCOLS.md §2, arXiv 2311.08105): torch SGD's Nesterov step, each
+operation rounded once.
 
     Δ_i = φ − θ_i                     (old minus new: DiLoCo's sign, opposite to NoLoCo's)
     Δ̄   = mean over all nodes of Δ_i
-    m  ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)   (torch.optim.SGD with nesterov=True)
+    m  ← μ·m + Δ̄ ;  φ ← φ − η·(Δ̄ + μ·m)   (torch.optim.SGD's update with nesterov=True)
 
-Δ̄ is handed to torch's SGD as the gradient of φ, so the update is torch's, not a hand-written
-copy. DiLoCoX (protocol/dilocox.py) reuses `DiLoCo.apply_mean` for its outer step.
+The code mirrors the formula one elementwise operation at a time (a product by a scalar, then a
+sum), not torch.optim.SGD: SGD computes `a + α·b` in one call, which torch's vectorized kernels
+fuse into one multiply-add and its scalar code may not, so the same step gave different bits on
+one machine with ATEN_CPU_CAPABILITY=avx2 and its default (AVX-512); DiLoCoX nodes on different
+CPUs would split φ every round. A product and a sum each rounded once give the same bits on any
+hardware. DiLoCoX (protocol/dilocox.py) reuses `DiLoCo.apply_mean` for its outer step.
 
-Invariant: nodes that start from the same φ and apply the same Δ̄ (same numbers, same summation
-order, see `protocol.tensors.mean`) hold bitwise identical φ and m.
+Invariant: nodes that start from the same φ and m and apply the same Δ̄ (same numbers, same
+summation order, see `protocol.tensors.mean`) hold bitwise identical φ and m, on any CPU or GPU.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_c
 
 @dataclass(frozen=True)
 class DiLoCoHyperParameters:
-    """Outer optimizer settings: η (outer_lr) and μ (momentum) of torch SGD.
+    """Outer optimizer settings: η (outer_lr) and μ (momentum), as torch SGD names them.
 
     `nesterov=False` gives plain heavy-ball momentum (m ← μ·m + Δ̄ ; φ ← φ − η·m), the form
     NoLoCo's δ update takes when the whole swarm is one group (see tests/unit/test_noloco.py).
@@ -47,7 +52,7 @@ class DiLoCoHyperParameters:
 
 
 class DiLoCo:
-    """One node's DiLoCo outer state: φ and the SGD momentum m.
+    """One node's DiLoCo outer state: φ and the outer momentum m.
 
     Round use: `delta = node.pseudo_gradient(theta)`; gather every node's delta; then
     `phi = node.outer_step(deltas)` and restart θ from `phi`.
@@ -60,10 +65,7 @@ class DiLoCo:
         if not self._slow_weights:
             raise LayoutError("initial_weights holds no tensors; a model needs at least one.")
         self._names = list(self._slow_weights)
-        # foreach=False: one code path on every device, so CPU and CUDA nodes agree bitwise.
-        self._optimizer = torch.optim.SGD(
-            list(self._slow_weights.values()), lr=self.hyper.outer_lr,
-            momentum=self.hyper.momentum, nesterov=self.hyper.nesterov, foreach=False)
+        self._momentum = {name: torch.zeros_like(t) for name, t in self._slow_weights.items()}
 
     @property
     def slow_weights(self) -> NamedTensors:
@@ -73,10 +75,7 @@ class DiLoCo:
     @property
     def momentum(self) -> NamedTensors:
         """A copy of the outer momentum m (zeros before the first step)."""
-        state = self._optimizer.state
-        return {name: (state[p]["momentum_buffer"].clone() if p in state
-                       and state[p].get("momentum_buffer") is not None else torch.zeros_like(p))
-                for name, p in self._slow_weights.items()}
+        return fp32_clone(self._momentum, what="momentum")
 
     def slow_weights_minus(self, tensors: Mapping[str, torch.Tensor]) -> NamedTensors:
         """φ − `tensors`, new tensors (φ is read in place, not copied first)."""
@@ -92,13 +91,16 @@ class DiLoCo:
         return self.apply_mean(mean(pseudo_gradients))
 
     def apply_mean(self, mean_pseudo_gradient: Mapping[str, torch.Tensor]) -> NamedTensors:
-        """One torch SGD step on φ with gradient Δ̄; returns a copy of the new φ."""
+        """One outer step on φ with the mean pseudo-gradient Δ̄; returns a copy of the new φ."""
         check_same_layout(self._slow_weights, mean_pseudo_gradient, what="mean pseudo-gradient")
-        for name, parameter in self._slow_weights.items():
-            parameter.grad = mean_pseudo_gradient[name].detach().to(torch.float32).clone()
-        self._optimizer.step()
-        for parameter in self._slow_weights.values():
-            parameter.grad = None
+        eta, mu = self.hyper.outer_lr, self.hyper.momentum
+        with torch.no_grad():
+            for name, phi in self._slow_weights.items():
+                delta = mean_pseudo_gradient[name].detach().to(torch.float32)
+                m = self._momentum[name]
+                m.mul_(mu).add_(delta)                     # m ← μ·m + Δ̄
+                step = m * mu + delta if self.hyper.nesterov else m.clone()  # Δ̄ + μ·m, or m
+                phi.sub_(step.mul_(eta))                   # φ ← φ − η·step
         return self.slow_weights
 
     def state_dict(self) -> dict[str, Any]:
@@ -118,9 +120,4 @@ class DiLoCo:
         with torch.no_grad():
             for name, parameter in self._slow_weights.items():
                 parameter.copy_(slow[name])
-        # A zero buffer steps exactly like torch's "no buffer yet" first step (0·μ + Δ̄ = Δ̄),
-        # so restoring zeros before the first step changes nothing.
-        self._optimizer.state.clear()
-        for name, parameter in self._slow_weights.items():
-            self._optimizer.state[parameter] = {
-                "momentum_buffer": momentum[name].detach().to(torch.float32).clone()}
+                self._momentum[name].copy_(momentum[name])

@@ -27,6 +27,28 @@ def test_matches_the_written_formula_over_rounds() -> None:
             torch.testing.assert_close(node.momentum[name], momentum[name], atol=1e-6, rtol=0)
 
 
+def test_the_step_has_the_bits_of_the_formula_one_rounding_at_a_time() -> None:
+    """DiLoCoX nodes agree on φ bitwise, on whatever CPU or GPU: the step must round each product
+    and each sum once, as numpy's elementwise fp32 arithmetic does anywhere. torch's SGD fuses
+    `a + α·b` where its kernels vectorize (its bits changed with ATEN_CPU_CAPABILITY on one
+    machine), so this fails on an SGD-based step."""
+    import numpy as np
+    rs = np.random.RandomState(4)
+    phi0 = rs.standard_normal(10_007).astype(np.float32)
+    deltas = [rs.standard_normal(10_007).astype(np.float32) * np.float32(0.01) for _ in range(4)]
+    for nesterov, mu in ((True, 0.6), (False, 0.5)):
+        node = DiLoCo({"w": torch.from_numpy(phi0.copy())},
+                      DiLoCoHyperParameters(outer_lr=0.7, momentum=mu, nesterov=nesterov))
+        phi, m = phi0.copy(), np.zeros_like(phi0)
+        eta, mu32 = np.float32(0.7), np.float32(mu)
+        for delta in deltas:
+            m = m * mu32 + delta
+            phi = phi - (m * mu32 + delta if nesterov else m) * eta
+            got = node.apply_mean({"w": torch.from_numpy(delta)})["w"]
+            assert torch.equal(got, torch.from_numpy(phi)) and torch.equal(node.momentum["w"],
+                                                                           torch.from_numpy(m))
+
+
 def test_state_dict_round_trip_continues_identically() -> None:
     torch.manual_seed(2)
     initial = {"w": torch.randn(5)}

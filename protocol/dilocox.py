@@ -56,7 +56,9 @@ Invariants:
   once (`last_applied_round` only grows); a message for an applied round is late.
 - Every node averages identical numbers in an identical order: all messages, own included, are
   decoded by the same D and summed in sorted sender order, so nodes that applied the same
-  messages hold bitwise identical φ and m.
+  messages hold bitwise identical φ and m, on any CPU: D and the outer step round each product
+  and sum once, with no matmul and no fused multiply-add (protocol/codecs/lowrank.py
+  `outer_sum`, protocol/diloco.py).
 - f holds at most `delay` rounds: `outer_step` drops every round up to the one it applies, and
   a node that adopts a state to rejoin at another round drops f and its own pending messages
   (the swarm is past those rounds).

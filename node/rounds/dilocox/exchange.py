@@ -15,8 +15,8 @@ Invariants:
   refuse a slower member's every message as stale and split φ each round; a member more than a
   round behind is a straggler whose messages may miss the round;
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
-  joined, and for the round it joined in at most one of its own rounds: members may have sent
-  those messages before they knew of it; in a swarm larger than the fan-out (each message goes
+  joined, and for the round it joined in (round 0 too) at most one of its own rounds: members
+  may have sent those messages before they knew of it; in a swarm larger than the fan-out (each message goes
   to a random subset) nobody is waited for past one of our rounds either (members then apply
   different messages, so φ splits every round and only the consensus check rejoins it: a swarm
   that large should raise `fan_out`);
@@ -271,7 +271,10 @@ class DiLoCoXExchange:
             return []  # taken mid-round (apply_on_arrival): what came since is for no one
         self.collected = round_index
         now = self.loop.time()
-        pace = now - self.last_collect_at if self.last_collect_at is not None else 0.0
+        # one of our rounds: between our last two collects, or at the first our last round's
+        # length (the training thread replaces that tuple whole)
+        last_round = self._round_durations[-1] if self._round_durations else 0.0
+        pace = now - self.last_collect_at if self.last_collect_at is not None else last_round
         self.pace = pace
         self.last_collect_at = now
         if round_index < self.first_round:
@@ -281,10 +284,13 @@ class DiLoCoXExchange:
             wait_s = 0.0
         deadline = now + wait_s
         laggard_deadline = now + min(wait_s, pace)
-        if 0 < self.first_round == round_index:
-            # The round we joined late in: a member may have ended it before its member cache
-            # listed us, and then it never sends us that message. Waiting the whole deadline for
-            # it would stall us; we wait as long as for a member still in the round.
+        if self.first_round == round_index:
+            # The first round we take part in (the swarm's first, or the one we joined late in):
+            # a member may have ended it before its member cache listed us, and then it never
+            # sends us that message. Waiting the whole deadline for it would stall us; we wait as
+            # long as for a member still in the round (CI: a node of four that started together
+            # waited 9.4 s for a round-0 message sent to the two members its sender knew of,
+            # fell 7 rounds behind and caught up, skipping them).
             deadline = laggard_deadline
         elif len(self._members()) > self.fan_out:
             # Beyond the fan-out each member sends to a random subset: one that finished the

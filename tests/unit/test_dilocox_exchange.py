@@ -36,6 +36,17 @@ def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
     ex.arrived.set()
 
 
+def test_a_member_still_joining_is_sent_nothing():
+    """Its exchange is not listening until it has joined: a push to it was refused UNSUPPORTED,
+    a refusal on both nodes' status (CI, a swarm of four starting one after another)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        joining = live_member("joining", 0, "dilocox", "joining")
+        ex = exchange(loop, [member("a", 1), joining])
+        assert ex.group() == ["a"]
+    asyncio.run(main())
+
+
 def test_a_member_still_in_the_round_is_waited_for_at_most_one_of_our_rounds():
     async def main():
         loop = asyncio.get_running_loop()

@@ -49,7 +49,7 @@ from collections import Counter
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Diverged, Missing, ResyncReady, SendFailed, Sent
 from node.rounds.dilocox.round import GroupMessage
-from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state
+from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state, settled
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import (P2PError, Reason, Refusal, RemoteRefused, TransferFailed,
                         TransferTimeout)
@@ -124,7 +124,9 @@ class DiLoCoXExchange:
             await asyncio.wait(running)
 
     def _members(self) -> list[str]:
-        return sorted(r.peer_id for r in self.members.eligible())
+        # not a member still joining: its exchange is not listening yet, and a push to it was
+        # refused UNSUPPORTED (a refusal on both nodes' status) while it waited for its peers
+        return sorted(r.peer_id for r in settled(self.members.eligible()))
 
     def group(self) -> list[str]:
         peers = self._members()

@@ -16,10 +16,10 @@ Invariants:
   round behind is a straggler whose messages may miss the round;
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
   joined, and for the round it joined in (round 0 too) at most one of its own rounds: members
-  may have sent those messages before they knew of it; in a swarm larger than the fan-out (each message goes
-  to a random subset) nobody is waited for past one of our rounds either (members then apply
-  different messages, so φ splits every round and only the consensus check rejoins it: a swarm
-  that large should raise `fan_out`);
+  may have sent those messages before they knew of it; in a swarm larger than the fan-out
+  (each message goes to a random subset) nobody is waited for past one of our rounds either
+  (members then apply different messages, so φ splits every round and only the consensus check
+  rejoins it: a swarm that large should raise `fan_out`);
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution; it is due at the outer step after its round, so a node whose last check

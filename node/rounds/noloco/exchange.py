@@ -32,7 +32,7 @@ from node.events import (NoPartner, PairCancelled, Paired, PairingPaced, Rested,
                          SwapLate, Swapped)
 from node.rounds.noloco.pacing import SwapPacer
 from node.rounds.noloco.round import PartnerSnapshot
-from node.rounds.state import round_bound
+from node.rounds.state import round_bound, settled
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -140,7 +140,7 @@ class NoLoCoExchange:
 
         A node ahead goes back only with no pair in flight: pairs and landed snapshots are kept
         by round, and one of a round it would leave would land as if from the future."""
-        def decide() -> int | None:  # a member still joining has no round yet
+        def decide() -> int | None:
             rounds = self._plausible_rounds()
             swarm_round = catch_up_round(round_index + 1, rounds, self.matching.max_staleness)
             if swarm_round is not None and swarm_round <= round_index \
@@ -158,9 +158,7 @@ class NoLoCoExchange:
         fastest = min([*self.pacer.round_seconds, now - self._round_started])
         ceiling = self.started_round + round_bound((now - self.started_at) / max(fastest, 1e-3))
         rounds = []
-        for rec in self.membership.eligible():
-            if rec.status == "joining":
-                continue
+        for rec in settled(self.membership.eligible()):  # a member still joining has no round
             if rec.round <= ceiling:
                 rounds.append(rec.round)
             elif rec.peer_id not in self._implausible:

@@ -240,6 +240,14 @@ class CaughtUp(Event, kind="caught_up", logged=True):
 
 
 @dataclass(frozen=True)
+class RoundShortened(Event, kind="round_shortened", logged=True):
+    """DiLoCoX: a majority of this node's members finished the round after the one it trains,
+    so it ends this round at its next step (node/rounds/dilocox/round.py between_steps)."""
+    round: int
+    skipped_steps: int     # the round's inner steps left untrained
+
+
+@dataclass(frozen=True)
 class MinPeersTimeout(Event, kind="min_peers_timeout"):
     wanted: int
     found: int

@@ -18,7 +18,12 @@ in a thread beside it; when it is done, at the next step boundary, θ is shifted
 round's end moved its start, so the steps trained meanwhile keep their progress. Invariants
 there: the protocol's state is touched by one thread at a time (no `between_steps` while a
 round's end runs beside), a round's end finishes before the next one starts, before a
-checkpoint and before the thread stops, and an error in it fails the thread as it would inline.
+checkpoint and before the thread stops, and an error in it fails the thread as it would inline;
+the time a round's end waited for members still training its round (`ran_ahead_seconds`: this
+node ran ahead of them) holds training as long, as it does inline: otherwise a node ahead drifts
+further ahead round after round, beyond the one round its peers' messages are waited for, and
+then refuses them all (a CI run of tests/integration/test_dilocox_catch_up.py[beside]: one node
+of three applied only its own messages for 27 rounds).
 """
 
 from __future__ import annotations
@@ -172,6 +177,8 @@ class TrainingWorker(threading.Thread):
         item, self.beside = self.beside, None
         held = time.monotonic()
         outcome, shift, next_round = item.future.result()  # its error fails this thread
+        # what inline would have waited for members behind us, less what we waited here already
+        self.stop_requested.wait(max(0.0, outcome.ran_ahead_seconds - (time.monotonic() - held)))
         shift_in_place(self.trainer.named_parameters(), shift)
         if next_round is not None:  # the steps trained beside it count in the swarm's round
             trained = self.trainer.step - (item.round + 1) * self.inner_steps

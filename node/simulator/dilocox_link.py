@@ -96,6 +96,14 @@ class DiLoCoXMemoryLink:
         return [GroupMessage(e.sender, round_index, e.payload)
                 for e in self.network.exchange.collect(self.name, TOPIC, round_index)]
 
+    def behind(self, round_index: int) -> bool:
+        """False: in lockstep no replica falls behind another."""
+        return False
+
+    def ran_ahead(self) -> float:
+        """0: in lockstep no replica runs ahead of another."""
+        return 0.0
+
     def publish_digest(self, round_index: int, digest: str) -> None:
         self.network.digests[self.name] = digest
 

@@ -56,12 +56,27 @@ def test_a_member_still_in_the_round_is_waited_for_at_most_one_of_our_rounds():
         began = loop.time()
         got = await ex._collect(3, 30.0)
         assert [g.peer for g in got] == ["slow"] and loop.time() - began < 1.5
+        # the wait was for a member behind us: what a round's end beside training holds it for
+        assert 0.25 < ex.ran_ahead() < 0.6, ex.ran_ahead()
         # it stays in round 4: we wait one of our rounds (1 s), not the 30 s deadline
         ex.members.records["slow"] = member("slow", 4)
         await asyncio.sleep(0.7)
         began = loop.time()
         assert await ex._collect(4, 30.0) == []
-        assert 0.9 < loop.time() - began < 1.3
+        assert 0.9 < loop.time() - began < 1.3 and 0.9 < ex.ran_ahead() < 1.3
+    asyncio.run(main())
+
+
+def test_a_node_is_behind_once_a_majority_finished_the_round_after_its_own():
+    """Members that announce round r + 2 have ended round r + 1 and collect our message of r
+    now: a node still training r is behind. One member far ahead (or lying) is not a majority;
+    a majority further ahead is the catch-up's (the state, not rounds ended one by one)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("a", 5), member("b", 5), member("c", 4)])
+        assert ex._behind(3) and not ex._behind(4) and not ex._behind(2)
+        ex = exchange(loop, [member("far", 90), member("b", 4), member("c", 4)])
+        assert not ex._behind(3)
     asyncio.run(main())
 
 
@@ -73,6 +88,7 @@ def test_a_member_that_finished_the_round_is_waited_for_until_the_deadline():
         began = loop.time()
         assert await ex._collect(5, 1.0) == []
         assert loop.time() - began >= 0.9
+        assert ex.ran_ahead() == 0.0  # its message is on its way: we are not ahead of it
         # a member two rounds behind is a straggler: nobody waits on it
         ex = exchange(loop, [member("behind", 3)])
         ex.last_collect_at = loop.time() - 5.0

@@ -412,12 +412,20 @@ class ScriptedDiLoCoXLink:
         self.refusals: list[tuple[str, str]] = []
         self.ratio: float | None = None  # what send_ratio reports
         self.catch_ups: dict[int, tuple[int, int, dict]] = {}  # round ended -> the swarm's state
+        self.behind_in: set[int] = set()  # rounds a majority of the swarm finished a round ago
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.inbox.pop(round_index, [])
+
+    def ran_ahead(self) -> float:
+        return 0.0
+
+    def behind(self, round_index: int) -> bool:
+        return round_index in self.behind_in
+
 
     def publish_digest(self, round_index: int, digest: str) -> None:
         self.digests.append((round_index, digest))
@@ -531,3 +539,24 @@ def test_dilocox_that_fell_behind_takes_the_swarms_state_and_round_then_goes_on(
     # round 5 was not ours to train: its step holds no message of ours (and no stale one)
     assert outcome.caught_up_to is None and outcome.applied_round == 5 and outcome.group == []
     assert link.digests[-1] == (6, a.phi_digest) and len(link.sent) == 2
+
+
+def test_dilocox_a_round_behind_its_swarm_ends_at_its_next_step(config, corpus):
+    """The link says a majority finished the round after round 1 while this node trains round 1:
+    the round ends after its next step (the steps that would have made its message late are
+    skipped, reported), its message is sent as round 1's, and round 2 is whole again."""
+    a, link, model = dilocox(config, corpus, "a", 1)
+    link.behind_in = {1}
+    train_round(model, a, 0)
+    a.end_round(0)
+    trained, events = {}, []
+    for r in (1, 2):
+        trained[r] = 0
+        while model.step < (r + 1) * H:  # the worker's loop: a round ends at a multiple of H
+            events.append(a.between_steps(r))
+            model.train_step()
+            trained[r] += 1
+        a.end_round(r)
+    assert trained == {1: 1, 2: H}
+    assert [(e.round, e.skipped_steps) for e in events if e is not None] == [(1, H - 1)]
+    assert [r for r, _ in link.sent] == [0, 1, 2]

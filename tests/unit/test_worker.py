@@ -25,6 +25,8 @@ H = 3
 
 @dataclasses.dataclass(frozen=True)
 class Outcome(RoundOutcome):
+    ran_ahead_seconds: float = 0.0  # what DiLoCoX's outcome carries (a round's end beside reads it)
+
     @property
     def partners(self) -> list[str]:
         return []
@@ -58,9 +60,10 @@ class BesideRound(ScriptedRound):
     SHIFT = 1000.0
 
     def __init__(self, trainer: InnerTrainer, fail_at: int | None = None,
-                 catch_up_to: int | None = None):
+                 catch_up_to: int | None = None, ran_ahead: float = 0.0):
         super().__init__(trainer, fail_at)
         self.release, self.threads, self.catch_up_to = threading.Event(), [], catch_up_to
+        self.ran_ahead = ran_ahead  # round 0's end reports it waited this long for members behind
 
     def end_round_beside(self, round_index: int, theta: dict):
         self.calls.append(("beside", round_index, self.trainer.step))
@@ -70,8 +73,9 @@ class BesideRound(ScriptedRound):
         if round_index == self.fail_at:
             raise ValueError("the outer step failed")
         shift = {name: torch.full_like(t, self.SHIFT) for name, t in theta.items()}
-        return Outcome(phi_digest=f"phi{round_index}", refused=[], network_wait_seconds=0.0), \
-            shift, self.catch_up_to if round_index == 0 else None
+        ahead = self.ran_ahead if round_index == 0 else 0.0
+        return Outcome(phi_digest=f"phi{round_index}", refused=[], network_wait_seconds=ahead,
+                       ran_ahead_seconds=ahead), shift, self.catch_up_to if round_index == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -80,15 +84,19 @@ def corpus():
 
 
 def run(corpus, overrides=(), total=2 * H, fail_at=None, stop_at_step=None, beside=False,
-        catch_up_to=None):
+        catch_up_to=None, ran_ahead=0.0, step_times=None):
+    """`step_times`: a dict filled with each step's monotonic time of completion."""
     config = load_config(overrides=[*TINY, *overrides])
     trainer = InnerTrainer(config.model, config.train, corpus, config.data.seq_len, 1,
                            torch.device("cpu"))
-    policy = BesideRound(trainer, fail_at, catch_up_to) if beside else ScriptedRound(trainer, fail_at)
+    policy = BesideRound(trainer, fail_at, catch_up_to, ran_ahead) if beside \
+        else ScriptedRound(trainer, fail_at)
     events, saved = [], []
 
     def publish(event) -> None:
         events.append(event)
+        if isinstance(event, StepDone) and step_times is not None:
+            step_times[event.step] = time.monotonic()
         if isinstance(event, StepDone) and event.step == stop_at_step:
             worker.request_stop()
         if beside and catch_up_to is None and isinstance(event, StepDone) and event.step == H + 1:
@@ -166,6 +174,19 @@ def test_a_failing_round_end_beside_ends_the_thread(corpus):
     assert isinstance(worker.error, ValueError)
     assert isinstance(events[-1], Failed) and "the outer step failed" in events[-1].error
     assert not any(isinstance(e, Trained) for e in events)
+
+
+@pytest.mark.parametrize("ran_ahead", [0.0, 0.5])
+def test_a_round_end_beside_that_waited_for_members_behind_holds_training_as_long(corpus,
+                                                                                  ran_ahead):
+    """Round 0's end, done during step 4, waited 0.5 s for members still in the round: inline
+    that wait would have held training, so beside it holds training before step 5 as long
+    (without the hold a node ahead drifts further ahead round after round)."""
+    times: dict[int, float] = {}
+    worker, _, _, _ = run(corpus, total=2 * H, beside=True, ran_ahead=ran_ahead, step_times=times)
+    assert worker.error is None
+    gap = times[H + 2] - times[H + 1]
+    assert ran_ahead <= gap < ran_ahead + 0.4, gap
 
 
 def test_a_catch_up_in_a_round_end_beside_moves_the_rounds_that_follow(corpus):

@@ -31,6 +31,14 @@ Invariants:
   ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
   not kept; a tie waits for missing votes one round at most (`tied_round`), so a vote that
   never comes cannot keep it;
+- a node still training a round that a majority of its members finished a round ago (it
+  resumed, or caught up, late in their round, or trained slower), and not further behind, ends
+  that round at its next step (`behind`, DiLoCoXRound.between_steps): its message then comes
+  while they still wait for it, and it starts their round with them; otherwise it stays a round
+  behind at equal speeds, its every message late for the members a round ahead (a CI run of the
+  catch-up test: refused STALE_ROUND for ten rounds by one member while the third stayed in
+  step). A node ahead is held back by its own wait for them (`ran_ahead`, which a round's end
+  beside training makes training wait as long: node/daemon/worker.py);
 - a node `CATCH_UP_LAG` or more rounds behind the round a majority of its members reached (it
   stalled, or joined from a stale view of the swarm) adopts the swarm's state as a late joiner
   does (`catch_up`, the daemon's StateAdoption: a majority's digest, checked) and trains on from
@@ -89,6 +97,7 @@ class DiLoCoXExchange:
         self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
+        self.ran_ahead_s = 0.0  # of the last collect's wait, the part for members still in its round
         self._checks: dict[int, asyncio.Task] = {}  # consensus checks in flight, by round
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
         # our last finished check found our φ off the majority's: until one finds it agreed, a
@@ -146,6 +155,23 @@ class DiLoCoXExchange:
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
                                       round_index, wait_s, wait_s=wait_s)
+
+    def behind(self, round_index: int) -> bool:
+        """True while we train `round_index` and a majority of our members already finished the
+        round after it (they collect our message of `round_index` now, and wait for it at most
+        one of their rounds): the round should end now (DiLoCoXRound.between_steps). Not when
+        they are further ahead: the round's end then takes the swarm's state (`catch_up`), where
+        rounds ended one after another would each send a message too late to count."""
+        return self.swarm.bridge.call("the swarm's round", self._behind, round_index)
+
+    def _behind(self, round_index: int) -> bool:
+        lag = agreed_round(self.members.eligible()) - (round_index + 1)  # as catch_up counts it
+        return 1 <= lag < CATCH_UP_LAG
+
+    def ran_ahead(self) -> float:
+        """Seconds the last `collect` waited for members still training its round (read once it
+        returned: the loop wrote it before answering)."""
+        return self.ran_ahead_s
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.swarm.bridge.call(f"round {round_index} if complete", self._take_if_complete,
@@ -269,6 +295,7 @@ class DiLoCoXExchange:
         return not (self._finished(round_index) | self._in_round(round_index)) - set(box)
 
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+        self.ran_ahead_s = 0.0
         if round_index <= self.collected:
             return []  # taken mid-round (apply_on_arrival): what came since is for no one
         self.collected = round_index
@@ -298,12 +325,15 @@ class DiLoCoXExchange:
             # Beyond the fan-out each member sends to a random subset: one that finished the
             # round may not have sent to us at all, so no one is waited for past one of our rounds.
             deadline = laggard_deadline
+        ahead_until = now  # until when we waited for members still training the round
         while True:
             box = self.inbox.get(round_index, {})
             missing = self._finished(round_index) - set(box)
             remaining = deadline - self.loop.time()
+            laggards: set[str] = set()
             if (laggard_remaining := laggard_deadline - self.loop.time()) > 0:
-                missing |= self._in_round(round_index) - set(box)
+                laggards = self._in_round(round_index) - set(box)
+                missing |= laggards
                 remaining = min(remaining, laggard_remaining)
             if not missing or remaining <= 0:
                 break
@@ -312,6 +342,9 @@ class DiLoCoXExchange:
                 await asyncio.wait_for(self.arrived.wait(), timeout=min(remaining, 1.0))
             except asyncio.TimeoutError:
                 pass  # members may have moved on: recompute who is missing
+            if laggards:
+                ahead_until = self.loop.time()
+        self.ran_ahead_s = ahead_until - now
         box = self.inbox.pop(round_index, {})
         if missing:
             self.publish(Missing(round=round_index, peers=sorted(missing)))

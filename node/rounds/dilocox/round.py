@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import torch
 
 from node.config.manifest import ContributionSection, ProtocolSection
+from node.events import RoundShortened
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.dilocox import payload
 from node.rounds.dilocox.adapt import CompressionAdapter
@@ -58,6 +59,14 @@ class DiLoCoXLink(Protocol):
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         """The group's messages of `round_index` that arrived, waiting at most `wait_s`; nothing,
         at once, for a round already collected."""
+
+    def behind(self, round_index: int) -> bool:
+        """A majority of our members finished the round after `round_index` while we still train
+        it: our message of it is due now."""
+
+    def ran_ahead(self) -> float:
+        """Of the last `collect`'s wait, the seconds spent on members still training its round:
+        how far this node ran ahead of them."""
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         """The messages of `round_index` if every one the link would wait for is here, taken as
@@ -97,6 +106,9 @@ class DiLoCoXOutcome(RoundOutcome):
     compression: dict | None = None  # the controller's choice for the next round (adapt.py); None: off
     stepped_mid_round: bool = False  # apply_on_arrival took the outer step before the round's end
     caught_up_to: int | None = None  # fell behind: took the swarm's state, trains this round next
+    # of network_wait_seconds, the wait for members still training the round: this node ran
+    # ahead of them (a round's end beside training holds training as long: node/daemon/worker.py)
+    ran_ahead_seconds: float = 0.0
 
     @property
     def partners(self) -> list[str]:
@@ -145,25 +157,39 @@ class DiLoCoXRound:
         self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
         self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
 
-    def between_steps(self, round_index: int) -> None:
+    def between_steps(self, round_index: int) -> RoundShortened | None:
         """With `apply_on_arrival` (delay 1): once every message of round r − 1 is here (the
         link says so without waiting), take the outer step now instead of at the round's end,
         and shift θ by what that moved the round's start (φ's step, and our own message leaving
         f): the rest of the round trains on the group's work, so the delay costs the messages'
         travel time rather than a round. Δ at the round's end is still this round's progress
-        alone (it is measured from the shifted start)."""
+        alone (it is measured from the shifted start).
+
+        A node that fell a round behind its swarm (`link.behind`) ends the round at the next step
+        instead: the steps it skips were the ones that would have made its message late."""
+        self._apply_on_arrival(round_index)
+        return self._shorten_if_behind(round_index)
+
+    def _apply_on_arrival(self, round_index: int) -> None:
         target = round_index - self.outer.hyper.delay
         if not self.config.apply_on_arrival or self.outer.hyper.delay == 0 or target < 0 \
                 or self.stepped_round >= round_index:
-            return None
+            return
         arrived = self.link.take_if_complete(target)
         if arrived is None:
-            return None
+            return
         before = self.outer.round_start_weights()
         _, self.early_refused = self._take_step(round_index, arrived)
         shift_in_place(self.trainer.named_parameters(),
                        difference(self.outer.round_start_weights(), before))
-        return None
+
+    def _shorten_if_behind(self, round_index: int) -> RoundShortened | None:
+        last_step = (round_index + 1) * self.config.inner_steps  # the step that ends the round
+        skipped = last_step - 1 - self.trainer.step
+        if skipped <= 0 or not self.link.behind(round_index):
+            return None
+        self.trainer.start_at(last_step - 1)
+        return RoundShortened(round=round_index, skipped_steps=skipped)
 
     def end_round(self, round_index: int) -> DiLoCoXOutcome:
         outcome, start, next_round = self._end(round_index, self.trainer.host_parameters())
@@ -193,7 +219,7 @@ class DiLoCoXRound:
         self.link.send_round(round_index, payload.encode_message(own))
         compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
         early = self.stepped_round == round_index
-        step, refused, waited = self._apply_group(round_index)
+        step, refused, waited, ahead = self._apply_group(round_index)
         start = self.outer.round_start_weights()  # φ minus our own round still in flight
         refused, self.early_refused = self.early_refused + refused, []
         digest = self.phi_digest  # this round's φ; a catch-up replaces it for the next
@@ -208,7 +234,8 @@ class DiLoCoXRound:
             applied_round=step.applied_round if step else None,
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
             resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
-            compression=compression, stepped_mid_round=early, caught_up_to=next_round)
+            compression=compression, stepped_mid_round=early, caught_up_to=next_round,
+            ran_ahead_seconds=ahead)
         return outcome, start, next_round
 
     def finish(self, round_index: int) -> None:
@@ -221,10 +248,12 @@ class DiLoCoXRound:
     def _apply_group(self, round_index: int):
         """Collects round `round_index − delay` and takes the outer step (unless `between_steps`
         took it already: then a message that came since is late) and announces φ's digest.
-        Returns (the outer step's record, refusals, seconds waited)."""
+        Returns (the outer step's record, refusals, seconds waited, of them for members still
+        in the round)."""
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
         arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
+        ahead = self.link.ran_ahead() if target >= 0 else 0.0
         refused: list[str] = []
         if self.stepped_round < round_index:
             self.link.settle(round_index, self.config.message_deadline_s)
@@ -234,7 +263,7 @@ class DiLoCoXRound:
             waited = time.monotonic() - waited
             self.outer.counters.late += len(arrived)
         self.link.publish_digest(round_index, self.phi_digest)
-        return self.outer.last_step, refused, waited
+        return self.outer.last_step, refused, waited, ahead
 
     def _take_step(self, round_index: int, arrived: list[GroupMessage]):
         """Checks each message against our own last Δ, adopts a pending resync, takes the outer

@@ -1,5 +1,6 @@
-"""One NoLoCo node whose swap outlasts a round (issue 19): does it stay busy, still pair, and
-leave the others' pace alone?
+"""One node whose exchange outlasts a round: does it stay busy, still exchange, and leave the
+others' pace alone? NoLoCo (issue 19: it pairs less often) or DiLoCoX with its controller on
+(issue 18: it compresses harder).
 
 Two 4-node swarms of `lowcomm-node join` daemons run side by side on one shaped network (each
 node in its own namespace, benchmarks/netns.py), so that both see the same load on this shared
@@ -8,9 +9,15 @@ link is --slow-rate, slow enough that its swap (θ in bf16, both ways) takes lon
 round. Per node: rounds per minute, rounds in which it applied a partner's snapshot (pairs),
 rounds it rested (node/rounds/noloco/pacing.py), the pairing interval it chose, and its idle
 fraction (time the training thread waited on the network over the run's wall clock).
+DiLoCoX (`--protocol dilocox`): the codec starts weak (low-rank at --rank, 8 bits, so that the
+slow node's message to its three members outlasts a round) and the controller adapts it; per
+node the rank and bits it chose each round, bytes sent a round, the members' messages it
+applied, messages missing at a round's end, and whether every node's φ digest agreed.
 
     sudo .venv/bin/python benchmarks/slow_link.py                   # ~8 min
     sudo .venv/bin/python benchmarks/slow_link.py --max-swap-rounds 1   # pacing off, for contrast
+    sudo .venv/bin/python benchmarks/slow_link.py --protocol dilocox --slow-rate 256kbit \
+        --out benchmarks/slow_link_dilocox.json
 
 Writes benchmarks/slow_link.json (or --out) and prints the table for benchmarks/RESULTS.md.
 """
@@ -31,18 +38,26 @@ sys.path.insert(0, str(REPO))
 from benchmarks.netns import ShapedSwarm  # noqa: E402
 from benchmarks.time_to_loss import (P2P_PORT, PYTHON, RELAY_PORT, read_events, tiny_manifest,  # noqa: E402
                                      wait_all, wait_for_file)
-from node.config.manifest import write_manifest  # noqa: E402
+from node.config.manifest import Manifest, write_manifest  # noqa: E402
 
 SWARMS = ("base", "slow")  # nodes 0-3 and 4-7; the last node of "slow" has the slow link
 
 
-def start_swarm(net: ShapedSwarm, base: Path, name: str, nodes: range, args) -> list[subprocess.Popen]:
-    manifest = tiny_manifest("noloco", args.steps, 0, args.threads)
+def swarm_manifest(name: str, args) -> Manifest:
+    manifest = tiny_manifest(args.protocol, args.steps, 0, args.threads)
     manifest.swarm.id = f"slow-link-{name}"
-    manifest.protocol.inner_steps = args.inner_steps
-    manifest.protocol.max_swap_rounds = args.max_swap_rounds
-    manifest.protocol.pair_deadline_s = args.swap_timeout
-    path = write_manifest(manifest, base / name / "manifest.toml")
+    p = manifest.protocol
+    p.inner_steps = args.inner_steps
+    if args.protocol == "noloco":
+        p.max_swap_rounds, p.pair_deadline_s = args.max_swap_rounds, args.swap_timeout
+    else:  # the time-to-loss settings (benchmarks/time_to_loss.py method_manifest), a weak start
+        p.codec, p.rank, p.bits, p.apply_on_arrival, p.outer_momentum = "lowrank", args.rank, 8, True, 0.6
+        p.controller = True
+    return manifest
+
+
+def start_swarm(net: ShapedSwarm, base: Path, name: str, nodes: range, args) -> list[subprocess.Popen]:
+    path = write_manifest(swarm_manifest(name, args), base / name / "manifest.toml")
     processes, first_address = [], None
     for i in nodes:
         data_dir = base / name / f"node-{i}"
@@ -73,10 +88,56 @@ def node_summary(events: list[dict]) -> dict:
             "intervals": paced, "swaps_late": sum(1 for e in events if e["event"] == "swap_late"),
             "swaps_failed": sum(1 for e in events if e["event"] == "swap_failed"),
             "idle_fraction": sum(e.get("network_wait_seconds", 0.0) for e in rounds) / (end - start),
-            "final_train_loss": next((e["loss"] for e in reversed(events) if e["event"] == "step"), None)}
+            "final_train_loss": next((e["loss"] for e in reversed(events) if e["event"] == "step"), None),
+            **({"dilocox": dilocox_summary(rounds, events)} if rounds and "sent_bytes" in rounds[-1] else {})}
+
+
+def dilocox_summary(rounds: list[dict], events: list[dict]) -> dict:
+    """What DiLoCoX's controller chose each round, what it sent, and whom it applied."""
+    choices = [e.get("compression") or {} for e in rounds]
+    return {"rank_by_round": [c.get("rank_max") for c in choices],
+            "bits_by_round": [c.get("bits") for c in choices],
+            "send_ratio_by_round": [c.get("send_ratio") for c in choices],
+            "sent_bytes_by_round": [e["sent_bytes"] for e in rounds],
+            "applied_senders_by_round": [len(e.get("group") or []) for e in rounds],
+            "digests": {e["round"]: e["phi_digest"] for e in rounds},
+            "missing": sum(len(e.get("peers") or []) for e in events if e["event"] == "missing"),
+            "resyncs": rounds[-1].get("resyncs", 0)}
+
+
+def digests_agree(nodes: list[dict]) -> tuple[int, int]:
+    """(rounds on which every node reported the same φ digest, rounds every node reported)."""
+    maps = [n["dilocox"]["digests"] for n in nodes]
+    common = set.intersection(*(set(m) for m in maps))
+    return sum(len({m[r] for m in maps}) == 1 for r in common), len(common)
+
+
+def report_dilocox(results: dict, args) -> str:
+    lines = ["| swarm | node | link | rounds/min | vs base (same node) | rank chosen (first, last, min) | "
+             "bits (last) | sent a round (first, last) | senders applied (mean) | missing | resyncs | idle |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name in SWARMS:
+        for k, node in enumerate(results[name]):
+            d, base = node["dilocox"], results["base"][k]["rounds_per_minute"]
+            ranks = [r for r in d["rank_by_round"] if r is not None] or [None]
+            sent = d["sent_bytes_by_round"]
+            link = args.slow_rate if name == "slow" and k == 3 else args.rate
+            lines.append(
+                f"| {name} | {k} | {link} | {node['rounds_per_minute']:.2f} | "
+                f"{100 * (node['rounds_per_minute'] / base - 1):+.1f}% | {ranks[0]}, {ranks[-1]}, "
+                f"{min(r for r in ranks if r is not None) if ranks[0] is not None else '-'} | "
+                f"{d['bits_by_round'][-1]} | {sent[0] / 1024:.0f}, {sent[-1] / 1024:.0f} KiB | "
+                f"{statistics.fmean(d['applied_senders_by_round']):.2f} | {d['missing']} | {d['resyncs']} | "
+                f"{100 * node['idle_fraction']:.2f}% |")
+    for name in SWARMS:
+        agreed, common = digests_agree(results[name])
+        lines.append(f"\n{name}: every node's φ digest equal on {agreed} of {common} rounds")
+    return "\n".join(lines)
 
 
 def report(results: dict, args) -> str:
+    if args.protocol == "dilocox":
+        return report_dilocox(results, args)
     lines = ["| swarm | node | link | rounds/min | vs base (same node) | pairs | rested | intervals chosen | "
              "idle | swaps late / failed |", "|---|---|---|---|---|---|---|---|---|---|"]
     for name in SWARMS:
@@ -93,6 +154,8 @@ def report(results: dict, args) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--protocol", choices=("noloco", "dilocox"), default="noloco")
+    p.add_argument("--rank", type=int, default=64, help="DiLoCoX: the low-rank codec's starting rank")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--slow-rate", default="1mbit")
     p.add_argument("--delay-ms", type=float, default=25.0)
@@ -119,6 +182,8 @@ def main() -> None:
     summary = {"args": vars(args) | {"out": str(args.out), "work_dir": str(args.work_dir)}, "wall_s": wall,
                "results": results, "others_pace_vs_base": others,
                "others_pace_vs_base_mean": statistics.fmean(others)}
+    if args.protocol == "dilocox":
+        summary["digests_agree"] = {name: digests_agree(results[name]) for name in SWARMS}
     args.out.write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     print(table)
     print(f"wall {wall / 60:.1f} min; the slow swarm's other nodes' pace against the base's: "

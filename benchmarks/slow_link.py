@@ -16,8 +16,8 @@ applied, messages missing at a round's end, and whether every node's φ digest a
 
     sudo .venv/bin/python benchmarks/slow_link.py                   # ~8 min
     sudo .venv/bin/python benchmarks/slow_link.py --max-swap-rounds 1   # pacing off, for contrast
-    sudo .venv/bin/python benchmarks/slow_link.py --protocol dilocox --slow-rate 256kbit \
-        --out benchmarks/slow_link_dilocox.json
+    sudo .venv/bin/python benchmarks/slow_link.py --protocol dilocox --rank 16 --slow-rate 512kbit \
+        --steps 100 --inner-steps 5 --out benchmarks/slow_link_dilocox.json     # ~5 min
 
 Writes benchmarks/slow_link.json (or --out) and prints the table for benchmarks/RESULTS.md.
 """
@@ -119,13 +119,13 @@ def report_dilocox(results: dict, args) -> str:
     for name in SWARMS:
         for k, node in enumerate(results[name]):
             d, base = node["dilocox"], results["base"][k]["rounds_per_minute"]
-            ranks = [r for r in d["rank_by_round"] if r is not None] or [None]
+            ranks = [r for r in d["rank_by_round"] if r is not None]
+            chosen = f"{ranks[0]}, {ranks[-1]}, {min(ranks)}" if ranks else "-"
             sent = d["sent_bytes_by_round"]
             link = args.slow_rate if name == "slow" and k == 3 else args.rate
             lines.append(
                 f"| {name} | {k} | {link} | {node['rounds_per_minute']:.2f} | "
-                f"{100 * (node['rounds_per_minute'] / base - 1):+.1f}% | {ranks[0]}, {ranks[-1]}, "
-                f"{min(r for r in ranks if r is not None) if ranks[0] is not None else '-'} | "
+                f"{100 * (node['rounds_per_minute'] / base - 1):+.1f}% | {chosen} | "
                 f"{d['bits_by_round'][-1]} | {sent[0] / 1024:.0f}, {sent[-1] / 1024:.0f} KiB | "
                 f"{statistics.fmean(d['applied_senders_by_round']):.2f} | {d['missing']} | {d['resyncs']} | "
                 f"{100 * node['idle_fraction']:.2f}% |")
@@ -155,7 +155,7 @@ def report(results: dict, args) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--protocol", choices=("noloco", "dilocox"), default="noloco")
-    p.add_argument("--rank", type=int, default=64, help="DiLoCoX: the low-rank codec's starting rank")
+    p.add_argument("--rank", type=int, default=16, help="DiLoCoX: the low-rank codec's starting rank")
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--slow-rate", default="1mbit")
     p.add_argument("--delay-ms", type=float, default=25.0)

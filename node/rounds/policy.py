@@ -46,7 +46,8 @@ class RoundPolicy(Protocol):
 
     # DiLoCoXRound also has end_round_beside(round_index, θ on the host) -> (outcome, shift of
     # θ, the swarm's round if caught up): the same round's end in a thread beside training
-    # (node/daemon/worker.py), touching no trainer state.
+    # (node/daemon/worker.py), touching no trainer state; its outcome's `ran_ahead_seconds`
+    # holds training as long as the round's end waited for members behind.
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": ...}, digest of φ) for a late joiner; any thread."""

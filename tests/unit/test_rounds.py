@@ -426,7 +426,6 @@ class ScriptedDiLoCoXLink:
     def behind(self, round_index: int) -> bool:
         return round_index in self.behind_in
 
-
     def publish_digest(self, round_index: int, digest: str) -> None:
         self.digests.append((round_index, digest))
 

@@ -52,7 +52,7 @@ def peer_id_from_public_key(public_key: bytes) -> PeerID:
     return PeerID(_ED25519_PEER_ID_PREFIX + bytes(public_key))
 
 
-def _peer_id_bytes(peer_id: PeerID | bytes | str) -> bytes:
+def peer_id_bytes(peer_id: PeerID | bytes | str) -> bytes:
     if isinstance(peer_id, PeerID):
         return peer_id.to_bytes()
     if isinstance(peer_id, str):
@@ -73,7 +73,7 @@ def _public_key_from_id_bytes(raw: bytes) -> Ed25519PublicKey:
 
 def public_key_from_peer_id(peer_id: PeerID | bytes | str) -> Ed25519PublicKey:
     """Recover a peer's Ed25519 public key from its peer id (identity multihash); cached."""
-    return _public_key_from_id_bytes(_peer_id_bytes(peer_id))
+    return _public_key_from_id_bytes(peer_id_bytes(peer_id))
 
 
 def verify_signature(peer_id: PeerID | bytes | str, data: bytes, signature: bytes) -> bool:

@@ -136,6 +136,13 @@ class Transport(IncomingStreams):
     def unban(self, peer: PeerID | str) -> None:
         self._bans.pop(_peer_id(peer).to_bytes(), None)
 
+    def receiving(self, peer: PeerID | str, kind: str, round: int) -> bool:
+        """True while a message of `kind` and `round` from `peer` is arriving (its first frame
+        came, its last not yet): asking someone else for it would only bring it twice."""
+        raw = _peer_id(peer).to_bytes()
+        return any(key[0] == raw and a.first.kind == kind and a.first.round == round
+                   for key, a in self._assemblies.items())
+
     async def start(self) -> None:
         await self.p2p.add_binary_stream_handler(self.protocol, self._serve)
         if self.forwarder.enabled:  # a member behind NAT offers no forwarding: opening one fails at once

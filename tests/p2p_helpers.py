@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from p2p.identity import NodeIdentity, identity_path
+from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.wire import (NONCE_BYTES, MessageHeader, Mode, TensorEntry, encode_header, frame_prefix,
                       payload_digest, signing_input)
 
@@ -38,6 +39,14 @@ def make_header(author: NodeIdentity, to: bytes, payload: bytes = b"", **overrid
                   tensors=(TensorEntry("t", "uint8", (len(payload),), len(payload)),), meta={})
     fields.update(overrides)
     return MessageHeader(**fields)
+
+
+def as_received(message: OutgoingMessage, delivered_by: NodeIdentity) -> ReceivedMessage:
+    """`message` as the transport hands it over, delivered by `delivered_by` (a relay, perhaps)."""
+    payload = b"".join(bytes(s) for s in message.segments())
+    header = make_header(delivered_by, b"recipient", payload, kind=message.kind, round=message.round,
+                         tensors=message.manifest(), meta=dict(message.meta))
+    return ReceivedMessage(delivered_by.peer_id, header, message.manifest(), memoryview(payload))
 
 
 def sign_frame(signer: NodeIdentity, header: MessageHeader | bytes, payload: bytes = b"") -> bytes:

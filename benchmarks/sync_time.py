@@ -120,7 +120,7 @@ async def run_ours(args: argparse.Namespace) -> None:
     from node.daemon.daemon import Daemon, build_exchange
     from node.daemon.join import connect
     from node.daemon.leave import leave
-    from node.rounds.dilocox.exchange import PGRAD
+    from node.rounds.dilocox.sending import PGRAD
     from p2p.identity import NodeIdentity
     from p2p.messages import OutgoingMessage
 
@@ -147,13 +147,16 @@ async def run_ours(args: argparse.Namespace) -> None:
         while (order := await next_round()) is not None:
             index, start = order
             await until(start)
+            if args.method == "dilocox":  # signed as send_round signs it, before the clock starts
+                outgoing = OutgoingMessage(PGRAD, index, message)
+                exchange.relay.sign(outgoing)
             sent_before, began = tx_bytes(), time.monotonic()
             if args.method == "noloco":
                 partner = await loop.run_in_executor(None, exchange.finish_round, index, message,
                                                      deadline)
                 done = {"paired": partner is not None}
             else:  # what send_round starts in the background, awaited here
-                await exchange._send_all(index, OutgoingMessage(PGRAD, index, message))
+                await exchange.sender._send_all(index, outgoing)
                 while len(exchange.inbox.get(index, {})) < args.n - 1:
                     exchange.arrived.clear()
                     await asyncio.wait_for(exchange.arrived.wait(), ROUND_TIMEOUT_S)

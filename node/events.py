@@ -360,6 +360,16 @@ class Missing(Event, kind="missing"):
 
 
 @dataclass(frozen=True)
+class Relayed(Event, kind="relayed"):
+    """DiLoCoX: the message of `author` for `round`, which had not come, fetched from `holder`
+    and checked against the author's signature (node/rounds/dilocox/relay.py)."""
+    round: int
+    author: str
+    holder: str
+    bytes: int
+
+
+@dataclass(frozen=True)
 class Diverged(Event, kind="diverged", logged=True):
     round: int
     ours: str

@@ -8,16 +8,24 @@ import asyncio
 import dataclasses
 import random
 
+import numpy as np
 import pytest
 
 from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
 from node.events import Diverged, SendFailed
-from node.rounds.dilocox.exchange import LINK_MEMORY, PGRAD, DiLoCoXExchange
+from node.events import Relayed
+from node.rounds.dilocox.exchange import DiLoCoXExchange
+from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
+from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, RELAY
+from p2p.identity import NodeIdentity
+from p2p.messages import ReceivedMessage
+from p2p.origin import ORIGIN, sign_origin
 from p2p.errors import P2PError, Reason, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.messages import OutgoingMessage
 from p2p.records import MemberRecord
 from protocol.dilocox import split_winner
+from tests.p2p_helpers import MANIFEST, SWARM, as_received
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
 
@@ -26,9 +34,38 @@ def member(peer_id: str, round_index: int) -> MemberRecord:
     return live_member(peer_id, round_index, "dilocox", "training", since=0)
 
 
+class HoldingTransport:
+    """Members holding copies of messages, served as node/rounds/dilocox/relay.py serves them;
+    nothing arrives by push. `copies`: (holder, round, author) -> the copy it serves."""
+
+    swarm, manifest = SWARM, MANIFEST
+
+    class limits:
+        parallel_streams = 1
+
+    def __init__(self, copies: dict):
+        self.copies, self.asked, self.banned = copies, [], []
+
+    def receiving(self, peer, kind, round_index) -> bool:
+        return False
+
+    def ban(self, peer, seconds) -> None:
+        self.banned.append(peer)
+
+    async def request(self, peer, kind, round_index, *, meta, timeout, streams):
+        assert kind == RELAY
+        self.asked.append(peer)
+        copy = self.copies.get((peer, round_index, meta[AUTHOR]))
+        if copy is None:
+            raise RemoteRefused(Reason.REFUSED, "no message of that author here")
+        return copy
+
+
 def exchange(loop, records: list[MemberRecord]) -> DiLoCoXExchange:
+    """Members hold no copies of what did not come: an ask for one is refused."""
     return DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=8, message_deadline_s=30.0),
-                           unit_swarm(loop, records), random.Random(0))
+                           unit_swarm(loop, records, transport=HoldingTransport({})),
+                           random.Random(0))
 
 
 def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
@@ -121,23 +158,65 @@ def test_a_late_joiner_waits_for_its_first_round_only_one_of_its_own_rounds():
         # its view listed us (CI: 9.4 s waited, 7 rounds behind); at the first collect "one of
         # our rounds" is the last round's length
         ex = exchange(loop, [member("first", 1)])
-        ex._round_durations = (0.5,)
+        ex.sender._round_durations = (0.5,)
         began = loop.time()
         assert await ex._collect(0, 30.0) == []
         assert 0.4 < loop.time() - began < 0.9
     asyncio.run(main())
 
 
-def test_beyond_the_fan_out_a_finished_member_is_waited_for_one_of_our_rounds():
+def relayed_copy(author: NodeIdentity, holder: NodeIdentity, round_index: int,
+                 tamper: bool = False) -> ReceivedMessage:
+    message = OutgoingMessage.from_arrays(PGRAD, round_index, {"c": np.arange(16, dtype=np.uint8)})
+    message.meta[ORIGIN] = sign_origin(author, SWARM, MANIFEST, message)
+    message.meta[AUTHOR] = author.peer_id.to_base58()
+    if tamper:
+        message.tensors[0].data[0] = 99
+    return as_received(message, delivered_by=holder)
+
+
+def test_beyond_the_fan_out_a_finished_members_message_is_fetched_from_a_member_holding_it():
     """Each member sends to a random subset of fan_out peers: one that finished may never send
-    to us, and waiting the deadline for it would stall every round."""
+    to us. Its message is asked of the others (relay.py) and applied like any: every member
+    applies the same messages, where they split φ every round before."""
     async def main():
         loop = asyncio.get_running_loop()
-        ex = exchange(loop, [member(f"m{i}", 6) for i in range(9)])  # 9 members, fan-out 8
+        author, holder = NodeIdentity.generate(), NodeIdentity.generate()
+        a, h = author.peer_id.to_base58(), holder.peer_id.to_base58()
+        transport = HoldingTransport({(h, 5, a): relayed_copy(author, holder, 5)})
+        events: list = []
+        swarm = unit_swarm(loop, [member(a, 6), member(h, 6)], transport=transport, events=events)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=1, message_deadline_s=30.0),
+                             swarm, random.Random(0))
         ex.last_collect_at = loop.time() - 0.5
+        deliver(ex, 5, h)  # the holder's own message came; the author sent us nothing
         began = loop.time()
-        assert await ex._collect(5, 30.0) == []
-        assert 0.4 < loop.time() - began < 0.9
+        got = await ex._collect(5, 30.0)
+        assert sorted(g.peer for g in got) == sorted([a, h])
+        assert ASK_AFTER_S <= loop.time() - began < ASK_AFTER_S + 1.5, loop.time() - began
+        assert [(e.author, e.holder) for e in events if isinstance(e, Relayed)] == [(a, h)]
+        assert ex.relay.store.get(5, a) is not None  # ours to hand on in turn
+    asyncio.run(main())
+
+
+def test_a_relay_serving_a_copy_its_author_did_not_sign_is_banned_and_another_is_asked():
+    async def main():
+        loop = asyncio.get_running_loop()
+        author, liar, honest = (NodeIdentity.generate() for _ in range(3))
+        a, bad, good = (i.peer_id.to_base58() for i in (author, liar, honest))
+        transport = HoldingTransport({(bad, 5, a): relayed_copy(author, liar, 5, tamper=True),
+                                      (good, 5, a): relayed_copy(author, honest, 5)})
+        # the liar finished the round and is asked first; the honest member still trains it
+        swarm = unit_swarm(loop, [member(a, 6), member(bad, 6), member(good, 5)],
+                           transport=transport)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=8, message_deadline_s=30.0),
+                             swarm, random.Random(0))
+        ex.last_collect_at = loop.time() - 10.0
+        deliver(ex, 5, bad)
+        deliver(ex, 5, good)
+        got = {g.peer: g.message for g in await ex._collect(5, 30.0)}
+        assert transport.asked == [bad, good] and transport.banned == [bad]
+        assert swarm.bans.is_banned(bad) and got[a].payload[0] == 0
     asyncio.run(main())
 
 
@@ -295,11 +374,11 @@ def test_a_send_failing_with_any_error_is_a_counted_send_failure():
         swarm = unit_swarm(loop, [member("a", 0), member("b", 0)], transport=FailingTransport(),
                            events=events)
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-        await ex._send_all(0, OutgoingMessage("dilocox.pgrad", 0, []))
+        await ex.sender._send_all(0, OutgoingMessage("dilocox.pgrad", 0, []))
         failed = sorted((e.peer, e.error) for e in events if e.kind == "send_failed")
         assert failed == [("a", "the stream broke"), ("b", "ValueError: the send planner failed")]
         assert all(e.logged for e in events if e.kind == "send_failed")
-        assert [e.kind for e in events][-1] == "sent" and ex._sends_in_flight == {}
+        assert [e.kind for e in events][-1] == "sent" and ex.sender._sends_in_flight == {}
     asyncio.run(main())
 
 
@@ -364,10 +443,10 @@ def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         small = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         assert ex.send_ratio() is None  # nothing measured yet
-        await ex._send_all(0, small)  # 0.1 s
-        ex._round_durations, ex._handed_bytes = (1.0,), 20_000
+        await ex.sender._send_all(0, small)  # 0.1 s
+        ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 20_000
         assert 0.19 < ex.send_ratio() < 0.3
-        ex._handed_bytes = 10_000
+        ex.sender._handed_bytes = 10_000
         assert 0.09 < ex.send_ratio() < 0.15
     asyncio.run(main())
 
@@ -391,11 +470,11 @@ def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
         swarm = unit_swarm(loop, [member("a", 0), member("b", 0)], transport=TransportWithAFailingPeer())
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         big = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
-        await ex._send_all(0, big)  # 0.1 s to "a"; "b" fails
-        ex._round_durations, ex._handed_bytes = (1.0,), 10_000
+        await ex.sender._send_all(0, big)  # 0.1 s to "a"; "b" fails
+        ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 10_000
         before = ex.send_ratio()
         ex.members.records = {"b": member("b", 0)}  # a round whose only send fails at once
-        await ex._send_all(1, big)
+        await ex.sender._send_all(1, big)
         assert ex.send_ratio() >= before * 0.99, (before, ex.send_ratio())
     asyncio.run(main())
 
@@ -421,15 +500,15 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         message = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         transport.seconds = 0.2
-        await ex._send_all(0, message)
-        ex._round_durations, ex._handed_bytes = (1.0,), 10_000
+        await ex.sender._send_all(0, message)
+        ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 10_000
         slow = ex.send_ratio()
         assert 0.19 < slow < 0.3
         transport.seconds = 0.02
         for r in range(1, LINK_MEMORY):
-            await ex._send_all(r, message)
+            await ex.sender._send_all(r, message)
             assert ex.send_ratio() == slow  # still within memory of the slow send
-        await ex._send_all(LINK_MEMORY, message)
+        await ex.sender._send_all(LINK_MEMORY, message)
         assert ex.send_ratio() < slow / 4  # forgotten after LINK_MEMORY faster sends
     asyncio.run(main())
 
@@ -469,7 +548,7 @@ def test_a_push_that_broke_is_tried_again_within_the_deadline(first, then, tries
         swarm = unit_swarm(loop, [member("a", 0)], transport=transport, events=events)
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         message = OutgoingMessage.from_arrays(PGRAD, 0, {"w": np.zeros(100, np.uint8)})
-        await ex._send_all(0, message)
+        await ex.sender._send_all(0, message)
         assert len(transport.calls) == tries
         assert any(isinstance(e, SendFailed) for e in events) == failed
     asyncio.run(main())
@@ -483,7 +562,7 @@ def test_a_round_stretched_by_a_wait_does_not_make_the_link_look_idle():
         loop = asyncio.get_running_loop()
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), unit_swarm(loop, [member("a", 0)]),
                              random.Random(0))
-        ex._link_costs, ex._handed_bytes = (1e-4,), 100_000  # 10 s to send
-        ex._round_durations = (16.0, 16.0, 97.0)
+        ex.sender._link_costs, ex.sender._handed_bytes = (1e-4,), 100_000  # 10 s to send
+        ex.sender._round_durations = (16.0, 16.0, 97.0)
         assert ex.send_ratio() == pytest.approx(10 / 16)
     asyncio.run(main())

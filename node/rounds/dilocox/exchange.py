@@ -2,7 +2,8 @@
 
 The training thread hands each round's compressed message to `send_round`, which pushes it to
 the round's group (every live member on our manifest, at most `fan_out`, a random subset beyond)
-in the background, over signed streams. Received messages wait in an inbox by round until the
+in the background, over signed streams, each signed once by its author for every receiver so
+that members can hand it on (relay.py). Received messages wait in an inbox by round until the
 training thread `collect`s them (with delay = 1 they had a whole round to arrive). After each
 outer step the node announces the digest of φ; when the majority of the members that reached
 the same round announced another digest, the node downloads that majority's state from one of
@@ -16,10 +17,11 @@ Invariants:
   round behind is a straggler whose messages may miss the round;
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
   joined, and for the round it joined in (round 0 too) at most one of its own rounds: members
-  may have sent those messages before they knew of it; in a swarm larger than the fan-out
-  (each message goes to a random subset) nobody is waited for past one of our rounds either
-  (members then apply different messages, so φ splits every round and only the consensus check
-  rejoins it: a swarm that large should raise `fan_out`);
+  may have sent those messages before they knew of it;
+- the message of a member that finished the round and has not come to us is asked of the
+  members that hold it (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
+  than the fan-out, one that went to a random subset of members): every copy is checked against
+  its author's signature, and every member applies the same messages;
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution; it is due at the outer step after its round, so a node whose last check
@@ -51,36 +53,24 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import time
 from collections import Counter
 
 from node.config.manifest import ProtocolSection
-from node.events import CaughtUp, Diverged, Missing, ResyncReady, SendFailed, Sent
+from node.events import CaughtUp, Diverged, Missing, ResyncReady
+from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.round import GroupMessage
+from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state, settled
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
-from p2p.errors import (P2PError, Reason, Refusal, RemoteRefused, TransferFailed,
-                        TransferTimeout)
-from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.errors import P2PError, Reason, Refusal
+from p2p.messages import ReceivedMessage
 from protocol.dilocox import split_winner, winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
-PGRAD = "dilocox.pgrad"
 # Rounds behind the swarm's agreed round before a node adopts the swarm's state. One round
 # behind is left to the resync: members still announce φ of the round before their latest.
 CATCH_UP_LAG = 2
-# The controller reads the link's cost as the worst of this many last sends. Each message goes
-# to every member, so a slow member's downlink carries all of them: a round whose sends did not
-# overlap there measured fast, the next slow, and with the last send alone the rank doubled and
-# halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
-LINK_MEMORY = 4
-# A push that broke (idle for 30 s, reset, ended early, a dial that failed) is tried again
-# within the deadline, this many times in all: its receiver waits up to the whole deadline for
-# the message of a member that finished the round, and then φ splits (at 1.1 Mbit/s, 54d930d,
-# 6 of 9 failed pushes of rounds 14-23 broke this way; two members waited 81-86 s at round 19,
-# and 5 resyncs followed). A refusal (STALE_ROUND: it came too late) is final.
-SEND_TRIES = 3
-RETRY_PAUSE_S = 1.0
+WATCH_S = 0.25  # how often the messages that did not come are looked for (relay.py)
 
 
 class DiLoCoXExchange:
@@ -90,6 +80,9 @@ class DiLoCoXExchange:
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
+        self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
+        self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
+        self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
         self.arrived = asyncio.Event()
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
@@ -105,18 +98,13 @@ class DiLoCoXExchange:
         self.diverged = False
         self.next_catch_up = 0  # the first round whose end may try to catch up (one try a lag)
         self._catch_up_task: asyncio.Task | None = None  # the swarm's state, downloading
-        # the controller's link measurement (send_ratio): written on one thread each, read on
-        # the other (plain values and a dict replaced whole, never changed in place)
-        self._send_called_at: float | None = None  # training thread: the last send_round
-        self._round_durations: tuple[float, ...] = ()  # between send_round calls, the last few
-        self._handed_bytes = 0                      # training thread: the last message handed over
-        self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
-        self._link_costs: tuple[float, ...] = ()  # loop: seconds per byte of the last sends
 
     def start(self, round_index: int) -> None:
         self._restart_at(round_index)
         self.transport.on_push(PGRAD, self._on_message,
                                accept_round=lambda r: r >= self.oldest_wanted)
+        self.relay.start()
+        self._watch = self.swarm.tasks.spawn(self._watch_missing(), "dilocox missing messages")
 
     def _restart_at(self, round_index: int) -> None:
         """Takes part from `round_index` on (at start, or after catching up): the rounds before
@@ -126,7 +114,8 @@ class DiLoCoXExchange:
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
-        running = [*self._checks.values(), *([self._catch_up_task] if self._catch_up_task else [])]
+        running = [*self._checks.values(),
+                   *(task for task in (self._catch_up_task, self._watch) if task is not None)]
         for task in running:
             task.cancel()
         if running:
@@ -143,14 +132,7 @@ class DiLoCoXExchange:
 
     # ------------------------------------------------------------------ training thread side
     def send_round(self, round_index: int, tensors: list) -> None:
-        now = time.monotonic()
-        if self._send_called_at is not None:
-            self._round_durations = (*self._round_durations, now - self._send_called_at)[-LINK_MEMORY:]
-        self._send_called_at = now
-        message = OutgoingMessage(PGRAD, round_index, tensors)
-        self._handed_bytes = message.total_bytes
-        self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
-                                round_index, message, transfer=True)
+        self.sender.send_round(round_index, tensors)
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
@@ -206,67 +188,55 @@ class DiLoCoXExchange:
                                       reference)
 
     def send_ratio(self) -> float | None:
-        """The seconds the message just handed over will take to send (to its whole group),
-        over the last round's: the link's seconds per message byte, the worst of the last
-        LINK_MEMORY finished sends and any send in flight slower already, times that message's
-        bytes. Not the last send's own seconds: those are of an earlier message, and the
-        controller, which judges the current one, doubled the rank on a send half its size and
-        saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20). Over the shortest of the
-        last rounds: a round stretched by a wait on the network is not compute, and after an
-        81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
-        now, in_flight = time.monotonic(), self._sends_in_flight
-        rates = [(now - started) / size for started, size in in_flight.values() if size]
-        rates += self._link_costs
-        if not rates or not self._round_durations:
-            return None
-        return max(rates) * self._handed_bytes / min(self._round_durations)
+        return self.sender.send_ratio()
 
     # ------------------------------------------------------------------ loop side
-    async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
-        group = self.group()
-        started = time.monotonic()
-        self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
-
-        failed: list[str] = []
-
-        async def send(peer: str) -> None:
-            give_up_at = time.monotonic() + self.deadline_s
-            for attempt in range(1, SEND_TRIES + 1):
-                try:
-                    await self.transport.push(peer, message, timeout=give_up_at - time.monotonic())
-                    return
-                except Exception as exc:  # whatever broke it, a failed send is counted and logged once
-                    if isinstance(exc, RemoteRefused) and exc.reason is Reason.REPLAYED:
-                        return  # an earlier try arrived, its answer did not
-                    broke = isinstance(exc, TransferFailed) and not isinstance(exc, TransferTimeout)
-                    if broke and attempt < SEND_TRIES \
-                            and give_up_at - time.monotonic() > 2 * RETRY_PAUSE_S:
-                        log.info("round %d to %s, try %d: %s", round_index, peer[-8:], attempt, exc)
-                        await asyncio.sleep(RETRY_PAUSE_S)
-                        continue
-                    failed.append(peer)
-                    self.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
-                    return
-        await asyncio.gather(*(send(p) for p in group))
-        if message.total_bytes:
-            measured = (time.monotonic() - started) / message.total_bytes
-            # A send that failed at once (a reset stream, a refusal) says nothing of the link and
-            # may only raise its cost: read as fast, it let the controller double the rank onto a
-            # slow member's saturated downlink (benchmarks/RESULTS.md, issue 20, one slow node)
-            if not failed or not self._link_costs or measured > max(self._link_costs):
-                self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
-        self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
-        self.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))
-
     async def _on_message(self, received: ReceivedMessage) -> None:
         sender = peer_name(received.sender)
         if self.swarm.bans.is_banned(sender):
             raise Refusal(Reason.BANNED, "banned for refused contributions")
+        if not await self.loop.run_in_executor(None, self.relay.authored_by, sender, received):
+            raise Refusal(Reason.BAD_SIGNATURE, "its origin signature is missing or does not match "
+                          "its content: the sender must run this version of lowcomm-node")
         box = self.inbox.setdefault(received.round, {})
         if sender in box:
             raise Refusal(Reason.REPLAYED, f"a message of round {received.round} already arrived")
         box[sender] = received
+        self.relay.accepted(sender, received)
         self.arrived.set()
+
+    def _take_relayed(self, author: str, copy: ReceivedMessage) -> None:
+        """A checked copy of `author`'s message, fetched from another member (relay.py)."""
+        if copy.round < self.oldest_wanted:
+            return  # collected meanwhile
+        box = self.inbox.setdefault(copy.round, {})
+        if author not in box:  # its own push may have come meanwhile
+            box[author] = copy
+            self.relay.accepted(author, copy)
+            self.arrived.set()
+
+    async def _watch_missing(self) -> None:
+        """Every WATCH_S, asks for the messages of rounds not yet collected whose authors finished
+        the round and did not send them to us, so that they are here before the round's end."""
+        while True:
+            await asyncio.sleep(WATCH_S)
+            for round_index in range(max(self.oldest_wanted, self.first_round), self.collected + 3):
+                box = self.inbox.get(round_index, {})
+                self._ask_for(round_index, self._finished(round_index) - set(box))
+
+    def _ask_for(self, round_index: int, authors: set[str]) -> None:
+        if authors:
+            self.relay.ask(round_index, sorted(authors),
+                           lambda author: self._holders(round_index, author), self._take_relayed)
+
+    def _holders(self, round_index: int, author: str) -> list[str]:
+        """Whom to ask for `author`'s message: members that finished the round first (they
+        waited for it), then the others, each in a random order."""
+        finished = sorted(self._finished(round_index) - {author})
+        others = sorted(set(self._members()) - set(finished) - {author})
+        self.rng.shuffle(finished)
+        self.rng.shuffle(others)
+        return finished + others
 
     def _finished(self, round_index: int) -> set[str]:
         """Members that took part in `round_index` (joined at or before it, announced `since`)
@@ -286,10 +256,9 @@ class DiLoCoXExchange:
         """Every member that took part in the round (finished it or still in it) has sent us its
         message, and no consensus check is running (a resync it brings must be adopted before
         the next outer step, which `apply_on_arrival` would take early). Never true for the
-        rounds a (re)joining node may have missed, nor beyond the fan-out, where not every
-        member sends to us: those wait for the round's end as before."""
-        if round_index < self.first_round or round_index <= self.collected or self._checks \
-                or len(self._members()) > self.fan_out:
+        rounds a (re)joining node may have missed: those wait for the round's end as before.
+        Beyond the fan-out the messages not sent to us are fetched from members (relay.py)."""
+        if round_index < self.first_round or round_index <= self.collected or self._checks:
             return False
         box = self.inbox.get(round_index, {})
         return not (self._finished(round_index) | self._in_round(round_index)) - set(box)
@@ -302,8 +271,7 @@ class DiLoCoXExchange:
         now = self.loop.time()
         # one of our rounds: between our last two collects, or at the first our last round's
         # length (the training thread replaces that tuple whole)
-        last_round = self._round_durations[-1] if self._round_durations else 0.0
-        pace = now - self.last_collect_at if self.last_collect_at is not None else last_round
+        pace = now - self.last_collect_at if self.last_collect_at is not None else self.sender.last_round_s
         self.pace = pace
         self.last_collect_at = now
         if round_index < self.first_round:
@@ -321,14 +289,10 @@ class DiLoCoXExchange:
             # waited 9.4 s for a round-0 message sent to the two members its sender knew of,
             # fell 7 rounds behind and caught up, skipping them).
             deadline = laggard_deadline
-        elif len(self._members()) > self.fan_out:
-            # Beyond the fan-out each member sends to a random subset: one that finished the
-            # round may not have sent to us at all, so no one is waited for past one of our rounds.
-            deadline = laggard_deadline
         ahead_until = now  # until when we waited for members still training the round
         while True:
             box = self.inbox.get(round_index, {})
-            missing = self._finished(round_index) - set(box)
+            missing = unsent = self._finished(round_index) - set(box)
             remaining = deadline - self.loop.time()
             laggards: set[str] = set()
             if (laggard_remaining := laggard_deadline - self.loop.time()) > 0:
@@ -337,6 +301,9 @@ class DiLoCoXExchange:
                 remaining = min(remaining, laggard_remaining)
             if not missing or remaining <= 0:
                 break
+            # a member that finished the round and whose message has not come: another member
+            # may hold it (its push to us broke, or went to a subset beyond the fan-out)
+            self._ask_for(round_index, unsent)
             self.arrived.clear()
             try:
                 await asyncio.wait_for(self.arrived.wait(), timeout=min(remaining, 1.0))
@@ -345,6 +312,8 @@ class DiLoCoXExchange:
             if laggards:
                 ahead_until = self.loop.time()
         self.ran_ahead_s = ahead_until - now
+        self.relay.stop_asking(round_index)
+        self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)
         box = self.inbox.pop(round_index, {})
         if missing:
             self.publish(Missing(round=round_index, peers=sorted(missing)))

@@ -1,0 +1,165 @@
+"""Handing DiLoCoX messages on: every member keeps the messages it accepted for a few rounds and
+gives one to any member that asks; a member missing the message of an author that finished the
+round asks the others for it (PROTOCOLS.md §3, "relaying signed messages").
+
+What it mends: a push that broke, a push to a member the author's view did not list yet, and a
+swarm larger than the fan-out, where each message goes to a random subset of the members: the
+others fetch it from that subset, so every member applies the same messages and φ does not
+split by design.
+
+The author signs each message once for every receiver (p2p/origin.py) and a relayed copy is
+checked against the author's key before it joins the inbox, so a relay can withhold a message
+but neither forge nor alter one; a copy that fails the check bans the relay that served it.
+
+Invariants:
+- we ask only for an author that finished the round (its message exists) and only while nothing
+  of that message is arriving from it (`Transport.receiving`): a push on its way would come twice;
+- we ask once the message has been missing `ASK_AFTER_S` (a push the author started as it
+  announced the round's end is arriving by then on a link that carries the round at all),
+  during the round after it (the exchange looks every WATCH_S), so that the copy is here at the
+  round's end; one holder at a time; a failed round of asking is repeated `ASK_AFTER_S` later;
+- the store keeps what it accepted of the last `KEEP_ROUNDS` rounds, at most `KEEP_BYTES`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+from node.events import Relayed
+from node.rounds.swarm import Swarm, failure_sentence
+from p2p.errors import P2PError, Reason, Refusal
+from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
+from p2p.origin import ORIGIN, origin_holds, sign_origin
+
+log = logging.getLogger("lowcomm.dilocox")
+RELAY = "dilocox.relay"
+AUTHOR = "author"  # the request's and the reply's meta: whose message
+ASK_AFTER_S = 0.5
+KEEP_ROUNDS = 3  # our round, the one before (its laggards collect it now) and one more
+KEEP_BYTES = 256 << 20
+
+
+class MessageStore:
+    """The messages this node accepted, by (round, author): the last rounds, bounded in bytes."""
+
+    def __init__(self, keep_bytes: int = KEEP_BYTES):
+        self.keep_bytes, self.bytes = keep_bytes, 0
+        self.messages: OrderedDict[tuple[int, str], ReceivedMessage] = OrderedDict()
+
+    def keep(self, round_index: int, author: str, message: ReceivedMessage) -> None:
+        if (round_index, author) in self.messages:
+            return
+        self.messages[(round_index, author)] = message
+        self.bytes += len(message.payload)
+        while self.bytes > self.keep_bytes and self.messages:
+            _, dropped = self.messages.popitem(last=False)
+            self.bytes -= len(dropped.payload)
+
+    def get(self, round_index: int, author: str) -> ReceivedMessage | None:
+        return self.messages.get((round_index, author))
+
+    def forget_before(self, round_index: int) -> None:
+        for key in [k for k in self.messages if k[0] < round_index]:
+            self.bytes -= len(self.messages.pop(key).payload)
+
+
+class Relay:
+    """Signs our messages, checks and keeps those we accept, serves and fetches copies."""
+
+    def __init__(self, swarm: Swarm, kind: str, deadline_s: float):
+        self.swarm, self.kind, self.deadline_s = swarm, kind, deadline_s
+        self.transport = swarm.transport
+        self.store = MessageStore()
+        self._asking: dict[tuple[int, str], asyncio.Task] = {}
+        self._missing_since: dict[tuple[int, str], float] = {}  # or since our last ask failed
+
+    def start(self) -> None:
+        self.transport.on_request(RELAY, self.transport.counters.counted_reply(self._respond),
+                                  accept_round=lambda r: True)
+
+    # ------------------------------------------------------------------ our messages and theirs
+    def sign(self, message: OutgoingMessage) -> None:
+        """Puts our origin signature in `message`'s meta (hashes its payload: any thread)."""
+        message.meta[ORIGIN] = sign_origin(self.transport.identity, self.transport.swarm,
+                                           self.transport.manifest, message)
+
+    def authored_by(self, author: str, message: ReceivedMessage) -> bool:
+        return origin_holds(author, self.transport.swarm, self.transport.manifest, self.kind,
+                            message)
+
+    def accepted(self, author: str, message: ReceivedMessage) -> None:
+        self.store.keep(message.round, author, message)
+
+    # ------------------------------------------------------------------ serving
+    async def _respond(self, header) -> OutgoingMessage:
+        author = header.meta.get(AUTHOR)
+        message = self.store.get(header.round, author) if isinstance(author, str) else None
+        if message is None:
+            raise Refusal(Reason.REFUSED, f"no message of round {header.round} from that author here")
+        tensors = [OutgoingTensor(entry.name, entry.dtype, entry.shape, view)
+                   for entry, view in message.tensor_views().values()]
+        return OutgoingMessage(RELAY, header.round, tensors,
+                               {AUTHOR: author, ORIGIN: message.meta[ORIGIN]})
+
+    # ------------------------------------------------------------------ asking
+    def ask(self, round_index: int, authors: Iterable[str], holders: Callable[[str], list[str]],
+            deliver: Callable[[str, ReceivedMessage], None]) -> None:
+        """Called again and again (every WATCH_S, and while a collect waits) with the `authors`
+        that finished `round_index` and whose message we lack: starts fetching the message of
+        each that has been missing ASK_AFTER_S, is not arriving and is not being fetched;
+        `holders(author)`: whom to ask, in order; `deliver(author, message)` takes a checked
+        copy."""
+        now = self.swarm.loop.time()
+        for author in authors:
+            key = (round_index, author)
+            task = self._asking.get(key)
+            if task is not None and not task.done():
+                continue
+            if self.transport.receiving(author, self.kind, round_index):
+                self._missing_since.pop(key, None)
+                continue
+            since = self._missing_since.setdefault(key, now)
+            if now - since < ASK_AFTER_S:
+                continue
+            self._missing_since[key] = now  # a failed round of asking is repeated this much later
+            self._asking[key] = self.swarm.tasks.spawn(
+                self._fetch(round_index, author, holders(author), deliver),
+                f"dilocox relay of round {round_index} from {author[-8:]}")
+
+    def stop_asking(self, round_index: int) -> None:
+        """The round was collected: what is still being fetched of it (or before) is for no one."""
+        for key in [k for k in self._asking if k[0] <= round_index]:
+            self._asking.pop(key).cancel()
+        for key in [k for k in self._missing_since if k[0] <= round_index]:
+            del self._missing_since[key]
+
+    async def _fetch(self, round_index: int, author: str, holders: list[str],
+                     deliver: Callable[[str, ReceivedMessage], None]) -> None:
+        until = self.swarm.loop.time() + self.deadline_s
+        for holder in holders:
+            remaining = until - self.swarm.loop.time()
+            if remaining <= 0:
+                return
+            try:
+                copy = await self.transport.request(
+                    holder, RELAY, round_index, meta={AUTHOR: author}, timeout=remaining,
+                    streams=self.transport.limits.parallel_streams)
+            except P2PError as exc:
+                log.debug("round %d: %s has no copy of %s's message (%s)", round_index,
+                          holder[-8:], author[-8:], failure_sentence(exc))
+                continue
+            if copy.meta.get(AUTHOR) != author or copy.round != round_index \
+                    or not await self.swarm.loop.run_in_executor(None, self.authored_by, author, copy):
+                # proof, not a symptom: we check every copy we keep, so an honest relay never
+                # serves one that fails
+                self.swarm.bans.ban_now(holder, "bad_relay", f"{holder} relayed a message of "
+                                        f"round {round_index} that {author} did not sign",
+                                        self.transport.ban)
+                continue
+            self.swarm.publish(Relayed(round=round_index, author=author, holder=holder,
+                                       bytes=len(copy.payload)))
+            deliver(author, copy)
+            return

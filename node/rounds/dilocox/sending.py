@@ -1,0 +1,116 @@
+"""A DiLoCoX node's own messages on their way: each round's message pushed to the round's group
+in the background, tried again when a push broke, and the link's cost measured for the adaptive
+controller (`send_ratio`, node/rounds/dilocox/adapt.py).
+
+`send_round` and `send_ratio` run on the training thread, `_send_all` on the event loop; the
+values they share are plain numbers and tuples or dicts replaced whole, never changed in place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from node.events import SendFailed, Sent
+from node.rounds.swarm import Swarm, failure_sentence
+from p2p.errors import Reason, RemoteRefused, TransferFailed, TransferTimeout
+from p2p.messages import OutgoingMessage
+
+log = logging.getLogger("lowcomm.dilocox")
+PGRAD = "dilocox.pgrad"
+# The controller reads the link's cost as the worst of this many last sends. Each message goes
+# to every member, so a slow member's downlink carries all of them: a round whose sends did not
+# overlap there measured fast, the next slow, and with the last send alone the rank doubled and
+# halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
+LINK_MEMORY = 4
+# A push that broke (idle for 30 s, reset, ended early, a dial that failed) is tried again
+# within the deadline, this many times in all: its receiver waits up to the whole deadline for
+# the message of a member that finished the round, and then φ splits (at 1.1 Mbit/s, 54d930d,
+# 6 of 9 failed pushes of rounds 14-23 broke this way; two members waited 81-86 s at round 19,
+# and 5 resyncs followed). A refusal (STALE_ROUND: it came too late) is final.
+SEND_TRIES = 3
+RETRY_PAUSE_S = 1.0
+
+
+class RoundSender:
+    def __init__(self, swarm: Swarm, deadline_s: float, group: Callable[[], list[str]],
+                 sign: Callable[[OutgoingMessage], None]):
+        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature."""
+        self.swarm, self.deadline_s, self.group, self.sign = swarm, deadline_s, group, sign
+        self._send_called_at: float | None = None  # training thread: the last send_round
+        self._round_durations: tuple[float, ...] = ()  # between send_round calls, the last few
+        self._handed_bytes = 0                      # training thread: the last message handed over
+        self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
+        self._link_costs: tuple[float, ...] = ()  # loop: seconds per byte of the last sends
+
+    @property
+    def last_round_s(self) -> float:
+        """Seconds between our last two messages: one of our rounds (0 before the second)."""
+        return self._round_durations[-1] if self._round_durations else 0.0
+
+    # ------------------------------------------------------------------ training thread side
+    def send_round(self, round_index: int, tensors: list) -> None:
+        now = time.monotonic()
+        if self._send_called_at is not None:
+            self._round_durations = (*self._round_durations, now - self._send_called_at)[-LINK_MEMORY:]
+        self._send_called_at = now
+        message = OutgoingMessage(PGRAD, round_index, tensors)
+        self.sign(message)
+        self._handed_bytes = message.total_bytes
+        self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
+                                round_index, message, transfer=True)
+
+    def send_ratio(self) -> float | None:
+        """The seconds the message just handed over will take to send (to its whole group),
+        over the last round's: the link's seconds per message byte, the worst of the last
+        LINK_MEMORY finished sends and any send in flight slower already, times that message's
+        bytes. Not the last send's own seconds: those are of an earlier message, and the
+        controller, which judges the current one, doubled the rank on a send half its size and
+        saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20). Over the shortest of the
+        last rounds: a round stretched by a wait on the network is not compute, and after an
+        81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
+        now, in_flight = time.monotonic(), self._sends_in_flight
+        rates = [(now - started) / size for started, size in in_flight.values() if size]
+        rates += self._link_costs
+        if not rates or not self._round_durations:
+            return None
+        return max(rates) * self._handed_bytes / min(self._round_durations)
+
+    # ------------------------------------------------------------------ loop side
+    async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
+        group = self.group()
+        started = time.monotonic()
+        self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
+
+        failed: list[str] = []
+
+        async def send(peer: str) -> None:
+            give_up_at = time.monotonic() + self.deadline_s
+            for attempt in range(1, SEND_TRIES + 1):
+                try:
+                    await self.swarm.transport.push(peer, message, timeout=give_up_at - time.monotonic())
+                    return
+                except Exception as exc:  # whatever broke it, a failed send is counted and logged once
+                    if isinstance(exc, RemoteRefused) and exc.reason is Reason.REPLAYED:
+                        return  # an earlier try arrived, its answer did not
+                    broke = isinstance(exc, TransferFailed) and not isinstance(exc, TransferTimeout)
+                    if broke and attempt < SEND_TRIES \
+                            and give_up_at - time.monotonic() > 2 * RETRY_PAUSE_S:
+                        log.info("round %d to %s, try %d: %s", round_index, peer[-8:], attempt, exc)
+                        await asyncio.sleep(RETRY_PAUSE_S)
+                        continue
+                    failed.append(peer)
+                    self.swarm.publish(SendFailed(round=round_index, peer=peer, error=failure_sentence(exc)))
+                    return
+        await asyncio.gather(*(send(p) for p in group))
+        if message.total_bytes:
+            measured = (time.monotonic() - started) / message.total_bytes
+            # A send that failed at once (a reset stream, a refusal) says nothing of the link and
+            # may only raise its cost: read as fast, it let the controller double the rank onto a
+            # slow member's saturated downlink (benchmarks/RESULTS.md, issue 20, one slow node)
+            if not failed or not self._link_costs or measured > max(self._link_costs):
+                self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
+        self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
+        self.swarm.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))

@@ -104,6 +104,23 @@ def test_a_member_still_in_the_round_is_waited_for_at_most_one_of_our_rounds():
     asyncio.run(main())
 
 
+def test_a_member_whose_record_lags_is_waited_for_by_the_round_its_last_message_shows():
+    """Its record (through the DHT) still says round 3, but its message of round 4 came: it
+    trains round 5 now, and collecting round 5 waits for it as for any member in the round.
+    (A node on a 512 kbit/s link, its records rounds stale, waited for no one and refused every
+    member's message as stale.)"""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("lagging view", 3)])
+        ex.heard["lagging view"] = 4  # as _on_message records it
+        ex.last_collect_at = loop.time() - 2.0
+        loop.call_later(0.3, deliver, ex, 5, "lagging view")
+        got = await ex._collect(5, 30.0)
+        assert [g.peer for g in got] == ["lagging view"]
+        assert ex._finished(4) == {"lagging view"} and ex._in_round(5) == {"lagging view"}
+    asyncio.run(main())
+
+
 def test_a_node_is_behind_once_a_majority_finished_the_round_after_its_own():
     """Members that announce round r + 2 have ended round r + 1 and collect our message of r
     now: a node still training r is behind. One member far ahead (or lying) is not a majority;

@@ -80,6 +80,7 @@ class DiLoCoXExchange:
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
+        self.heard: dict[str, int] = {}  # member -> the latest round whose message came from it
         self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
         self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
@@ -203,6 +204,7 @@ class DiLoCoXExchange:
             raise Refusal(Reason.REPLAYED, f"a message of round {received.round} already arrived")
         box[sender] = received
         self.relay.accepted(sender, received)
+        self.heard[sender] = max(self.heard.get(sender, -1), received.round)
         self.arrived.set()
 
     def _take_relayed(self, author: str, copy: ReceivedMessage) -> None:
@@ -213,6 +215,7 @@ class DiLoCoXExchange:
         if author not in box:  # its own push may have come meanwhile
             box[author] = copy
             self.relay.accepted(author, copy)
+            self.heard[author] = max(self.heard.get(author, -1), copy.round)
             self.arrived.set()
 
     async def _watch_missing(self) -> None:
@@ -238,16 +241,24 @@ class DiLoCoXExchange:
         self.rng.shuffle(others)
         return finished + others
 
+    def _rounds(self, round_index: int) -> dict[str, int]:
+        """The round each member that took part in `round_index` (joined at or before it,
+        announced `since`) trains now, by the freshest word of it: its record, or its message of
+        the round before, which came to us. Records come through the DHT, and on a slow link
+        they lag: a node at 512 kbit/s saw its members rounds behind where they were, waited for
+        none, ran ahead and refused their every message as stale (benchmarks/RESULTS.md, "A
+        DiLoCoX node on a link its exchange outlasts", the run with relayed messages)."""
+        return {r.peer_id: max(r.round, self.heard.get(r.peer_id, -1) + 1)
+                for r in self.members.eligible()
+                if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
+
     def _finished(self, round_index: int) -> set[str]:
-        """Members that took part in `round_index` (joined at or before it, announced `since`)
-        and finished it (announced a later round): they sent their message of that round."""
-        return {r.peer_id for r in self.members.eligible() if r.round > round_index
-                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
+        """Members that took part in `round_index` and finished it: they sent their message."""
+        return {peer for peer, at in self._rounds(round_index).items() if at > round_index}
 
     def _in_round(self, round_index: int) -> set[str]:
         """Members that took part in `round_index` and are still training it."""
-        return {r.peer_id for r in self.members.eligible() if r.round == round_index
-                and isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
+        return {peer for peer, at in self._rounds(round_index).items() if at == round_index}
 
     async def _take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return await self._collect(round_index, 0.0) if self._complete(round_index) else None

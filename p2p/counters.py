@@ -39,11 +39,16 @@ class TransportCounters:
     paths: PathCounts = field(default_factory=PathCounts)   # streams direct / through a relay
     forwarded_streams: int = 0      # streams we forwarded between two other members (p2p/forwarding.py)
     forwarded_bytes: int = 0        # the bytes they carried, both ways
+    refused_congested: int = 0      # of refused_incoming, those our own saturated link caused
 
-    def count_refusal_issued(self, reason: Reason, peer: str | None) -> None:
+    def count_refusal_issued(self, reason: Reason, peer: str | None, congested: bool = False) -> None:
+        """`congested`: our own saturated link caused it (Refusal.congested): the peer is not
+        told to the node's strikes, or a node on a slow link bans every honest member."""
         self.refused_incoming[reason.name] += 1
+        if congested:
+            self.refused_congested += 1
         if peer is not None:
-            if self.on_refusal_issued is not None:
+            if self.on_refusal_issued is not None and not congested:
                 self.on_refusal_issued(peer, reason)
             self.refusals_by_peer[peer] = self.refusals_by_peer.pop(peer, 0) + 1
             while len(self.refusals_by_peer) > _MAX_TRACKED_PEERS:
@@ -61,6 +66,7 @@ class TransportCounters:
             "bytes_received": self.bytes_received, "refused_incoming": dict(self.refused_incoming),
             "refused_outgoing": dict(self.refused_outgoing), "refusals_by_peer": dict(self.refusals_by_peer),
             "forwarded_streams": self.forwarded_streams, "forwarded_bytes": self.forwarded_bytes,
+            "refused_congested": self.refused_congested,
             **self.paths.snapshot(),
         }
 
@@ -78,7 +84,8 @@ class TransportCounters:
             try:
                 return await reply(header)
             except Refusal as refusal:
-                self.count_refusal_issued(refusal.reason, PeerID(header.sender).to_base58())
+                self.count_refusal_issued(refusal.reason, PeerID(header.sender).to_base58(),
+                                          refusal.congested)
                 raise
             except Exception:
                 self.count_refusal_issued(Reason.INTERNAL, None)

@@ -66,9 +66,12 @@ class Refusal(P2PError):
     decline a message; the transport answers the sender with it.
     """
 
-    def __init__(self, reason: Reason, detail: str = ""):
+    def __init__(self, reason: Reason, detail: str = "", *, congested: bool = False):
+        """`congested`: our own link, not the peer, most likely caused it (a stream idle while
+        others filled our downlink): counted, but it strikes no one (p2p/framing.py)."""
         self.reason = Reason(reason)
         self.detail = detail
+        self.congested = congested
         super().__init__(f"{self.reason.name}: {detail}" if detail else self.reason.name)
 
 

@@ -24,6 +24,11 @@ from p2p.wire import (FRAME_PREFIX, MAX_STATUS_DETAIL_BYTES, STATUS_PREFIX, TAG_
 READ_BYTES = 1 << 20          # largest single read request
 HASH_BATCH_BYTES = 1 << 20    # hand the hashing thread at least this much at a time
 READER_BUFFER_LIMIT = 1 << 20 # asyncio pauses the socket at 2x this; 64 KiB (the default) costs CPU
+# A stream idle for its whole timeout while at least this much came on our other streams: our
+# downlink was full, not the peer silent. Measured: a node on 512 kbit/s saw honest members'
+# pushes idle 30 s behind a state download, struck them TIMEOUT and banned all three for 600 s
+# (benchmarks/RESULTS.md, "A DiLoCoX node on a link its exchange outlasts").
+CONGESTED_BYTES = 64 << 10
 
 
 class PeerStatus(Exception):
@@ -54,7 +59,17 @@ class StreamIO:
 
     # ------------------------------------------------------------------ reading
 
+    def _idle(self, what: str, received_before: int) -> Refusal:
+        """The TIMEOUT of a read that waited `idle_timeout_s`; `congested` when our other
+        streams received CONGESTED_BYTES meanwhile (a stalling peer is cut all the same)."""
+        others = self.counters.bytes_received - received_before
+        if others >= CONGESTED_BYTES:
+            return Refusal(Reason.TIMEOUT, f"no {what} for {self.idle_timeout_s:.0f} s while {others} "
+                           f"bytes came on other streams (our link is saturated)", congested=True)
+        return Refusal(Reason.TIMEOUT, f"no {what} for {self.idle_timeout_s:.0f} s")
+
     async def read_exactly(self, n: int) -> bytes:
+        received_before = self.counters.bytes_received
         try:
             async with asyncio.timeout(self.idle_timeout_s):
                 data = await self.reader.readexactly(n)
@@ -62,7 +77,7 @@ class StreamIO:
             self.counters.bytes_received += len(error.partial)
             raise Refusal(Reason.TRUNCATED, f"stream ended after {len(error.partial)} of {n} bytes") from None
         except TimeoutError:
-            raise Refusal(Reason.TIMEOUT, f"no data for {self.idle_timeout_s:.0f} s") from None
+            raise self._idle("data", received_before) from None
         self.counters.bytes_received += n
         return data
 
@@ -109,11 +124,12 @@ class StreamIO:
         pending: asyncio.Future | None = None
         try:
             while filled < size:
+                received_before = self.counters.bytes_received
                 try:
                     async with asyncio.timeout(self.idle_timeout_s):
                         chunk = await self.reader.read(min(size - filled, READ_BYTES))
                 except TimeoutError:
-                    raise Refusal(Reason.TIMEOUT, f"no payload data for {self.idle_timeout_s:.0f} s") from None
+                    raise self._idle("payload data", received_before) from None
                 if not chunk:
                     raise Refusal(Reason.TRUNCATED, f"stream ended after {filled} of {size} payload bytes")
                 destination[filled:filled + len(chunk)] = chunk

@@ -131,7 +131,7 @@ class IncomingStreams:
         except Refusal as refusal:
             if not repeated and (assembly is None or assembly.fail(refusal)):
                 blame = blamed(refusal.reason, peer, forwarder, verified)
-                self.counters.count_refusal_issued(refusal.reason, blame.to_base58())
+                self.counters.count_refusal_issued(refusal.reason, blame.to_base58(), refusal.congested)
                 logger.info("refused a stream from %s%s: %s (%s)", _short(peer),
                             f" forwarded by {_short(forwarder)}" if forwarder else "", refusal.reason.name,
                             refusal.detail)
@@ -178,7 +178,7 @@ class IncomingStreams:
                 raise Refusal(Reason.BANNED, "this node has banned you for a while")
             origin = await read_preamble(reader, self.limits.idle_timeout_s)
         except Refusal as refusal:
-            self.counters.count_refusal_issued(refusal.reason, forwarder.to_base58())
+            self.counters.count_refusal_issued(refusal.reason, forwarder.to_base58(), refusal.congested)
             logger.info("refused a forwarded stream from %s: %s (%s)", forwarder.to_base58()[-8:],
                         refusal.reason.name, refusal.detail)
             writer.close()
@@ -227,7 +227,7 @@ class IncomingStreams:
     def _expired(self, peer: PeerID, refusal: Refusal) -> None:
         """An incoming message its streams left incomplete past its deadline: a refusal like any
         other (the fuzzer found these went uncounted, so a staller was never struck)."""
-        self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
+        self.counters.count_refusal_issued(refusal.reason, peer.to_base58(), refusal.congested)
         logger.info("refused a message from %s: %s (%s)", _short(peer), refusal.reason.name, refusal.detail)
 
     def _new_assembly(self, peer: PeerID, header: MessageHeader,
@@ -285,7 +285,7 @@ class IncomingStreams:
                         await handler.deliver(message)
             except Refusal as refusal:
                 outcome = (refusal.reason, refusal.detail)
-                self.counters.count_refusal_issued(refusal.reason, message.sender.to_base58())
+                self.counters.count_refusal_issued(refusal.reason, message.sender.to_base58(), refusal.congested)
             except TimeoutError:
                 outcome = (Reason.TIMEOUT, "the receiver's handler took too long")
             except Exception:

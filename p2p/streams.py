@@ -397,7 +397,7 @@ class Transport(IncomingStreams):
                                    status.detail or "the peer answered before replying")
             except Refusal as refusal:  # the reply failed our checks: tell the peer, at a frame boundary
                 if reply.assembly is None or reply.assembly.fail(refusal):
-                    self.counters.count_refusal_issued(refusal.reason, peer.to_base58())
+                    self.counters.count_refusal_issued(refusal.reason, peer.to_base58(), refusal.congested)
                 stop.set()
                 await asyncio.wait({writer}, timeout=self.limits.idle_timeout_s)
                 if writer.done() and not writer.cancelled() and writer.exception() is None and not io.frame_open:

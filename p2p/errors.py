@@ -37,6 +37,7 @@ class Reason(enum.IntEnum):
     NOT_ADMITTED = 20     # the swarm admits only listed keys, and the sender's is not listed
     NOT_PAIRED = 21       # a NoLoCo swap from a peer the receiver holds no pair with
     NO_ROOM = 22          # the receiver holds too many incoming bytes now (capacity, not misbehaviour)
+    HELD = 23             # the receiver already holds this message (a member handed it on): nothing lost
 
     @classmethod
     def from_wire(cls, code: int) -> "Reason":

@@ -46,7 +46,7 @@ GRACE_S = 2.0  # once one direction ended, the other's last bytes (a status) sti
 # else (a bad signature, garbled or replayed frames, a stall, a flood) a forwarder can cause.
 SIGNED_BY_ORIGIN = frozenset({Reason.STALE_ROUND, Reason.TOO_LARGE, Reason.WRONG_SWARM, Reason.WRONG_MANIFEST,
                               Reason.UNSUPPORTED, Reason.REFUSED, Reason.NOT_PAIRED, Reason.BANNED,
-                              Reason.NOT_ADMITTED, Reason.NO_ROOM})
+                              Reason.NOT_ADMITTED, Reason.NO_ROOM, Reason.HELD})
 
 
 def preamble(peer: PeerID) -> bytes:

@@ -44,6 +44,7 @@ class _Handler:
     deliver: Callable[[ReceivedMessage], Awaitable[None]] | None
     reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]] | None
     accept_bytes: SizePredicate | None = None
+    check_head: Callable[[MessageHeader], None] | None = None  # raises Refusal: refused unread
 
 
 def _check_size(header: MessageHeader, accept_bytes: SizePredicate | None) -> None:
@@ -198,6 +199,8 @@ class IncomingStreams:
         if not handler.accept_round(header.round):
             raise Refusal(Reason.STALE_ROUND, f"round {header.round} is not acceptable here")
         _check_size(header, handler.accept_bytes)
+        if handler.check_head is not None:
+            handler.check_head(header)
         self._remember(header)
         return handler
 

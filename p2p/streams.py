@@ -108,10 +108,13 @@ class Transport(IncomingStreams):
     # ------------------------------------------------------------------ registration and life
 
     def on_push(self, kind: str, deliver: Callable[[ReceivedMessage], Awaitable[None]], *,
-                accept_round: RoundPredicate, accept_bytes: SizePredicate | None = None) -> None:
+                accept_round: RoundPredicate, accept_bytes: SizePredicate | None = None,
+                check_head: Callable[[MessageHeader], None] | None = None) -> None:
         """Accept one-way messages of `kind`; `deliver` may raise Refusal to refuse one.
-        `accept_bytes(declared payload bytes)` false: refused TOO_LARGE before reading."""
-        self._handlers[(kind, Mode.PUSH)] = _Handler(Mode.PUSH, accept_round, deliver, None, accept_bytes)
+        `accept_bytes(declared payload bytes)` false: refused TOO_LARGE before reading.
+        `check_head(header)` may raise Refusal to refuse a message before its payload is read."""
+        self._handlers[(kind, Mode.PUSH)] = _Handler(Mode.PUSH, accept_round, deliver, None, accept_bytes,
+                                                     check_head)
 
     def on_swap(self, kind: str, reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]], *,
                 accept_round: RoundPredicate,

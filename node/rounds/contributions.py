@@ -45,7 +45,8 @@ log = logging.getLogger("lowcomm.contributions")
 # Transport refusals (p2p.errors.Reason names) that only a misbehaving peer causes. Not here:
 # STALE_ROUND, EXPIRED, WRONG_VERSION, UNSUPPORTED, WRONG_SWARM, WRONG_MANIFEST, WRONG_RECIPIENT
 # (a peer on another round, clock, version or swarm), TRUNCATED (a peer killed mid-transfer),
-# BANNED, REFUSED (struck as a contribution already), INTERNAL (our own failure) and NO_ROOM
+# BANNED, REFUSED (struck as a contribution already), INTERNAL (our own failure), HELD (a copy
+# a member handed on came first: node/rounds/dilocox/relay.py) and NO_ROOM
 # (this node's room for incoming bytes is taken: every size the manifest allows fits alone,
 # p2p/sizing.py). BUSY is a flood of streams or messages beyond what an honest peer opens.
 # TIMEOUT is here although a cut link causes it too: the ban expires, and the window keeps a

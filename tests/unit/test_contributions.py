@@ -83,7 +83,7 @@ def test_transport_refusals_for_misbehaviour_ban(reason):
 
 
 @pytest.mark.parametrize("reason", ["STALE_ROUND", "EXPIRED", "TRUNCATED", "REFUSED", "NOT_PAIRED",
-                                    "BANNED", "NO_ROOM"])
+                                    "BANNED", "NO_ROOM", "HELD"])
 def test_transport_refusals_an_honest_peer_meets_never_strike(reason):
     bans, banned = BanList(ban_after=1, ban_seconds=30), []
     for _ in range(5):

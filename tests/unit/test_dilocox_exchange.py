@@ -13,19 +13,18 @@ import pytest
 
 from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
-from node.events import Diverged, SendFailed
-from node.events import Relayed
+from node.events import Diverged, Relayed, SendFailed
+from node.rounds.contributions import MISBEHAVIOUR
 from node.rounds.dilocox.exchange import DiLoCoXExchange
-from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
 from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, RELAY
+from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
+from p2p.errors import P2PError, Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.identity import NodeIdentity
-from p2p.messages import ReceivedMessage
+from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.origin import ORIGIN, sign_origin
-from p2p.errors import P2PError, Reason, RemoteRefused, TransferFailed, TransferTimeout
-from p2p.messages import OutgoingMessage
 from p2p.records import MemberRecord
 from protocol.dilocox import split_winner
-from tests.p2p_helpers import MANIFEST, SWARM, as_received
+from tests.p2p_helpers import MANIFEST, SWARM, as_received, make_header
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
 
@@ -45,9 +44,10 @@ class HoldingTransport:
 
     def __init__(self, copies: dict):
         self.copies, self.asked, self.banned = copies, [], []
+        self.arriving: set[tuple[str, int]] = set()  # (peer, round): a push of it is coming in
 
     def receiving(self, peer, kind, round_index) -> bool:
-        return False
+        return (peer, round_index) in self.arriving
 
     def ban(self, peer, seconds) -> None:
         self.banned.append(peer)
@@ -121,6 +121,35 @@ def test_a_member_whose_record_lags_is_waited_for_by_the_round_its_last_message_
     asyncio.run(main())
 
 
+def test_a_member_whose_message_is_arriving_is_waited_for_as_one_that_finished():
+    """Its record says it still trains the round (we would wait one of our rounds, 0.5 s), but
+    its push of the round is coming in: it finished, and the push is waited for up to the
+    deadline (over 512 kbit/s three such pushes took 19 s; cut off, φ split for good)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("slow link", 5)])
+        ex.transport.arriving.add(("slow link", 5))
+        ex.last_collect_at = loop.time() - 0.5
+        loop.call_later(1.5, deliver, ex, 5, "slow link")
+        got = await ex._collect(5, 30.0)
+        assert [g.peer for g in got] == ["slow link"]
+    asyncio.run(main())
+
+
+def test_a_push_of_a_message_a_member_already_handed_on_is_refused_unread_and_strikes_no_one():
+    async def main():
+        loop = asyncio.get_running_loop()
+        author = NodeIdentity.generate()
+        name = author.peer_id.to_base58()
+        ex = exchange(loop, [member(name, 6)])
+        deliver(ex, 5, name)  # a relayed copy came first
+        with pytest.raises(Refusal) as refused:
+            ex._check_head(make_header(author, b"me", kind=PGRAD, round=5))
+        assert refused.value.reason is Reason.HELD and "HELD" not in MISBEHAVIOUR
+        ex._check_head(make_header(author, b"me", kind=PGRAD, round=6))  # not held: read it
+    asyncio.run(main())
+
+
 def test_a_node_is_behind_once_a_majority_finished_the_round_after_its_own():
     """Members that announce round r + 2 have ended round r + 1 and collect our message of r
     now: a node still training r is behind. One member far ahead (or lying) is not a majority;
@@ -148,6 +177,30 @@ def test_a_member_that_finished_the_round_is_waited_for_until_the_deadline():
         ex.last_collect_at = loop.time() - 5.0
         began = loop.time()
         assert await ex._collect(5, 30.0) == [] and loop.time() - began < 0.1
+    asyncio.run(main())
+
+
+def test_a_node_ahead_of_a_majority_waits_for_them_one_of_its_rounds():
+    """Three members two rounds behind and one in step: we are the one ahead, and a collect
+    waits for them as for members still in the round (one of our rounds), so that our pace
+    slows to theirs. (A node on a slow link that started first never waited, refused their
+    every message as stale and applied its own alone for 18 rounds.)"""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("a", 3), member("b", 3), member("d", 3), member("c", 6)])
+        ex.last_collect_at = loop.time() - 0.5
+        deliver(ex, 5, "c")
+        began = loop.time()
+        assert [g.peer for g in await ex._collect(5, 30.0)] == ["c"]
+        assert 0.45 < loop.time() - began < 0.9 and ex.ran_ahead() > 0.4
+        # with two of three in step, the one behind is a straggler again: not waited for
+        ex = exchange(loop, [member("a", 3), member("b", 6), member("c", 6)])
+        ex.last_collect_at = loop.time() - 0.5
+        deliver(ex, 5, "b")
+        deliver(ex, 5, "c")
+        began = loop.time()
+        assert [g.peer for g in await ex._collect(5, 30.0)] == ["b", "c"]
+        assert loop.time() - began < 0.1
     asyncio.run(main())
 
 

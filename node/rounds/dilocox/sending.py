@@ -93,8 +93,8 @@ class RoundSender:
                     await self.swarm.transport.push(peer, message, timeout=give_up_at - time.monotonic())
                     return
                 except Exception as exc:  # whatever broke it, a failed send is counted and logged once
-                    if isinstance(exc, RemoteRefused) and exc.reason is Reason.REPLAYED:
-                        return  # an earlier try arrived, its answer did not
+                    if isinstance(exc, RemoteRefused) and exc.reason in (Reason.REPLAYED, Reason.HELD):
+                        return  # an earlier try arrived, its answer did not; or a member relayed it
                     broke = isinstance(exc, TransferFailed) and not isinstance(exc, TransferTimeout)
                     if broke and attempt < SEND_TRIES \
                             and give_up_at - time.monotonic() > 2 * RETRY_PAUSE_S:

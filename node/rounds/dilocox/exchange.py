@@ -11,10 +11,14 @@ them, checks its digest, and the training thread adopts it before its next outer
 
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
-- `collect` waits at most its deadline for members that already finished the round, and at most
-  one of our own rounds for members still in it: a node more than a round ahead would otherwise
-  refuse a slower member's every message as stale and split φ each round; a member more than a
-  round behind is a straggler whose messages may miss the round;
+- `collect` waits at most its deadline for members that already finished the round (their record
+  says so, or their message of it is arriving), and at most one of our own rounds for members
+  still in it: a node more than a round ahead would otherwise refuse a slower member's every
+  message as stale and split φ each round; a member more than a round behind is a straggler
+  whose messages may miss the round, unless such members are the majority (`_unfinished`: then
+  we are the one ahead, and wait for them as for members still in the round);
+- a member's round is the later of its record's and the one after its last message that came
+  (`_rounds`): records come through the DHT and lag on a slow link;
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
   joined, and for the round it joined in (round 0 too) at most one of its own rounds: members
   may have sent those messages before they knew of it;
@@ -252,8 +256,8 @@ class DiLoCoXExchange:
         announced `since`) trains now, by the freshest word of it: its record, or its message of
         the round before, which came to us. Records come through the DHT, and on a slow link
         they lag: a node at 512 kbit/s saw its members rounds behind where they were, waited for
-        none, ran ahead and refused their every message as stale (benchmarks/RESULTS.md, "A
-        DiLoCoX node on a link its exchange outlasts", the run with relayed messages)."""
+        none, ran ahead and refused their every message as stale (benchmarks/RESULTS.md, "The
+        same slow-link DiLoCoX run with relayed messages", runs A and B)."""
         return {r.peer_id: max(r.round, self.heard.get(r.peer_id, -1) + 1)
                 for r in self.members.eligible()
                 if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
@@ -277,10 +281,10 @@ class DiLoCoXExchange:
         """Members that took part in `round_index` and have not finished it, whom a collect
         waits for at most one of our rounds: those still in it; and those behind it too when
         the members that have not finished it outnumber us and those that did: then we are the
-        one ahead (a tie waits for no one behind: a straggler must not halve a pair's pace). (A node on a slow link that started a round before the others
-        never waited for members two rounds behind, refused their every message as stale and
-        applied its own alone for 18 rounds; waiting one of its rounds each round, its pace
-        slows to theirs.)"""
+        one ahead (a tie waits for no one behind: a straggler must not halve a pair's pace).
+        A node on a slow link that started a round before the others never waited for members
+        two rounds behind, refused their every message as stale and applied its own alone for
+        18 rounds; waiting one of its rounds each round, its pace slows to theirs."""
         rounds = self._rounds(round_index)
         unfinished = {peer for peer, at in rounds.items() if at <= round_index}
         if len(unfinished) > len(rounds) - len(unfinished) + 1:  # + 1: we finished it

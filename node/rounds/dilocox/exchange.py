@@ -199,8 +199,11 @@ class DiLoCoXExchange:
     def _check_head(self, header) -> None:
         """A push of a message a member already handed us is refused before its payload is read:
         HELD, which strikes no one (an honest author's push and a relayed copy may cross)."""
-        if peer_name(header.sender) in self.inbox.get(header.round, {}):
-            raise Refusal(Reason.HELD, f"a message of round {header.round} already arrived")
+        self._refuse_if_held(peer_name(header.sender), header.round)
+
+    def _refuse_if_held(self, author: str, round_index: int) -> None:
+        if author in self.inbox.get(round_index, {}):
+            raise Refusal(Reason.HELD, f"a message of round {round_index} already arrived")
 
     async def _on_message(self, received: ReceivedMessage) -> None:
         sender = peer_name(received.sender)
@@ -209,24 +212,21 @@ class DiLoCoXExchange:
         if not await self.loop.run_in_executor(None, self.relay.authored_by, sender, received):
             raise Refusal(Reason.BAD_SIGNATURE, "its origin signature is missing or does not match "
                           "its content: the sender must run this version of lowcomm-node")
-        box = self.inbox.setdefault(received.round, {})
-        if sender in box:
-            raise Refusal(Reason.HELD, f"a message of round {received.round} already arrived")
-        box[sender] = received
-        self.relay.accepted(sender, received)
-        self.heard[sender] = max(self.heard.get(sender, -1), received.round)
-        self.arrived.set()
+        self._refuse_if_held(sender, received.round)  # a relayed copy may have come meanwhile
+        self._accept(sender, received)
 
     def _take_relayed(self, author: str, copy: ReceivedMessage) -> None:
-        """A checked copy of `author`'s message, fetched from another member (relay.py)."""
-        if copy.round < self.oldest_wanted:
-            return  # collected meanwhile
-        box = self.inbox.setdefault(copy.round, {})
-        if author not in box:  # its own push may have come meanwhile
-            box[author] = copy
-            self.relay.accepted(author, copy)
-            self.heard[author] = max(self.heard.get(author, -1), copy.round)
-            self.arrived.set()
+        """A checked copy of `author`'s message, fetched from another member (relay.py); not
+        once its round was collected, nor after its own push came."""
+        if copy.round >= self.oldest_wanted and author not in self.inbox.get(copy.round, {}):
+            self._accept(author, copy)
+
+    def _accept(self, author: str, message: ReceivedMessage) -> None:
+        """Into the inbox, the relay's store, and our view of the author's round."""
+        self.inbox.setdefault(message.round, {})[author] = message
+        self.relay.accepted(author, message)
+        self.heard[author] = max(self.heard.get(author, -1), message.round)
+        self.arrived.set()
 
     async def _watch_missing(self) -> None:
         """Every WATCH_S, asks for the messages of rounds not yet collected whose authors finished

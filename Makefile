@@ -8,6 +8,8 @@ setup:
 run: setup
 	.venv/bin/lowcomm-node local-swarm --swarm local --nodes 3 --max-steps 300
 
-# --durations: the slowest tests, to keep the suite within CI's 20 minutes on 2 cores
+# Two workers, each taking whole test files (tests/conftest.py): most integration tests wait on
+# daemons' rounds with a core to spare. --durations: the slowest tests, to keep the suite within
+# CI's 20 minutes on 2 cores.
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 tests
+	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15 tests

@@ -19,7 +19,7 @@ import pytest
 
 from tests.docker_engine import TAG, PrivateEngine, fill_wheelhouse, import_standin, missing_tools
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.integration, pytest.mark.host_network, pytest.mark.timeout(1500)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILE = ROOT / "docker" / "Dockerfile"

@@ -37,7 +37,8 @@ from tests.swarm_harness import NodeHandle, small_manifest
 NAT_TESTS = "LOWCOMM_NAT_TESTS"
 pytestmark = [pytest.mark.skipif(os.environ.get(NAT_TESTS) == "0", reason=f"{NAT_TESTS}=0 skips the NAT testbed"),
               pytest.mark.skipif(unavailable() is not None, reason=unavailable() or ""),
-              pytest.mark.timeout(900)]
+              pytest.mark.timeout(900),
+              pytest.mark.host_network]  # iptables beside a Docker engine's would contend
 JOIN_S = 300
 EXCHANGES = 3  # home-to-home exchanges each home must complete
 

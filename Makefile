@@ -12,4 +12,4 @@ run: setup
 # daemons' rounds with a core to spare. --durations: the slowest tests, to keep the suite within
 # CI's 20 minutes on 2 cores.
 test: setup
-	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup --durations=15 tests
+	.venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15 tests

@@ -122,7 +122,7 @@ def test_streams_never_finished_do_not_stop_honest_exchanges(harness_factory):
     wait_any_log([bad], f"silent streams to {victim.peer_id}", 120)
     attacked_at = time.time()
     # 45 s: when it passes the swap comes within about 10 s; when the defect strikes it never
-    # comes, and a longer wait only lengthened the suite (130 s of a CI run)
+    # comes, and a longer wait only lengthened the suite (130 s in a full run here)
     victim.wait_for(swapped_with(honest[1].peer_id, attacked_at), 45,
                     "an honest swap while the silent streams are held")
     assert bad.process.poll() is None  # the attack was live during that swap

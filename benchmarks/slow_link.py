@@ -102,7 +102,7 @@ def dilocox_summary(rounds: list[dict], events: list[dict]) -> dict:
             "applied_senders_by_round": [len(e.get("group") or []) for e in rounds],
             "digests": {e["round"]: e["phi_digest"] for e in rounds},
             "missing": sum(len(e.get("peers") or []) for e in events if e["event"] == "missing"),
-            "resyncs": rounds[-1].get("resyncs", 0)}
+            "resyncs": rounds[-1].get("resyncs", 0), "replays": rounds[-1].get("replays", 0)}
 
 
 def digests_agree(nodes: list[dict]) -> tuple[int, int]:
@@ -114,8 +114,9 @@ def digests_agree(nodes: list[dict]) -> tuple[int, int]:
 
 def report_dilocox(results: dict, args) -> str:
     lines = ["| swarm | node | link | rounds/min | vs base (same node) | rank chosen (first, last, min) | "
-             "bits (last) | sent a round (first, last) | senders applied (mean) | missing | resyncs | idle |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "bits (last) | sent a round (first, last) | senders applied (mean) | missing | resyncs | "
+             "replays | idle |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name in SWARMS:
         for k, node in enumerate(results[name]):
             d, base = node["dilocox"], results["base"][k]["rounds_per_minute"]
@@ -128,6 +129,7 @@ def report_dilocox(results: dict, args) -> str:
                 f"{100 * (node['rounds_per_minute'] / base - 1):+.1f}% | {chosen} | "
                 f"{d['bits_by_round'][-1]} | {sent[0] / 1024:.0f}, {sent[-1] / 1024:.0f} KiB | "
                 f"{statistics.fmean(d['applied_senders_by_round']):.2f} | {d['missing']} | {d['resyncs']} | "
+                f"{d.get('replays', 0)} | "
                 f"{100 * node['idle_fraction']:.2f}% |")
     for name in SWARMS:
         agreed, common = digests_agree(results[name])

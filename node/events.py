@@ -381,3 +381,15 @@ class Diverged(Event, kind="diverged", logged=True):
 class ResyncReady(Event, kind="resync_ready", logged=True):
     round: int
     source: str
+
+
+@dataclass(frozen=True)
+class ReplayReady(Event, kind="replay_ready", logged=True):
+    """DiLoCoX: our φ of `round` left the majority's; `source`'s record of the `senders`
+    messages its step applied, and the `fetched` ones we lacked (`bytes`), are here to replay
+    the step (node/rounds/dilocox/replay.py) instead of downloading the state."""
+    round: int
+    source: str
+    senders: int
+    fetched: int
+    bytes: int

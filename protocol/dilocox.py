@@ -62,6 +62,8 @@ Invariants:
 - f holds at most `delay` rounds: `outer_step` drops every round up to the one it applies, and
   a node that adopts a state to rejoin at another round drops f and its own pending messages
   (the swarm is past those rounds).
+- `replay` of a step from the state before it over the same messages gives bitwise the state
+  that step gave: a node that applied another set rebuilds the majority's φ from its messages.
 - Only compressed messages are held between rounds (memory ∝ group × compressed size); each is
   fully decoded once on receipt to validate it, and again when applied.
 """
@@ -225,6 +227,7 @@ class DiLoCoX:
         self.last_compressed_round = -1
         self.counters = DiLoCoXCounters()
         self.last_step: OuterStepRecord | None = None
+        self.last_messages: dict[str, PseudoGradientMessage] = {}  # what the last step applied (`replay`)
         self._last_group_size = 0  # senders of the last round applied: the eager share's n
 
     # ------------------------------------------------------------------ views (copies)
@@ -317,28 +320,55 @@ class DiLoCoX:
             raise ProtocolError(f"outer_step round {round_index!r} would apply round {target}, "
                                 f"but round {self.last_applied_round} was already applied.")
         if target < 0:
-            self.last_step = OuterStepRecord(round_index, None, ())
+            self.last_step, self.last_messages = OuterStepRecord(round_index, None, ()), {}
             return self.slow_weights
         for stale_round in [r for r in self._pending if r < target]:
             self.counters.late += len(self._pending.pop(stale_round))  # skipped: never applied
         messages = self._pending.pop(target, {})
-        senders = tuple(sorted(messages))
-        left_out = self._noise(messages, senders) if self.hyper.noise_ratio > 0 else ()
-        senders = tuple(s for s in senders if s not in left_out)
+        self.last_messages = messages
+        senders, left_out, clipped, mean_update = self._aggregate(messages)
+        self.counters.left_out += len(left_out)
+        self.counters.clipped += clipped
         self.last_applied_round = target
         for own_round in [r for r in self._in_flight if r <= target]:
             del self._in_flight[own_round]  # φ now holds it, through the group's mean
         self.last_step = OuterStepRecord(round_index, target, senders, left_out)
-        if not senders:
+        if mean_update is None:
             self.counters.empty_rounds += 1
             return self.slow_weights
         self.counters.applied_messages += len(senders)
         self.counters.applied_rounds += 1
         self._last_group_size = len(senders)
+        return self._outer.apply_mean(mean_update)
+
+    def replay(self, before: Mapping[str, Any], messages: Mapping[str, PseudoGradientMessage]
+               ) -> dict[str, Any]:
+        """The outer state (`outer_state()`'s form: φ and m) that one outer step over exactly
+        `messages` takes `before` to, this node's own state untouched: how a node whose φ left
+        the majority's, having applied another set of messages, rebuilds the majority's φ from
+        its state before that step and the majority's messages (kilobytes), where a resync
+        downloads φ and m whole. The same aggregation as `outer_step` (noise filter, clipping,
+        the mean in sorted sender order), so the same messages give bitwise the same state."""
+        scratch = DiLoCo(before["slow_weights"], self.hyper.outer)
+        scratch.load_state_dict(before)
+        _, _, _, mean_update = self._aggregate(messages)
+        if mean_update is not None:
+            scratch.apply_mean(mean_update)
+        return scratch.state_dict()
+
+    def _aggregate(self, messages: Mapping[str, PseudoGradientMessage]
+                   ) -> tuple[tuple[str, ...], tuple[str, ...], int, NamedTensors | None]:
+        """(senders applied, senders left out as noise, messages clipped, Δ̄ or None when no
+        sender is left): the part of the outer step that depends on the messages alone."""
+        senders = tuple(sorted(messages))
+        left_out = self._noise(messages, senders) if self.hyper.noise_ratio > 0 else ()
+        senders = tuple(s for s in senders if s not in left_out)
+        if not senders:
+            return senders, left_out, 0, None
         # Sorted sender order: every node sums the same numbers in the same order.
         scales = self._median_clip(messages, senders) if self.hyper.clip_to_median else {}
-        return self._outer.apply_mean(mean(self._scaled(self._decoded(messages[s]), scales.get(s, 1.0))
-                                           for s in senders))
+        return senders, left_out, len(scales), mean(
+            self._scaled(self._decoded(messages[s]), scales.get(s, 1.0)) for s in senders)
 
     # ------------------------------------------------------------------ helpers
     def _median_clip(self, messages: Mapping[str, PseudoGradientMessage],
@@ -350,7 +380,6 @@ class DiLoCoX:
         norms = {s: math.sqrt(sum(float(t.square().sum()) for t in self._decoded(messages[s]).values()))
                  for s in senders}  # names in the model's order, the same on every node
         median = statistics.median(norms.values())
-        self.counters.clipped += sum(1 for n in norms.values() if n > median)
         return {s: median / n for s, n in norms.items() if n > median}
 
     def _noise(self, messages: Mapping[str, PseudoGradientMessage],
@@ -372,10 +401,7 @@ class DiLoCoX:
         bar = max(5.0 / math.sqrt(max(elements, 1)),
                   self.hyper.noise_ratio * statistics.median(scores.values()))
         out = tuple(s for s in senders if scores[s] < bar)
-        if len(out) == len(senders):
-            return ()
-        self.counters.left_out += len(out)
-        return out
+        return () if len(out) == len(senders) else out
 
     @staticmethod
     def _scaled(decoded: NamedTensors, scale: float) -> NamedTensors:

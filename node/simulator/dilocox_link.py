@@ -104,7 +104,9 @@ class DiLoCoXMemoryLink:
         """0: in lockstep no replica runs ahead of another."""
         return 0.0
 
-    def publish_digest(self, round_index: int, digest: str) -> None:
+    def publish_digest(self, round_index: int, digest: str, applied=None) -> None:
+        """`applied` is for the daemon's replays; a simulated replica that left the majority's
+        φ takes the state whole (`round_ended`)."""
         self.network.digests[self.name] = digest
 
     def take_resync(self, round_index: int) -> dict | None:

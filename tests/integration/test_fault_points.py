@@ -51,7 +51,8 @@ def test_sigkill_mid_dilocox_send_survivors_agree_and_the_node_rejoins(harness_f
         resync it (then only a round after that counts: the round it resynced in may still
         split it again); taking a member's state it may agree at once, with no resync (a suite
         run waited 90 s for a resync that was never needed)."""
-        resyncs = [e["round"] for e in events if e["event"] == "resync_ready" and e["time"] > back_at]
+        resyncs = [e["round"] for e in events
+                   if e["event"] in ("resync_ready", "replay_ready") and e["time"] > back_at]
         theirs = [{r["round"]: r["phi_digest"] for r in n.events("round")} for n in survivors]
         return any(e["event"] == "round" and e["time"] > back_at and e["round"] > max(resyncs, default=-1)
                    and all(d.get(e["round"]) == e["phi_digest"] for d in theirs) for e in events)

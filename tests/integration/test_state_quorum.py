@@ -14,7 +14,8 @@ same path). Two honest members and one liar; the liar's lie changes from case to
 
 Each case asserts the joiner adopts an honest state, at the round a majority reached, and that
 the liar is banned (where its lie is proof; a DiLoCoX member announcing a minority digest is not
-banned, see state_quorum.py, but never asked either). The last test is a DiLoCoX resync's.
+banned, see state_quorum.py, but never asked either). The last two tests are a DiLoCoX resync's
+and the replay that comes before it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import contextlib
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -31,16 +33,20 @@ from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
 from node.daemon.members import MemberCache
 from node.daemon.state_quorum import StateAdoption
-from node.events import ResyncReady
+from node.events import ReplayReady, ResyncReady
 from node.loop import BackgroundTasks
 from node.rounds.contributions import BanList
 from node.rounds.dilocox.exchange import DiLoCoXExchange
+from node.rounds.dilocox.relay import Relay
+from node.rounds.dilocox.replay import StepReplay
+from node.rounds.dilocox.sending import PGRAD
 from node.rounds.state import STATE_KIND, announcement, encode_state
 from p2p.membership import Membership
-from p2p.messages import OutgoingMessage
+from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.origin import ORIGIN, sign_origin
 from p2p.streams import Transport
 from protocol.tensors import weights_digest
-from tests.p2p_helpers import run, wait_until
+from tests.p2p_helpers import as_received, run, wait_until
 from tests.swarm_harness import small_manifest
 from tests.swarm_parts import member, unit_swarm
 
@@ -277,4 +283,51 @@ def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_o
             assert weights_digest(resync["slow_weights"]) == digest
             assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
             assert swarm.bans.is_banned(liar.peer) and liar.host.peer_id.to_bytes() in node.transport._bans
+    run(body(), timeout_s=120)
+
+
+def test_a_diverged_dilocox_node_replays_its_step_over_real_streams_instead_of_downloading(
+        tmp_path, p2p_cleanup):
+    """The light form of the resync above (node/rounds/dilocox/replay.py): the holder of the
+    majority's φ serves its record of the senders its step applied (APPLIED) and, through its
+    relay, the author's message the diverged node lacked; both travel over real signed streams,
+    the copy is checked against its author's signature, and no state is downloaded."""
+    manifest = small_manifest("t-replay", "dilocox")
+    shared = tensors(1)
+    target = HONEST_ROUND - 2  # the step of round HONEST_ROUND - 1 applied this round (delay 1)
+
+    def signed(author: Member, delivered_by: Member) -> ReceivedMessage:
+        message = OutgoingMessage.from_arrays(PGRAD, target, {"c": np.arange(16, dtype=np.uint8)})
+        message.meta[ORIGIN] = sign_origin(author.host.identity, manifest.swarm.id,
+                                           manifest.digest, message)
+        return as_received(message, delivered_by.host.identity)
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        async with running_members(p2p_cleanup, tmp_path, manifest, 3) as members:
+            holder, author, node = members
+            digest = await holder.behave(shared)
+            await author.behave(shared)
+            holder_swarm = unit_swarm(loop, peer_id=holder.peer, transport=holder.transport)
+            relay = Relay(holder_swarm, PGRAD, 30.0)
+            replay = StepReplay(holder_swarm, relay, 30.0, lambda: [author.peer, node.peer])
+            relay.start()
+            replay.start()
+            senders = tuple(sorted([holder.peer, author.peer, node.peer]))
+            replay.record(HONEST_ROUND - 1, (target, senders))
+            relay.accepted(author.peer, signed(author, author))  # the holder got it by push
+            events: list = []
+            records = [member(m.peer, HONEST_ROUND, "dilocox", "training", since=0, phi=digest,
+                              phi_round=HONEST_ROUND - 1) for m in (holder, author)]
+            swarm = unit_swarm(loop, records, peer_id=node.peer, transport=node.transport,
+                               events=events)
+            exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+            exchange.relay.accepted(holder.peer, signed(holder, holder))  # ours missed the author's
+            await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
+            recipe = exchange.resyncs[HONEST_ROUND - 1]["replay"]
+            assert recipe["senders"] == senders and recipe["target"] == target
+            assert recipe["digest"] == digest and sorted(recipe["messages"]) == sorted([holder.peer, author.peer])
+            assert exchange.relay.authored_by(author.peer, recipe["messages"][author.peer])
+            assert [(e.source, e.fetched) for e in events if isinstance(e, ReplayReady)] == [(holder.peer, 1)]
+            assert not [e for e in events if isinstance(e, ResyncReady)]
     run(body(), timeout_s=120)

@@ -147,6 +147,36 @@ def test_lowrank_swarm_keeps_identical_weights_whatever_the_arrival_order() -> N
             assert all(torch.equal(other[n], weights[0][n]) for n in other)
 
 
+@pytest.mark.parametrize("hyper", [{}, {"clip_to_median": True}, {"noise_ratio": 0.1}])
+def test_a_step_replayed_over_the_majoritys_messages_gives_the_majoritys_state_bitwise(hyper) -> None:
+    """Node 3 missed node 0's message: its step applied the others' only and its φ left theirs.
+    Replaying that step from its state before it over the majority's messages gives their φ
+    and m bitwise (median clipping and the noise filter included), leaving its own state as
+    it was; its own step's messages give its own state back."""
+    nodes = [DiLoCoX(_model(), get_codec("lowrank", rank=2, min_elements=64), f"node-{i}",
+                     DiLoCoXHyperParameters(delay=0, **hyper)) for i in range(4)]
+    generator = torch.Generator().manual_seed(5)
+    for node in nodes:  # a round, so that m is not zero
+        node.outer_step(0)
+    before = nodes[3].outer_state()
+    messages = [node.compress(node.pseudo_gradient(_train(node.slow_weights, generator)), 1)
+                for node in nodes]
+    for node in nodes:
+        for message in messages:
+            if message.sender != node.node_id and (node.node_id, message.sender) != ("node-3", "node-0"):
+                node.receive(message)
+    states = [node.outer_step(1) for node in nodes]
+    assert any(not torch.equal(states[3][n], states[0][n]) for n in states[0])
+    theirs, ours = nodes[0].last_messages, nodes[3].last_messages
+    assert sorted(theirs) == [f"node-{i}" for i in range(4)] and "node-0" not in ours
+    replayed = nodes[3].replay(before, theirs)
+    for group, held in (("slow_weights", nodes[0].slow_weights), ("momentum", nodes[0].momentum)):
+        assert all(torch.equal(replayed[group][n], held[n]) for n in held), group
+    assert all(torch.equal(nodes[3].slow_weights[n], states[3][n]) for n in states[3])  # untouched
+    again = nodes[3].replay(before, ours)
+    assert all(torch.equal(again["slow_weights"][n], states[3][n]) for n in states[3])
+
+
 def test_every_message_is_applied_exactly_once() -> None:
     sender, receiver = _swarm("blockwise", 2, delay=1, bits=8)
     zero = {n: torch.zeros_like(t) for n, t in _model().items()}

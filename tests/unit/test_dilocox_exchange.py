@@ -7,17 +7,20 @@ the inbox as the transport's handler would after its checks.
 import asyncio
 import dataclasses
 import random
+import types
 
 import numpy as np
 import pytest
 
 from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
-from node.events import Diverged, Relayed, SendFailed
+from node.events import Diverged, Relayed, ReplayReady, SendFailed
 from node.rounds.contributions import MISBEHAVIOUR
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, RELAY
+from node.rounds.dilocox.replay import APPLIED, StepReplay
 from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
+from node.rounds.state import STATE_KIND
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -287,6 +290,92 @@ def test_a_relay_serving_a_copy_its_author_did_not_sign_is_banned_and_another_is
         got = {g.peer: g.message for g in await ex._collect(5, 30.0)}
         assert transport.asked == [bad, good] and transport.banned == [bad]
         assert swarm.bans.is_banned(bad) and got[a].payload[0] == 0
+    asyncio.run(main())
+
+
+class ReplayHolders(HoldingTransport):
+    """Members holding copies (HoldingTransport) and their records of what their steps applied,
+    served by a StepReplay as replay.py serves ours; no state: a download fails."""
+
+    def __init__(self, loop, copies: dict, records: dict):
+        super().__init__(copies)
+        self.kinds: list[str] = []
+        self.servers = {}  # holder -> (its identity, the StepReplay serving its records)
+        for (holder, identity), steps in records.items():
+            server = StepReplay(unit_swarm(loop), None, 30.0, lambda: [])
+            for round_index, applied in steps.items():
+                server.record(round_index, applied)
+            self.servers[holder] = (identity, server)
+
+    async def request(self, peer, kind, round_index, *, meta, timeout, streams):
+        self.kinds.append(kind)
+        if kind == APPLIED:
+            identity, server = self.servers[peer]
+            reply = await server._respond(types.SimpleNamespace(round=round_index))
+            return as_received(reply, delivered_by=identity)
+        if kind == STATE_KIND:
+            raise P2PError("the holder left")
+        return await super().request(peer, kind, round_index, meta=meta, timeout=timeout,
+                                     streams=streams)
+
+
+def test_a_node_whose_phi_left_the_majoritys_replays_its_step_then_downloads_if_off_again():
+    """Our step of round 5 missed b's message of round 4, and a and b announce another φ: a's
+    record of its step's senders and b's message (fetched from a: kilobytes) become a recipe the
+    training thread replays, and no state is downloaded. A second divergent check in a row (the
+    replay came too late, or did not reach their φ) downloads the state as before."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        holder, author = NodeIdentity.generate(), NodeIdentity.generate()
+        a, b = holder.peer_id.to_base58(), author.peer_id.to_base58()
+        events: list = []
+        transport = ReplayHolders(loop, {(a, 4, b): relayed_copy(author, holder, 4)},
+                                  {(a, holder): {5: (4, tuple(sorted([a, b, "me"])))}})
+
+        def view(phi_round: int, phi: str) -> list[MemberRecord]:
+            return [live_member(peer, phi_round + 1, "dilocox", "training", since=0, phi=phi,
+                                phi_round=phi_round) for peer in (a, b)]
+
+        swarm = unit_swarm(loop, view(5, "0" * 32), transport=transport, events=events)
+        swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        ex.relay.store.keep(4, a, relayed_copy(holder, holder, 4))  # a's own message came to us
+        await ex._check_consensus(5, "f" * 32)
+        assert transport.kinds == [APPLIED, RELAY]  # its record, and the one message we lacked
+        recipe = ex.resyncs[5]["replay"]
+        assert recipe["target"] == 4 and recipe["senders"] == tuple(sorted([a, b, "me"]))
+        assert sorted(recipe["messages"]) == sorted([a, b]) and recipe["digest"] == "0" * 32
+        assert [(e.round, e.source, e.senders, e.fetched) for e in events
+                if isinstance(e, ReplayReady)] == [(5, a, 3, 1)]
+        assert await ex._pop_resync(5) is not None
+        assert ex.replay.applied[5] == (4, recipe["senders"])  # their step is ours now: served so
+        ex.members.records = {r.peer_id: r for r in view(6, "1" * 32)}
+        await ex._check_consensus(6, "e" * 32)  # off again: the state, whole
+        assert transport.kinds[2:] == [STATE_KIND, STATE_KIND] and 6 not in ex.resyncs
+    asyncio.run(main())
+
+
+def test_a_record_of_senders_that_cannot_be_true_is_not_read():
+    """A reply naming more senders than could have sent (twice the members and us: some may
+    have left), or one twice, is refused before any message is fetched for it."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        holder = NodeIdentity.generate()
+        replay = StepReplay(unit_swarm(loop), None, 30.0, lambda: ["x", "y"])
+        server = StepReplay(unit_swarm(loop), None, 30.0, lambda: [])
+        for senders, ok in ((("x", "y", "me", "left"), True), (tuple("abcdefg"), False),
+                            (("x", "x"), False)):
+            server.record(5, (4, senders))
+            reply = as_received(await server._respond(types.SimpleNamespace(round=5)), holder)
+            if ok:
+                assert replay._read(5, reply) == (4, senders)
+            else:
+                with pytest.raises(ValueError, match="senders"):
+                    replay._read(5, reply)
+        with pytest.raises(ValueError, match="one record of round 6"):
+            replay._read(6, reply)
+        with pytest.raises(Refusal):
+            await server._respond(types.SimpleNamespace(round=9))
     asyncio.run(main())
 
 

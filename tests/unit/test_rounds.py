@@ -413,6 +413,7 @@ class ScriptedDiLoCoXLink:
         self.ratio: float | None = None  # what send_ratio reports
         self.catch_ups: dict[int, tuple[int, int, dict]] = {}  # round ended -> the swarm's state
         self.behind_in: set[int] = set()  # rounds a majority of the swarm finished a round ago
+        self.applied: dict[int, tuple | None] = {}  # round -> what its step applied (a replay's record)
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
@@ -426,8 +427,9 @@ class ScriptedDiLoCoXLink:
     def behind(self, round_index: int) -> bool:
         return round_index in self.behind_in
 
-    def publish_digest(self, round_index: int, digest: str) -> None:
+    def publish_digest(self, round_index: int, digest: str, applied=None) -> None:
         self.digests.append((round_index, digest))
+        self.applied[round_index] = applied
 
     def take_resync(self, round_index: int) -> dict | None:
         return self.resync.pop(round_index, None)
@@ -496,12 +498,49 @@ def test_dilocox_refuses_a_poisoned_message_and_a_poisoned_resync_and_adopts_a_r
     train_round(model, a, 1)
     outcome = a.end_round(1)
     assert outcome.resyncs == 1
+    assert a.export_state(0)[2] == digest  # a member asking for round 0 is served the majority's
     # a poisoned resync (its digest won the vote; issue 24): checked as a contribution, refused
     link.resync[1] = {"slow_weights": {n: torch.full_like(t, math.nan) for n, t in majority["phi"].items()},
                       "momentum": majority["momentum"], "source": "liar"}
     train_round(model, a, 2)
     outcome = a.end_round(2)
     assert outcome.resyncs == 1 and ("liar", "not_finite") in link.refusals
+
+
+def test_dilocox_a_node_that_missed_a_message_replays_its_step_over_the_majoritys(config, corpus):
+    """c missed b's message of round 0, so its step of round 1 applied {a, c} where a and b
+    applied {a, b, c}: its φ left theirs. Handed a's record of that step's senders and b's
+    message, it replays the step from its state before it at its next outer step and holds
+    their φ again, bitwise, having moved one message instead of φ and m. A recipe whose digest
+    it cannot reproduce (a record naming the wrong senders) is dropped, not adopted."""
+    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+    sent = {}
+    outcomes = {}
+    for r in range(3):
+        for name, (policy, link, model) in nodes.items():
+            train_round(model, policy, r)
+            outcomes[name] = policy.end_round(r)
+            sent[(name, r)] = received(r, link.sent[-1][1])
+        for name, (_, link, _) in nodes.items():
+            link.inbox[r] = [GroupMessage(peer, r, sent[(peer, r)]) for peer in nodes
+                             if peer != name and not (r == 0 and (peer, name) == ("b", "c"))]
+        if r == 1:
+            a_link, c_link = nodes["a"][1], nodes["c"][1]
+            assert outcomes["a"].phi_digest == outcomes["b"].phi_digest != outcomes["c"].phi_digest
+            assert a_link.applied[1] == (0, ("a", "b", "c")) and c_link.applied[1] == (0, ("a", "c"))
+            c_link.resync[1] = {"replay": {"round": 1, "target": 0, "senders": a_link.applied[1][1],
+                                           "messages": {"b": sent[("b", 0)]},
+                                           "digest": outcomes["a"].phi_digest}}
+    assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
+    assert outcomes["c"].replays == 1 and outcomes["c"].resyncs == 0 and outcomes["a"].replays == 0
+    # a record that names the wrong senders: the replay does not reach the majority's φ
+    c, c_link, c_model = nodes["c"]
+    c_link.resync[2] = {"replay": {"round": 2, "target": 1, "senders": ("a", "c"), "messages": {},
+                                   "digest": outcomes["a"].phi_digest}}
+    c_link.inbox[2] = []
+    train_round(c_model, c, 3)
+    outcome = c.end_round(3)
+    assert outcome.replays == 1 and outcome.group == ["c"]  # dropped: its step went on from its φ
 
 
 def test_dilocox_finish_applies_the_last_rounds_messages_without_training(config, corpus):

@@ -6,8 +6,10 @@ in the background, over signed streams, each signed once by its author for every
 that members can hand it on (relay.py). Received messages wait in an inbox by round until the
 training thread `collect`s them (with delay = 1 they had a whole round to arrive). After each
 outer step the node announces the digest of φ; when the majority of the members that reached
-the same round announced another digest, the node downloads that majority's state from one of
-them, checks its digest, and the training thread adopts it before its next outer step.
+the same round announced another digest, the node first tries to replay its step over the
+majority's messages (replay.py: a record of their senders and the messages it lacked), and
+otherwise downloads that majority's state from one of them and checks its digest; the training
+thread adopts either before its next outer step.
 
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
@@ -26,6 +28,8 @@ Invariants:
   members that hold it (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
   than the fan-out, one that went to a random subset of members): every copy is checked against
   its author's signature, and every member applies the same messages;
+- a divergent check that follows an agreeing one (our state before the step was the
+  majority's) tries a replay first; a second divergent check in a row downloads the state;
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution; it is due at the outer step after its round, so a node whose last check
@@ -62,6 +66,7 @@ from collections import Counter
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Diverged, Missing, ResyncReady
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
+from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.round import GroupMessage
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state, settled
@@ -88,6 +93,7 @@ class DiLoCoXExchange:
         self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
         self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
+        self.replay = StepReplay(swarm, self.relay, config.message_deadline_s, self._members)
         self.arrived = asyncio.Event()
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
@@ -109,6 +115,7 @@ class DiLoCoXExchange:
         self.transport.on_push(PGRAD, self._on_message, accept_round=lambda r: r >= self.oldest_wanted,
                                check_head=self._check_head)
         self.relay.start()
+        self.replay.start()
         self._watch = self.swarm.tasks.spawn(self._watch_missing(), "dilocox missing messages")
 
     def _restart_at(self, round_index: int) -> None:
@@ -164,8 +171,9 @@ class DiLoCoXExchange:
         return self.swarm.bridge.call(f"round {round_index} if complete", self._take_if_complete,
                                       round_index)
 
-    def publish_digest(self, round_index: int, digest: str) -> None:
-        self.swarm.bridge.post(self._after_round, round_index, digest)
+    def publish_digest(self, round_index: int, digest: str,
+                       applied: tuple[int, tuple[str, ...]] | None = None) -> None:
+        self.swarm.bridge.post(self._after_round, round_index, digest, applied)
 
     def take_resync(self, round_index: int) -> dict | None:
         return self.swarm.bridge.call("a resync state", self._pop_resync, round_index)
@@ -364,7 +372,9 @@ class DiLoCoXExchange:
             del self.inbox[old]
         return [GroupMessage(peer, round_index, msg) for peer, msg in sorted(box.items())]
 
-    def _after_round(self, round_index: int, digest: str) -> None:
+    def _after_round(self, round_index: int, digest: str,
+                     applied: tuple[int, tuple[str, ...]] | None = None) -> None:
+        self.replay.record(round_index, applied)
         self.members.update(round=round_index + 1, status="training")
         check = self.swarm.tasks.spawn(self._check_consensus(round_index, digest),
                                        f"dilocox consensus of round {round_index}")
@@ -409,9 +419,13 @@ class DiLoCoXExchange:
             if majority == digest:
                 self.diverged = False
                 return
-        self.diverged = True
+        first, self.diverged = not self.diverged, True
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
+        if first and (recipe := await self.replay.recipe(round_index, majority,
+                                                         holders.get(majority, []))):
+            self.resyncs[round_index] = {"replay": recipe}
+            return
         for peer in holders.get(majority, []):
             try:
                 received = await self.transport.request(
@@ -489,6 +503,9 @@ class DiLoCoXExchange:
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)
+        if state is not None:  # our step of that round is replaced: by the majority's, or whole
+            recipe = state.get("replay")
+            self.replay.record(round_index, recipe and (recipe["target"], recipe["senders"]))
         for old in [r for r in self.resyncs if r < round_index]:
             del self.resyncs[old]
         return state

@@ -136,6 +136,13 @@ class Relay:
         for key in [k for k in self._missing_since if k[0] <= round_index]:
             del self._missing_since[key]
 
+    async def fetch(self, round_index: int, author: str, holders: list[str]) -> ReceivedMessage | None:
+        """A checked copy of `author`'s message of `round_index` from the first of `holders`
+        that serves one within the deadline; None if none did (replay.py)."""
+        got: list[ReceivedMessage] = []
+        await self._fetch(round_index, author, holders, lambda _author, copy: got.append(copy))
+        return got[0] if got else None
+
     async def _fetch(self, round_index: int, author: str, holders: list[str],
                      deliver: Callable[[str, ReceivedMessage], None]) -> None:
         until = self.swarm.loop.time() + self.deadline_s

@@ -6,8 +6,10 @@ protocol/dilocox.py), hand c to the link, which sends it to the round's group in
 then take the group's messages of round r − delay (with delay = 1 they travelled during round r,
 so this rarely waits), check each, apply the outer step, and publish the digest of the new φ.
 Every node applies the same messages in the same order, so φ stays identical; a node whose
-digest disagrees with the majority re-downloads φ and m from a majority peer (the link arranges
-it) and adopts them before its next outer step.
+digest disagrees with the majority replays that step from its state before it over the
+majority's messages (`_replayed`: the link hands it the majority's senders and the messages it
+lacked, kilobytes), or else re-downloads φ and m from a majority peer (the link arranges either),
+and adopts the result before its next outer step.
 
 With `apply_on_arrival` (delay 1), the outer step of round r − 1's messages is taken as soon as
 all of them are here (checked before each inner step of round r, `between_steps`), and θ is shifted by
@@ -21,6 +23,7 @@ What travels is encoded in node/rounds/dilocox/payload.py.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -38,9 +41,11 @@ from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
 from protocol.diloco import DiLoCoHyperParameters
-from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, ReceiveOutcome
+from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
 from protocol.errors import ProtocolError
 from protocol.tensors import difference, shift_in_place, weights_digest
+
+log = logging.getLogger("lowcomm.dilocox")
 
 
 @dataclass
@@ -72,11 +77,17 @@ class DiLoCoXLink(Protocol):
         """The messages of `round_index` if every one the link would wait for is here, taken as
         `collect` takes them; else None, at once."""
 
-    def publish_digest(self, round_index: int, digest: str) -> None:
-        """Announces φ's digest after the round (the link compares it with the majority)."""
+    def publish_digest(self, round_index: int, digest: str,
+                       applied: tuple[int, tuple[str, ...]] | None = None) -> None:
+        """Announces φ's digest after the round (the link compares it with the majority), and
+        `applied`: (the round the step applied, the senders of every message it took), what a
+        member whose φ left ours asks for to replay the step."""
 
     def take_resync(self, round_index: int) -> dict | None:
-        """A majority peer's verified state after `round_index`, if ours disagreed; else None."""
+        """If our φ after `round_index` disagreed with the majority's: a majority peer's verified
+        state ({"slow_weights", "momentum", "source"}), or what replays the step ({"replay":
+        {"round", "target", "senders", "messages" (received copies by author), "digest"}});
+        else None."""
 
     def settle(self, round_index: int, wait_s: float) -> None:
         """Before the outer step of `round_index`: when our φ is known to be off the majority's,
@@ -109,6 +120,7 @@ class DiLoCoXOutcome(RoundOutcome):
     # of network_wait_seconds, the wait for members still training the round: this node ran
     # ahead of them (a round's end beside training holds training as long: node/daemon/worker.py)
     ran_ahead_seconds: float = 0.0
+    replays: int = 0              # running total of steps replayed over the majority's messages
 
     @property
     def partners(self) -> list[str]:
@@ -148,11 +160,13 @@ class DiLoCoXRound:
         self.layout = {name: torch.empty(p.shape, device="meta")
                        for name, p in trainer.named_parameters().items()}
         self.resyncs = 0
+        self.replays = 0
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too
         self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
-        # The last two post-step states: a diverged peer asks for the round it compared, and we
-        # may have finished another round by the time its request arrives.
+        # The last two post-step states, with the messages each step applied: a diverged peer
+        # asks for the round it compared, and we may have finished another round by the time its
+        # request arrives; and a replay of our last step starts from the state before it.
         self.history: deque = deque(maxlen=2)
         self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
         self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
@@ -235,7 +249,7 @@ class DiLoCoXRound:
             group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
             resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
             compression=compression, stepped_mid_round=early, caught_up_to=next_round,
-            ran_ahead_seconds=ahead)
+            ran_ahead_seconds=ahead, replays=self.replays)
         return outcome, start, next_round
 
     def finish(self, round_index: int) -> None:
@@ -262,8 +276,11 @@ class DiLoCoXRound:
         else:
             waited = time.monotonic() - waited
             self.outer.counters.late += len(arrived)
-        self.link.publish_digest(round_index, self.phi_digest)
-        return self.outer.last_step, refused, waited, ahead
+        step = self.outer.last_step
+        applied = (step.applied_round, tuple(sorted(self.outer.last_messages))) \
+            if step is not None and step.applied_round is not None else None
+        self.link.publish_digest(round_index, self.phi_digest, applied)
+        return step, refused, waited, ahead
 
     def _take_step(self, round_index: int, arrived: list[GroupMessage]):
         """Checks each message against our own last Δ, adopts a pending resync, takes the outer
@@ -274,14 +291,19 @@ class DiLoCoXRound:
         with self.lock:
             resync = self.link.take_resync(round_index - 1)
             # our φ of the last round disagreed with the majority's
-            if resync is not None and self._resync_usable(resync):
-                self.outer.adopt_outer_state(resync)
+            if resync is not None and "replay" in resync:
+                replayed = self._replayed(resync["replay"], refused)
+                if replayed is not None:
+                    self._adopt_round(round_index - 1, replayed, replayed.pop("messages"))
+                    self.replays += 1
+            elif resync is not None and self._resync_usable(resync):
+                self._adopt_round(round_index - 1, resync, None)
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
             self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
             self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
-                                 digest))
+                                 digest, self.outer.last_messages))
         for sender in self.outer.last_step.left_out:  # every node leaves out the same ones
             sentence = (f"DiLoCoX pseudo-gradient from {sender} of round "
                         f"{self.outer.last_step.applied_round} looks like noise: its magnitudes "
@@ -290,6 +312,51 @@ class DiLoCoXRound:
             refused.append(sentence)
             self.link.refused(sender, "noise", sentence)
         return self.outer.last_step, refused
+
+    def _replayed(self, recipe: dict, refused: list) -> dict | None:
+        """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: our
+        state before that step, one outer step over the majority's senders' messages (ours where
+        we applied the same sender's, the copies the link fetched for the others, each checked as
+        any contribution), kept only if its digest is the majority's. None (the node stays off,
+        and its next divergent check downloads the state) when a message or the state before
+        is missing, a copy is refused, or the digest differs: the majority's record of its
+        senders was wrong, or a sender sent different messages to different members."""
+        step = recipe["round"]
+        before = next((groups for r, groups, _, _ in self.history if r == step - 1), None)
+        ours = next((messages for r, _, _, messages in self.history if r == step), None)
+        # None also when that step's state came whole from a resync: we do not know its messages
+        if before is None or ours is None:
+            log.info("round %d: no state before it held here to replay it from", step)
+            return None
+        messages = {}
+        for sender in recipe["senders"]:
+            if sender in ours:
+                messages[sender] = ours[sender]
+            elif (copy := recipe["messages"].get(sender)) is not None:
+                checked = self._checked(GroupMessage(sender, recipe["target"], copy), refused)
+                if checked is None:
+                    return None
+                messages[sender] = checked
+            else:
+                log.info("round %d: the message of %s to replay it is missing", step, sender[-8:])
+                return None
+        state = self.outer.replay({"slow_weights": before["phi"], "momentum": before["momentum"]},
+                                  messages)
+        if weights_digest(state["slow_weights"]) != recipe["digest"]:
+            log.warning("round %d replayed over the majority's %d messages does not give its φ "
+                        "%s: left to a resync", step, len(messages), recipe["digest"][:12])
+            return None
+        return {**state, "messages": messages}
+
+    def _adopt_round(self, round_index: int, state: dict, messages: dict | None) -> None:
+        """Our φ and m after `round_index` become `state` (the majority's), in the outer state and
+        in the history: a peer asking for that round is served it, and a replay of the next
+        step starts from it. `messages`: what its step applied, None when not known (a resync)."""
+        self.outer.adopt_outer_state(state)
+        adopted = {"phi": state["slow_weights"], "momentum": state["momentum"]}
+        self.history = deque(((r, adopted, weights_digest(adopted["phi"]), messages)
+                              if r == round_index else (r, groups, digest, applied)
+                              for r, groups, digest, applied in self.history), maxlen=2)
 
     def _resync_usable(self, resync: dict) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within
@@ -307,6 +374,19 @@ class DiLoCoXRound:
         return True
 
     def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:
+        message = self._checked(item, refused, own_norm)
+        if message is None:
+            return None
+        try:
+            return self.outer.receive(message)
+        except (ProtocolError, ValueError) as exc:
+            self._refuse(item.peer, exc, refused)
+            return None
+
+    def _checked(self, item: GroupMessage, refused: list, own_norm: float | None = None
+                 ) -> PseudoGradientMessage | None:
+        """A peer's message decoded and checked against the manifest's density bound, our
+        layout and our own last Δ's norm; None (refused, counted against its author) if not."""
         try:
             message = payload.decode_message(item.peer, item.round_index, item.message)
             payload.check_density(message, self.config.max_density)
@@ -314,20 +394,23 @@ class DiLoCoXRound:
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))
                        for n, e in message.tensors.items() if n in params}
-            check_contribution(item.peer, decoded, params, own_norm,
+            check_contribution(item.peer, decoded, params,
+                               self.own_norm if own_norm is None else own_norm,
                                self.contributions.max_norm_ratio, "DiLoCoX pseudo-gradient")
-            return self.outer.receive(message)
+            return message
         except (ContributionRefused, ProtocolError, ValueError) as exc:
-            reason = getattr(exc, "reason", "malformed")
-            refused.append(f"{item.peer}: {exc}")
-            self.link.refused(item.peer, reason, str(exc))
+            self._refuse(item.peer, exc, refused)
             return None
+
+    def _refuse(self, peer: str, exc: Exception, refused: list) -> None:
+        refused.append(f"{peer}: {exc}")
+        self.link.refused(peer, getattr(exc, "reason", "malformed"), str(exc))
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": m}, digest of φ) after `round_index` if still held,
         else the latest: for a late joiner or a diverged peer's resync."""
         with self.lock:
-            for held_round, groups, digest in self.history:
+            for held_round, groups, digest, _ in self.history:
                 if held_round == round_index:
                     return held_round, groups, digest
             return (self.state_round, {"phi": self.outer.slow_weights,

@@ -127,7 +127,7 @@ async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolic
                                  own_phi).run()
     if joined is None:
         return trainer.step // H
-    await node.loop.run_in_executor(None, policy.adopt, joined.tensors)
+    await node.loop.run_in_executor(None, policy.adopt, joined.tensors, joined.meta.get("phi_round"))
     start = joined.round_index
     trainer.start_at(start * H)
     node.events.publish(LateJoined(source=joined.source, round=start,

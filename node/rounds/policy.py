@@ -52,8 +52,8 @@ class RoundPolicy(Protocol):
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": ...}, digest of φ) for a late joiner; any thread."""
 
-    def adopt(self, groups: dict) -> None:
-        """A late joiner takes the state another member exported."""
+    def adopt(self, groups: dict, state_round: int | None = None) -> None:
+        """A late joiner takes the state another member exported (after `state_round`)."""
 
     def state_dict(self) -> dict[str, Any]: ...
 

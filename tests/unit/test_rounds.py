@@ -543,6 +543,40 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_step_over_the_majority
     assert outcome.replays == 1 and outcome.group == ["c"]  # dropped: its step went on from its φ
 
 
+def test_dilocox_a_late_joiners_first_step_is_replayed_from_the_state_it_adopted(config, corpus):
+    """d joins with a's state after round 1 and trains round 2; the messages of round 1 were
+    sent before it joined, so its step applies none and its φ leaves a's and b's. The state it
+    adopted is the one its replay starts from: handed a's record and both messages, its next
+    step holds their φ. (Before, its history was empty and it downloaded the state again: a
+    real swarm's restarted node, tests/integration/test_fault_points.py.)"""
+    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2))}
+    sent, outcomes = {}, {}
+
+    def play(r: int, players: dict) -> None:
+        for name, (policy, link, model) in players.items():
+            train_round(model, policy, r)
+            outcomes[name] = policy.end_round(r)
+            sent[(name, r)] = received(r, link.sent[-1][1])
+        for name, (_, link, _) in players.items():
+            link.inbox[r] = [GroupMessage(p, r, sent[(p, r)]) for p in players if p != name]
+
+    for r in (0, 1):
+        play(r, nodes)
+    d = dilocox(config, corpus, "d", 4)
+    state_round, groups, _ = nodes["a"][0].export_state(1)
+    d[0].adopt(groups, state_round)
+    assert d[0].export_state(1)[2] == outcomes["a"].phi_digest
+    nodes["d"] = d
+    play(2, nodes)
+    assert outcomes["d"].group == [] and outcomes["d"].phi_digest != outcomes["a"].phi_digest
+    d[1].resync[2] = {"replay": {"round": 2, "target": 1, "senders": ("a", "b"),
+                                 "messages": {"a": sent[("a", 1)], "b": sent[("b", 1)]},
+                                 "digest": outcomes["a"].phi_digest}}
+    play(3, nodes)
+    assert outcomes["d"].replays == 1 and outcomes["d"].resyncs == 0
+    assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["d"].phi_digest
+
+
 def test_dilocox_finish_applies_the_last_rounds_messages_without_training(config, corpus):
     a, link, model = dilocox(config, corpus, "a", 1)
     train_round(model, a, 0)

@@ -241,7 +241,7 @@ class DiLoCoXRound:
         next_round = None
         if caught is not None:
             next_round, state_round, state = caught
-            self._adopt_state(state)
+            self._adopt_state(state, state_round)
             self.state_round, start = state_round, state["phi"]
         outcome = DiLoCoXOutcome(
             phi_digest=digest, refused=refused, network_wait_seconds=waited,
@@ -416,16 +416,23 @@ class DiLoCoXRound:
             return (self.state_round, {"phi": self.outer.slow_weights,
                                        "momentum": self.outer.momentum}, self.phi_digest)
 
-    def adopt(self, groups: dict) -> None:
-        """A late joiner takes the swarm's φ and m, and θ = φ."""
-        self._adopt_state(groups)
+    def adopt(self, groups: dict, state_round: int | None = None) -> None:
+        """A late joiner takes the swarm's φ and m (after `state_round`, if known), and θ = φ."""
+        self._adopt_state(groups, state_round)
         self.trainer.load_parameters(groups["phi"])
 
-    def _adopt_state(self, groups: dict) -> None:
+    def _adopt_state(self, groups: dict, state_round: int | None) -> None:
+        """The swarm's state replaces ours, and the history starts from it: the first step after
+        it, if its φ leaves the majority's, is replayed from this state (a late joiner's first
+        round often lacks messages sent before its members knew of it)."""
         with self.lock:
             self.outer.adopt_outer_state({"slow_weights": groups["phi"],
                                           "momentum": groups["momentum"]}, rejoin=True)
             self.phi_digest = weights_digest(groups["phi"])
+            # copies held by the outer state, not the received buffer's views
+            held = [(state_round, {"phi": self.outer.slow_weights, "momentum": self.outer.momentum},
+                     self.phi_digest, None)] if type(state_round) is int else []
+            self.history = deque(held, maxlen=2)
 
     def state_dict(self) -> dict[str, Any]:
         return {"dilocox": self.outer.state_dict(), "resyncs": self.resyncs}

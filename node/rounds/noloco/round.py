@@ -297,8 +297,9 @@ class NoLoCoRound:
             return (self.state_round, {"phi": self.outer.slow_weights,
                                        "momentum": self.outer.outer_momentum}, self.phi_digest)
 
-    def adopt(self, groups: dict) -> None:
-        """A late joiner takes a member's φ and δ as its own, and θ = φ."""
+    def adopt(self, groups: dict, state_round: int | None = None) -> None:
+        """A late joiner takes a member's φ and δ as its own, and θ = φ (`state_round`: for
+        DiLoCoX's replays; NoLoCo keeps no history of its steps)."""
         with self.lock:
             self.outer.load_state_dict({"slow_weights": groups["phi"],
                                         "outer_momentum": groups["momentum"]})

@@ -207,6 +207,26 @@ def test_a_node_ahead_of_a_majority_waits_for_them_one_of_its_rounds():
     asyncio.run(main())
 
 
+def test_a_round_is_not_complete_while_the_majority_behind_it_has_not_sent():
+    """apply_on_arrival takes a round's step early once the round is complete. Members a round
+    behind, when they are the majority, are waited for at the round's end (`_unfinished`); so
+    the round is not complete without their messages either: otherwise a node ahead of all its
+    members took every step alone and ran ahead, never waiting (the 512 kbit/s slow node)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = exchange(loop, [member("b", 4), member("c", 4)])  # both still train round 4
+        assert not ex._complete(5) and await ex._take_if_complete(5) is None
+        deliver(ex, 5, "b")
+        assert not ex._complete(5)
+        deliver(ex, 5, "c")
+        assert ex._complete(5)
+        ex2 = exchange(loop, [member("b", 4), member("c", 6), member("d", 6)])  # one straggler
+        deliver(ex2, 5, "c")
+        deliver(ex2, 5, "d")
+        assert ex2._complete(5)  # a minority behind is not waited for
+    asyncio.run(main())
+
+
 def test_a_late_joiner_waits_for_its_first_round_only_one_of_its_own_rounds():
     """Members may have ended the round we joined in (or the swarm's first) before they saw us,
     and never send us its message: we must not wait the whole deadline for them (a joiner

@@ -303,15 +303,20 @@ class DiLoCoXExchange:
         return await self._collect(round_index, 0.0) if self._complete(round_index) else None
 
     def _complete(self, round_index: int) -> bool:
-        """Every member that took part in the round (finished it or still in it) has sent us its
-        message, and no consensus check is running (a resync it brings must be adopted before
-        the next outer step, which `apply_on_arrival` would take early). Never true for the
-        rounds a (re)joining node may have missed: those wait for the round's end as before.
-        Beyond the fan-out the messages not sent to us are fetched from members (relay.py)."""
+        """Every member a collect of the round would wait for (those that finished it, those
+        still in it, and those behind it when they are the majority: `_unfinished`) has sent us
+        its message, and no consensus check is running (a resync it brings must be adopted
+        before the next outer step, which `apply_on_arrival` would take early). Never true for
+        the rounds a (re)joining node may have missed: those wait for the round's end as before.
+        Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
+        Members behind count: with only those finished or in the round, a node whose members
+        were all a round or more behind found every round complete at once, took each step
+        with its own message alone and ran ahead of them for 17 rounds, never waiting (the
+        512 kbit/s slow node, benchmarks/RESULTS.md, issue 18, "replays")."""
         if round_index < self.first_round or round_index <= self.collected or self._checks:
             return False
         box = self.inbox.get(round_index, {})
-        return not (self._finished(round_index) | self._in_round(round_index)) - set(box)
+        return not (self._finished(round_index) | self._unfinished(round_index)) - set(box)
 
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         self.ran_ahead_s = 0.0

@@ -385,11 +385,12 @@ class ResyncReady(Event, kind="resync_ready", logged=True):
 
 @dataclass(frozen=True)
 class ReplayReady(Event, kind="replay_ready", logged=True):
-    """DiLoCoX: our φ of `round` left the majority's; `source`'s record of the `senders`
-    messages its step applied, and the `fetched` ones we lacked (`bytes`), are here to replay
-    the step (node/rounds/dilocox/replay.py) instead of downloading the state."""
+    """DiLoCoX: our φ of `round` left the majority's; `source`'s records of its last `steps`
+    steps (their `senders` messages in all), and the `fetched` ones we lacked (`bytes`), are
+    here to replay them (node/rounds/dilocox/replay.py) instead of downloading the state."""
     round: int
     source: str
+    steps: int
     senders: int
     fetched: int
     bytes: int

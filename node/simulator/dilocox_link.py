@@ -112,6 +112,10 @@ class DiLoCoXMemoryLink:
     def take_resync(self, round_index: int) -> dict | None:
         return self.network.resyncs.pop((self.name, round_index), None)
 
+    def last_agreed(self) -> int:
+        """-1: the simulated network resyncs a replica whole (`round_ended`), never by replay."""
+        return -1
+
     def settle(self, round_index: int, wait_s: float) -> None:
         """Nothing to wait for: in lockstep a resync is ready before the next outer step."""
 

@@ -323,11 +323,13 @@ def test_a_diverged_dilocox_node_replays_its_step_over_real_streams_instead_of_d
                                events=events)
             exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
             exchange.relay.accepted(holder.peer, signed(holder, holder))  # ours missed the author's
+            exchange.agreed = HONEST_ROUND - 2  # our φ of the round before was the majority's
             await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
             recipe = exchange.resyncs[HONEST_ROUND - 1]["replay"]
-            assert recipe["senders"] == senders and recipe["target"] == target
-            assert recipe["digest"] == digest and sorted(recipe["messages"]) == sorted([holder.peer, author.peer])
-            assert exchange.relay.authored_by(author.peer, recipe["messages"][author.peer])
+            assert recipe["steps"] == [(HONEST_ROUND - 1, target, senders)]
+            assert recipe["digest"] == digest
+            assert sorted(recipe["messages"]) == sorted([(target, holder.peer), (target, author.peer)])
+            assert exchange.relay.authored_by(author.peer, recipe["messages"][(target, author.peer)])
             assert [(e.source, e.fetched) for e in events if isinstance(e, ReplayReady)] == [(holder.peer, 1)]
             assert not [e for e in events if isinstance(e, ResyncReady)]
     run(body(), timeout_s=120)

@@ -19,6 +19,7 @@ from node.rounds.contributions import MISBEHAVIOUR
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, RELAY
 from node.rounds.dilocox.replay import APPLIED, StepReplay
+from node.rounds.dilocox.round import REPLAY_ROUNDS
 from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
 from node.rounds.state import STATE_KIND
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
@@ -60,7 +61,7 @@ class HoldingTransport:
         self.asked.append(peer)
         copy = self.copies.get((peer, round_index, meta[AUTHOR]))
         if copy is None:
-            raise RemoteRefused(Reason.REFUSED, "no message of that author here")
+            raise RemoteRefused(peer, kind, Reason.REFUSED, "no message of that author here")
         return copy
 
 
@@ -331,7 +332,7 @@ class ReplayHolders(HoldingTransport):
         self.kinds.append(kind)
         if kind == APPLIED:
             identity, server = self.servers[peer]
-            reply = await server._respond(types.SimpleNamespace(round=round_index))
+            reply = await server._respond(types.SimpleNamespace(round=round_index, meta=meta))
             return as_received(reply, delivered_by=identity)
         if kind == STATE_KIND:
             raise P2PError("the holder left")
@@ -339,18 +340,21 @@ class ReplayHolders(HoldingTransport):
                                      streams=streams)
 
 
-def test_a_node_whose_phi_left_the_majoritys_replays_its_step_then_downloads_if_off_again():
-    """Our step of round 5 missed b's message of round 4, and a and b announce another φ: a's
-    record of its step's senders and b's message (fetched from a: kilobytes) become a recipe the
-    training thread replays, and no state is downloaded. A second divergent check in a row (the
-    replay came too late, or did not reach their φ) downloads the state as before."""
+def test_a_node_whose_phi_left_the_majoritys_replays_its_steps_then_downloads_when_too_far():
+    """Our φ of round 4 was agreed; our step of round 5 missed b's message of round 4, and a and
+    b announce another φ: a's records of its steps since round 4 and b's message (fetched from
+    a: kilobytes) become a recipe the training thread replays, and no state is downloaded. While
+    no check agrees again, later divergent checks replay from round 4 too, until it lies more
+    than REPLAY_ROUNDS back: then the state is downloaded."""
     async def main():
         loop = asyncio.get_running_loop()
         holder, author = NodeIdentity.generate(), NodeIdentity.generate()
         a, b = holder.peer_id.to_base58(), author.peer_id.to_base58()
         events: list = []
-        transport = ReplayHolders(loop, {(a, 4, b): relayed_copy(author, holder, 4)},
-                                  {(a, holder): {5: (4, tuple(sorted([a, b, "me"])))}})
+        senders = tuple(sorted([a, b, "me"]))
+        transport = ReplayHolders(loop, {(a, 4, b): relayed_copy(author, holder, 4),
+                                         (a, 5, b): relayed_copy(author, holder, 5)},
+                                  {(a, holder): {5: (4, senders), 6: (5, senders)}})
 
         def view(phi_round: int, phi: str) -> list[MemberRecord]:
             return [live_member(peer, phi_round + 1, "dilocox", "training", since=0, phi=phi,
@@ -360,18 +364,25 @@ def test_a_node_whose_phi_left_the_majoritys_replays_its_step_then_downloads_if_
         swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         ex.relay.store.keep(4, a, relayed_copy(holder, holder, 4))  # a's own message came to us
+        ex.agreed = 4
         await ex._check_consensus(5, "f" * 32)
-        assert transport.kinds == [APPLIED, RELAY]  # its record, and the one message we lacked
+        assert transport.kinds == [APPLIED, RELAY]  # its records, and the one message we lacked
         recipe = ex.resyncs[5]["replay"]
-        assert recipe["target"] == 4 and recipe["senders"] == tuple(sorted([a, b, "me"]))
-        assert sorted(recipe["messages"]) == sorted([a, b]) and recipe["digest"] == "0" * 32
-        assert [(e.round, e.source, e.senders, e.fetched) for e in events
-                if isinstance(e, ReplayReady)] == [(5, a, 3, 1)]
+        assert recipe["since"] == 4 and recipe["steps"] == [(5, 4, senders)]
+        assert sorted(recipe["messages"]) == sorted([(4, a), (4, b)]) and recipe["digest"] == "0" * 32
+        assert [(e.round, e.source, e.steps, e.senders, e.fetched) for e in events
+                if isinstance(e, ReplayReady)] == [(5, a, 1, 3, 1)]
         assert await ex._pop_resync(5) is not None
-        assert ex.replay.applied[5] == (4, recipe["senders"])  # their step is ours now: served so
+        assert ex.replay.applied[5] == (4, senders)  # their step is ours now: served so
+        assert ex.relay.store.get(4, b) is not None  # the fetched copy is kept for the next try
+        ex.relay.store.keep(5, a, relayed_copy(holder, holder, 5))
         ex.members.records = {r.peer_id: r for r in view(6, "1" * 32)}
-        await ex._check_consensus(6, "e" * 32)  # off again: the state, whole
-        assert transport.kinds[2:] == [STATE_KIND, STATE_KIND] and 6 not in ex.resyncs
+        await ex._check_consensus(6, "e" * 32)  # off again: both steps since round 4
+        assert transport.kinds[2:] == [APPLIED, RELAY]  # b's message of round 4 is not fetched again
+        assert ex.resyncs[6]["replay"]["steps"] == [(5, 4, senders), (6, 5, senders)]
+        ex.members.records = {r.peer_id: r for r in view(4 + REPLAY_ROUNDS + 1, "2" * 32)}
+        await ex._check_consensus(4 + REPLAY_ROUNDS + 1, "d" * 32)  # too far: the state, whole
+        assert transport.kinds[-2:] == [STATE_KIND, STATE_KIND]
     asyncio.run(main())
 
 
@@ -383,19 +394,28 @@ def test_a_record_of_senders_that_cannot_be_true_is_not_read():
         holder = NodeIdentity.generate()
         replay = StepReplay(unit_swarm(loop), None, 30.0, lambda: ["x", "y"])
         server = StepReplay(unit_swarm(loop), None, 30.0, lambda: [])
+
+        async def reply(round_index: int, since: int):
+            header = types.SimpleNamespace(round=round_index, meta={"since": since})
+            return as_received(await server._respond(header), holder)
+        server.record(3, (-1, ()))  # a step with nothing due (the first round, delay 1)
+        assert replay._read(3, 2, await reply(3, 2)) == [(3, -1, ())]
+        server.record(4, (3, ("x",)))
         for senders, ok in ((("x", "y", "me", "left"), True), (tuple("abcdefg"), False),
                             (("x", "x"), False)):
             server.record(5, (4, senders))
-            reply = as_received(await server._respond(types.SimpleNamespace(round=5)), holder)
             if ok:
-                assert replay._read(5, reply) == (4, senders)
+                assert replay._read(5, 3, await reply(5, 3)) == [(4, 3, ("x",)), (5, 4, senders)]
             else:
                 with pytest.raises(ValueError, match="senders"):
-                    replay._read(5, reply)
-        with pytest.raises(ValueError, match="one record of round 6"):
-            replay._read(6, reply)
-        with pytest.raises(Refusal):
-            await server._respond(types.SimpleNamespace(round=9))
+                    replay._read(5, 3, await reply(5, 3))
+        with pytest.raises(ValueError, match="records"):
+            replay._read(6, 3, await reply(5, 3))  # not the rounds asked
+        with pytest.raises(ValueError, match="holds 1 records"):
+            replay._read(5, 3, await reply(5, 4))
+        for since in (1, 5, None):  # a round it holds no record of; none; no round asked
+            with pytest.raises(Refusal):
+                await reply(5, since)
     asyncio.run(main())
 
 

@@ -414,6 +414,7 @@ class ScriptedDiLoCoXLink:
         self.catch_ups: dict[int, tuple[int, int, dict]] = {}  # round ended -> the swarm's state
         self.behind_in: set[int] = set()  # rounds a majority of the swarm finished a round ago
         self.applied: dict[int, tuple | None] = {}  # round -> what its step applied (a replay's record)
+        self.agreed = -1  # what last_agreed reports: the last round a consensus check agreed
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
@@ -433,6 +434,9 @@ class ScriptedDiLoCoXLink:
 
     def take_resync(self, round_index: int) -> dict | None:
         return self.resync.pop(round_index, None)
+
+    def last_agreed(self) -> int:
+        return self.agreed
 
     def settle(self, round_index: int, wait_s: float) -> None:
         pass
@@ -507,72 +511,77 @@ def test_dilocox_refuses_a_poisoned_message_and_a_poisoned_resync_and_adopts_a_r
     assert outcome.resyncs == 1 and ("liar", "not_finite") in link.refusals
 
 
-def test_dilocox_a_node_that_missed_a_message_replays_its_step_over_the_majoritys(config, corpus):
+def play_dilocox(nodes: dict, r: int, sent: dict, outcomes: dict, missed=()) -> None:
+    """Round `r` of the DiLoCoX `nodes` (name -> (round, link, trainer)): each trains and ends
+    it, and then holds every other node's message of it but the (sender, receiver) `missed`."""
+    for name, (policy, link, model) in nodes.items():
+        train_round(model, policy, r)
+        outcomes[name] = policy.end_round(r)
+        sent[(name, r)] = received(r, link.sent[-1][1])
+    for name, (_, link, _) in nodes.items():
+        link.inbox[r] = [GroupMessage(p, r, sent[(p, r)]) for p in nodes
+                         if p != name and (p, name) not in missed]
+
+
+def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majoritys(config, corpus):
     """c missed b's message of round 0, so its step of round 1 applied {a, c} where a and b
-    applied {a, b, c}: its φ left theirs. Handed a's record of that step's senders and b's
-    message, it replays the step from its state before it at its next outer step and holds
-    their φ again, bitwise, having moved one message instead of φ and m. A recipe whose digest
-    it cannot reproduce (a record naming the wrong senders) is dropped, not adopted."""
+    applied {a, b, c}, and its step of round 2 built on that: its φ left theirs. Handed a's
+    records of its steps and b's message, it replays them from the initial state (no check has
+    agreed yet) at its next outer step and holds their φ again, bitwise, having moved one message instead of
+    φ and m. A recipe whose digest it cannot reproduce (records naming the wrong senders) is
+    dropped, not adopted; nor is one from a round it does not hold as agreed."""
     nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
-    sent = {}
-    outcomes = {}
-    for r in range(3):
-        for name, (policy, link, model) in nodes.items():
-            train_round(model, policy, r)
-            outcomes[name] = policy.end_round(r)
-            sent[(name, r)] = received(r, link.sent[-1][1])
-        for name, (_, link, _) in nodes.items():
-            link.inbox[r] = [GroupMessage(peer, r, sent[(peer, r)]) for peer in nodes
-                             if peer != name and not (r == 0 and (peer, name) == ("b", "c"))]
-        if r == 1:
-            a_link, c_link = nodes["a"][1], nodes["c"][1]
+    sent, outcomes = {}, {}
+    a_link, c_link = nodes["a"][1], nodes["c"][1]
+    for r in range(4):
+        play_dilocox(nodes, r, sent, outcomes, missed={("b", "c")} if r == 0 else ())
+        if r == 0:
+            assert a_link.applied[0] == (-1, ())  # nothing was due: a step a replay goes through
+        if r in (1, 2):
             assert outcomes["a"].phi_digest == outcomes["b"].phi_digest != outcomes["c"].phi_digest
+        if r == 2:
             assert a_link.applied[1] == (0, ("a", "b", "c")) and c_link.applied[1] == (0, ("a", "c"))
-            c_link.resync[1] = {"replay": {"round": 1, "target": 0, "senders": a_link.applied[1][1],
-                                           "messages": {"b": sent[("b", 0)]},
-                                           "digest": outcomes["a"].phi_digest}}
+            c_link.resync[2] = {"replay": {  # from the initial state: no check agreed yet
+                "since": -1, "round": 2, "steps": [(r, *a_link.applied[r]) for r in (0, 1, 2)],
+                "messages": {(0, "b"): sent[("b", 0)]}, "digest": outcomes["a"].phi_digest}}
     assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
     assert outcomes["c"].replays == 1 and outcomes["c"].resyncs == 0 and outcomes["a"].replays == 0
-    # a record that names the wrong senders: the replay does not reach the majority's φ
-    c, c_link, c_model = nodes["c"]
-    c_link.resync[2] = {"replay": {"round": 2, "target": 1, "senders": ("a", "c"), "messages": {},
-                                   "digest": outcomes["a"].phi_digest}}
-    c_link.inbox[2] = []
-    train_round(c_model, c, 3)
-    outcome = c.end_round(3)
-    assert outcome.replays == 1 and outcome.group == ["c"]  # dropped: its step went on from its φ
+    c, _, c_model = nodes["c"]
+    assert c.agreed[0] == 2  # the replayed state: a later replay starts there, whatever the link says
+    # records that name the wrong senders: the replay does not reach the majority's φ
+    c_link.resync[3] = {"replay": {"since": 2, "round": 3, "steps": [(3, 2, ("a", "c"))],
+                                   "messages": {}, "digest": outcomes["a"].phi_digest}}
+    # and one from before a round it holds as agreed, whose steps after that are the same wrong ones
+    c_link.resync[4] = {"replay": {"since": 0, "round": 4, "steps": [
+        (1, 0, ("a", "b", "c")), (2, 1, ("a", "b", "c")), (3, 2, ("a", "c")), (4, 3, ("a", "c"))],
+        "messages": {}, "digest": outcomes["a"].phi_digest}}
+    for r in (4, 5):
+        c_link.inbox[r - 1] = []
+        train_round(c_model, c, r)
+        assert c.end_round(r).replays == 1  # dropped: its step went on from its own φ
 
 
 def test_dilocox_a_late_joiners_first_step_is_replayed_from_the_state_it_adopted(config, corpus):
     """d joins with a's state after round 1 and trains round 2; the messages of round 1 were
     sent before it joined, so its step applies none and its φ leaves a's and b's. The state it
-    adopted is the one its replay starts from: handed a's record and both messages, its next
-    step holds their φ. (Before, its history was empty and it downloaded the state again: a
-    real swarm's restarted node, tests/integration/test_fault_points.py.)"""
+    adopted is its agreed state: handed a's record and both messages, its next step holds their
+    φ. (Before, it had no state to replay from and downloaded the state again: a real swarm's
+    restarted node, tests/integration/test_fault_points.py.)"""
     nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2))}
     sent, outcomes = {}, {}
-
-    def play(r: int, players: dict) -> None:
-        for name, (policy, link, model) in players.items():
-            train_round(model, policy, r)
-            outcomes[name] = policy.end_round(r)
-            sent[(name, r)] = received(r, link.sent[-1][1])
-        for name, (_, link, _) in players.items():
-            link.inbox[r] = [GroupMessage(p, r, sent[(p, r)]) for p in players if p != name]
-
     for r in (0, 1):
-        play(r, nodes)
+        play_dilocox(nodes, r, sent, outcomes)
     d = dilocox(config, corpus, "d", 4)
     state_round, groups, _ = nodes["a"][0].export_state(1)
     d[0].adopt(groups, state_round)
     assert d[0].export_state(1)[2] == outcomes["a"].phi_digest
     nodes["d"] = d
-    play(2, nodes)
+    play_dilocox(nodes, 2, sent, outcomes)
     assert outcomes["d"].group == [] and outcomes["d"].phi_digest != outcomes["a"].phi_digest
-    d[1].resync[2] = {"replay": {"round": 2, "target": 1, "senders": ("a", "b"),
-                                 "messages": {"a": sent[("a", 1)], "b": sent[("b", 1)]},
+    d[1].resync[2] = {"replay": {"since": 1, "round": 2, "steps": [(2, 1, ("a", "b"))],
+                                 "messages": {(1, "a"): sent[("a", 1)], (1, "b"): sent[("b", 1)]},
                                  "digest": outcomes["a"].phi_digest}}
-    play(3, nodes)
+    play_dilocox(nodes, 3, sent, outcomes)
     assert outcomes["d"].replays == 1 and outcomes["d"].resyncs == 0
     assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["d"].phi_digest
 

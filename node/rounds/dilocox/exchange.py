@@ -6,10 +6,10 @@ in the background, over signed streams, each signed once by its author for every
 that members can hand it on (relay.py). Received messages wait in an inbox by round until the
 training thread `collect`s them (with delay = 1 they had a whole round to arrive). After each
 outer step the node announces the digest of φ; when the majority of the members that reached
-the same round announced another digest, the node first tries to replay its step over the
-majority's messages (replay.py: a record of their senders and the messages it lacked), and
-otherwise downloads that majority's state from one of them and checks its digest; the training
-thread adopts either before its next outer step.
+the same round announced another digest, the node first tries to replay its steps since its
+last agreed round over the majority's messages (replay.py: records of their senders and the
+messages it lacked), and otherwise downloads that majority's state from one of them and checks
+its digest; the training thread adopts either before its next outer step.
 
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
@@ -28,8 +28,8 @@ Invariants:
   members that hold it (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
   than the fan-out, one that went to a random subset of members): every copy is checked against
   its author's signature, and every member applies the same messages;
-- a divergent check that follows an agreeing one (our state before the step was the
-  majority's) tries a replay first; a second divergent check in a row downloads the state;
+- a divergent check tries a replay first, from the last round a check found agreed, while that
+  is at most REPLAY_ROUNDS back; then it downloads the state;
 - a resync state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution; it is due at the outer step after its round, so a node whose last check
@@ -67,7 +67,7 @@ from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Diverged, Missing, ResyncReady
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.dilocox.round import GroupMessage
+from node.rounds.dilocox.round import REPLAY_ROUNDS, GroupMessage
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state, settled
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
@@ -98,6 +98,7 @@ class DiLoCoXExchange:
         self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
+        self.agreed = -1  # the last round whose φ of ours a check found the majority's
         self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
@@ -123,6 +124,7 @@ class DiLoCoXExchange:
         it are never waited for (see _collect)."""
         self.oldest_wanted = max(0, round_index - 1)
         self.first_round = round_index
+        self.agreed = round_index - 1  # the state we start from: the swarm's, or the initial φ
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
@@ -202,6 +204,9 @@ class DiLoCoXExchange:
 
     def send_ratio(self) -> float | None:
         return self.sender.send_ratio()
+
+    def last_agreed(self) -> int:
+        return self.agreed  # an int the loop replaces: read from the training thread as is
 
     # ------------------------------------------------------------------ loop side
     def _check_head(self, header) -> None:
@@ -408,6 +413,8 @@ class DiLoCoXExchange:
             # agreed (another vote for our φ), or nothing known (no other vote came): either
             # way nothing to wait for at the next round's end
             self.diverged = self.diverged and 1 < sum(votes.values()) and votes[digest] < 2
+            if votes[digest] >= 2:
+                self.agreed = max(self.agreed, round_index)
             return
         if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:
             # A tie is broken only once every vote is in: a missing one may decide it. But a
@@ -424,11 +431,12 @@ class DiLoCoXExchange:
             if majority == digest:
                 self.diverged = False
                 return
-        first, self.diverged = not self.diverged, True
+        self.diverged = True
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
-        if first and (recipe := await self.replay.recipe(round_index, majority,
-                                                         holders.get(majority, []))):
+        since = self.agreed
+        if since < round_index <= since + REPLAY_ROUNDS and (recipe := await self.replay.recipe(
+                round_index, since, majority, holders.get(majority, []))):
             self.resyncs[round_index] = {"replay": recipe}
             return
         for peer in holders.get(majority, []):
@@ -508,9 +516,10 @@ class DiLoCoXExchange:
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)
-        if state is not None:  # our step of that round is replaced: by the majority's, or whole
+        if state is not None:  # our steps are replaced: by the majority's, or whole
             recipe = state.get("replay")
-            self.replay.record(round_index, recipe and (recipe["target"], recipe["senders"]))
+            for step, target, senders in recipe["steps"] if recipe else [(round_index, 0, ())]:
+                self.replay.record(step, (target, senders) if recipe else None)
         for old in [r for r in self.resyncs if r < round_index]:
             del self.resyncs[old]
         return state

@@ -29,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from node.events import Relayed
+from node.rounds.dilocox.round import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
@@ -38,7 +39,9 @@ log = logging.getLogger("lowcomm.dilocox")
 RELAY = "dilocox.relay"
 AUTHOR = "author"  # the request's and the reply's meta: whose message
 ASK_AFTER_S = 0.5
-KEEP_ROUNDS = 3  # our round, the one before (its laggards collect it now) and one more
+# our round, the one before (its laggards collect it now), and the rounds a diverged member may
+# replay (round.py REPLAY_ROUNDS), whose messages it may lack
+KEEP_ROUNDS = REPLAY_ROUNDS
 KEEP_BYTES = 256 << 20
 
 

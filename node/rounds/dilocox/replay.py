@@ -1,29 +1,30 @@
-"""Bringing back a member whose φ left the majority's by replaying the step, the event loop's
+"""Bringing back a member whose φ left the majority's by replaying its steps, the event loop's
 side (PROTOCOLS.md §3: "a node that missed messages rejoins the agreed state without stalling
 the others").
 
 A φ splits when a member's outer step applied another set of messages than the majority's (a
-push that broke, a message that came after the member closed the round). Every member records,
-for each of its last steps, the round the step applied and the senders of the messages it took
-(`record`), and serves that record to any member that asks (APPLIED: a few hundred bytes). A
-member whose consensus check finds its φ of round r off the majority's asks a holder of the
-majority's φ for its record of r, takes the messages it lacks from the relay's store or fetches
-them from members (relay.py: each copy checked against its author's signature), and hands the
-training thread a recipe: those senders, the copies, and the majority's digest. The training
-thread replays the step from its own state before it (node/rounds/dilocox/round.py
-`_replayed`) and keeps the result only if its digest is the majority's. Where a resync
-downloads φ and the outer momentum whole (27 MB for the tiny model, 1 GB for `small`), a replay
-moves the messages the member missed: kilobytes.
+push that broke, a message that came after the member closed the round), and every later step
+builds on the split. Every member records, for each of its last REPLAY_ROUNDS steps, the round
+the step applied and the senders of the messages it took (`record`), and serves those records
+to any member that asks (APPLIED: a few hundred bytes). A member whose consensus check finds
+its φ of round k off the majority's asks a holder of the majority's φ for its records of the
+steps since a, the last round whose φ this member knows was agreed, takes the messages it lacks
+from the relay's store or fetches them from members (relay.py: each copy checked against its
+author's signature), and hands the training thread a recipe: each step's senders, the copies,
+and the majority's digest of round k. The training thread replays those steps from its agreed
+state of round a (node/rounds/dilocox/round.py `_replayed`) and keeps the result only if its
+digest is the majority's. Where a resync downloads φ and the outer momentum whole (27 MB for
+the tiny model, 1 GB for `small`), a replay moves the messages the member missed: kilobytes.
 
 Invariants:
-- a holder's record is a claim, not a proof: the replayed φ must have the majority's digest or
-  the recipe is dropped, and the member downloads the state at its next divergent check; a
-  record strikes no one (a member whose step was replaced by a resync holds no record of it);
-- a reply is bounded before its messages are fetched: at most twice as many senders as the
-  members and us (senders may have left since), each a peer id, none twice, for the round the
-  request named;
-- records are kept for the last KEEP_ROUNDS rounds, as the relay keeps messages: a replay
-  needs both.
+- a holder's records are a claim, not a proof: the replayed φ must have the majority's digest
+  or the recipe is dropped; a record strikes no one (a member whose step was replaced by a
+  resync holds no record of it, and refuses the request);
+- a reply is bounded before its messages are fetched: one record for each round asked, at most
+  twice as many senders as the members and us (senders may have left since), each a peer id,
+  none twice;
+- records are kept for REPLAY_ROUNDS rounds (round.py), as the relay keeps messages: a replay
+  needs both; a member agreed longer ago than that downloads the state.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ import logging
 from collections.abc import Callable
 
 from node.events import ReplayReady
-from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
+from node.rounds.dilocox.relay import Relay
+from node.rounds.dilocox.round import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
 
 log = logging.getLogger("lowcomm.dilocox")
 APPLIED = "dilocox.applied"
-SENDERS = "senders"  # the reply's one tensor: the senders' peer ids, "\n"-separated, UTF-8
+RECORDS = "records"  # the reply's one tensor: "round target sender sender ..." lines, UTF-8
 MAX_PEER_ID_CHARS = 128
+
+Step = tuple[int, int, tuple[str, ...]]  # (our round, the round its step applied, the senders)
 
 
 class StepReplay:
@@ -65,69 +69,85 @@ class StepReplay:
             self.applied.pop(round_index, None)
         else:
             self.applied[round_index] = applied
-        for old in [r for r in self.applied if r <= round_index - KEEP_ROUNDS]:
+        for old in [r for r in self.applied if r <= round_index - REPLAY_ROUNDS]:
             del self.applied[old]
 
     async def _respond(self, header) -> OutgoingMessage:
-        held = self.applied.get(header.round)
-        if held is None:
-            raise Refusal(Reason.REFUSED, f"no record of the messages round {header.round} applied here")
-        target, senders = held
-        data = bytearray("\n".join(senders).encode())
+        since = header.meta.get("since")
+        wanted = range(since + 1, header.round + 1) if type(since) is int else range(0)
+        if not 0 < len(wanted) <= REPLAY_ROUNDS or any(r not in self.applied for r in wanted):
+            raise Refusal(Reason.REFUSED, f"no record of every step after round {since} to round "
+                          f"{header.round} here")
+        lines = [" ".join([str(r), str(self.applied[r][0]), *self.applied[r][1]]) for r in wanted]
+        data = bytearray("\n".join(lines).encode())
         return OutgoingMessage(APPLIED, header.round,
-                               [OutgoingTensor(SENDERS, "uint8", (len(data),), data)],
-                               {"applied_round": target})
+                               [OutgoingTensor(RECORDS, "uint8", (len(data),), data)], {"since": since})
 
-    async def recipe(self, round_index: int, digest: str, holders: list[str]) -> dict | None:
-        """What replays our step of `round_index` to the majority's φ (`digest`, held by
-        `holders`): {"round", "target", "senders", "messages", "digest"}; None when no holder
-        answered or a message could not be had."""
+    async def recipe(self, round_index: int, since: int, digest: str, holders: list[str]
+                     ) -> dict | None:
+        """What replays our steps after round `since` (our φ of it was agreed) to the majority's
+        φ of `round_index` (`digest`, held by `holders`): {"since", "round", "steps",
+        "messages", "digest"}, with steps [(round, the round it applied, senders)] and messages
+        {(applied round, author): copy}; None when no holder answered or a message could not be
+        had."""
         for holder in holders:
             try:
-                reply = await self.transport.request(holder, APPLIED, round_index, meta={},
+                reply = await self.transport.request(holder, APPLIED, round_index,
+                                                     meta={"since": since},
                                                      timeout=self.deadline_s, streams=1)
-                target, senders = self._read(round_index, reply)
+                steps = self._read(round_index, since, reply)
             except (P2PError, ValueError) as exc:
-                log.info("round %d: no record of its messages from %s (%s)", round_index,
+                log.info("round %d: no records of its steps from %s (%s)", round_index,
                          holder[-8:], failure_sentence(exc) if isinstance(exc, P2PError) else exc)
                 continue
-            copies = await self._copies(target, senders, holders)
-            if copies is None:
-                return None
-            fetched = [a for a in copies if self.relay.store.get(target, a) is None]
-            for author in fetched:
-                self.relay.accepted(author, copies[author])  # ours to hand on in turn
-            self.swarm.publish(ReplayReady(round=round_index, source=holder, senders=len(senders),
-                                           fetched=len(fetched),
-                                           bytes=sum(len(copies[a].payload) for a in fetched)))
-            return {"round": round_index, "target": target, "senders": senders,
-                    "messages": copies, "digest": digest}
+            copies: dict[tuple[int, str], ReceivedMessage] = {}
+            fetched = 0
+            for _, target, senders in steps:
+                got = await self._copies(target, senders, holders)
+                if got is None:
+                    return None
+                for author, (copy, was_fetched) in got.items():
+                    copies[(target, author)] = copy
+                    fetched += was_fetched
+            self.swarm.publish(ReplayReady(
+                round=round_index, source=holder, steps=len(steps),
+                senders=sum(len(s) for _, _, s in steps), fetched=fetched,
+                bytes=sum(len(c.payload) for c in copies.values())))
+            return {"since": since, "round": round_index, "steps": steps, "messages": copies,
+                    "digest": digest}
         return None
 
-    def _read(self, round_index: int, reply: ReceivedMessage) -> tuple[int, tuple[str, ...]]:
-        """The record in a reply, or ValueError saying what is wrong with it."""
-        target = reply.meta.get("applied_round")
+    def _read(self, round_index: int, since: int, reply: ReceivedMessage) -> list[Step]:
+        """The records in a reply, or ValueError saying what is wrong with them."""
         views = reply.tensor_views()
-        if reply.round != round_index or type(target) is not int or not 0 <= target <= round_index \
-                or set(views) != {SENDERS}:
-            raise ValueError(f"its reply does not hold one record of round {round_index}")
-        text = bytes(views[SENDERS][1]).decode("utf-8", errors="strict")
-        senders = tuple(text.split("\n")) if text else ()
-        # the members and us, twice over: a sender may have left since its message was applied
-        bound = 2 * (len(self.members()) + 1)
-        if len(senders) > bound or len(set(senders)) != len(senders) \
-                or any(not s or len(s) > MAX_PEER_ID_CHARS for s in senders):
-            raise ValueError(f"its record names {len(senders)} senders (at most {bound} distinct "
-                             f"peer ids can have sent)")
-        return target, senders
+        if reply.round != round_index or set(views) != {RECORDS}:
+            raise ValueError(f"its reply does not hold the records up to round {round_index}")
+        lines = bytes(views[RECORDS][1]).decode("utf-8", errors="strict").split("\n")
+        if len(lines) != round_index - since:
+            raise ValueError(f"its reply holds {len(lines)} records where the rounds after {since} "
+                             f"to {round_index} are {round_index - since}")
+        bound = 2 * (len(self.members()) + 1)  # the members and us, twice: senders may have left
+        steps: list[Step] = []
+        for expected, line in zip(range(since + 1, round_index + 1), lines, strict=True):
+            fields = line.split(" ")  # a step with nothing due applied round -1, no one
+            if len(fields) < 2 or fields[0] != str(expected) or not fields[1].lstrip("-").isdigit() \
+                    or not -1 <= int(fields[1]) <= expected or (int(fields[1]) < 0 and fields[2:]):
+                raise ValueError(f"its record of round {expected} is malformed")
+            senders = tuple(fields[2:])
+            if len(senders) > bound or len(set(senders)) != len(senders) \
+                    or any(not s or len(s) > MAX_PEER_ID_CHARS for s in senders):
+                raise ValueError(f"its record of round {expected} names {len(senders)} senders (at "
+                                 f"most {bound} distinct peer ids can have sent)")
+            steps.append((expected, int(fields[1]), senders))
+        return steps
 
     async def _copies(self, target: int, senders: tuple[str, ...], holders: list[str]
-                      ) -> dict[str, ReceivedMessage] | None:
-        """Every sender's message of round `target` but ours: from the relay's store, or fetched
-        from the holders and then the other members (the author last: a member keeps what it
-        received, not what it sent)."""
+                      ) -> dict[str, tuple[ReceivedMessage, bool]] | None:
+        """Every sender's message of round `target` but ours, with whether it was fetched: from
+        the relay's store, or fetched from the holders and then the other members (the author
+        last: a member keeps what it received, not what it sent), and kept there in turn."""
         own = self.swarm.peer_id
-        copies = {a: m for a in senders if a != own and (m := self.relay.store.get(target, a))}
+        copies = {a: (m, False) for a in senders if a != own and (m := self.relay.store.get(target, a))}
         missing = [a for a in senders if a != own and a not in copies]
 
         async def fetch(author: str) -> None:
@@ -135,7 +155,8 @@ class StepReplay:
             order += [m for m in self.members() if m not in order and m != author] + [author]
             copy = await self.relay.fetch(target, author, order)
             if copy is not None:
-                copies[author] = copy
+                copies[author] = (copy, True)
+                self.relay.accepted(author, copy)  # ours to hand on, and for a later recipe
         await asyncio.gather(*(fetch(a) for a in missing))
         if any(a not in copies for a in missing):
             log.info("round %d: the messages of %s to replay it could not be had", target,

@@ -6,10 +6,10 @@ protocol/dilocox.py), hand c to the link, which sends it to the round's group in
 then take the group's messages of round r − delay (with delay = 1 they travelled during round r,
 so this rarely waits), check each, apply the outer step, and publish the digest of the new φ.
 Every node applies the same messages in the same order, so φ stays identical; a node whose
-digest disagrees with the majority replays that step from its state before it over the
-majority's messages (`_replayed`: the link hands it the majority's senders and the messages it
-lacked, kilobytes), or else re-downloads φ and m from a majority peer (the link arranges either),
-and adopts the result before its next outer step.
+digest disagrees with the majority replays its steps since its last agreed state over the
+majority's messages (`_replayed`: the link hands it the majority's senders of each step and the
+messages it lacked, kilobytes), or else re-downloads φ and m from a majority peer (the link
+arranges either), and adopts the result before its next outer step.
 
 With `apply_on_arrival` (delay 1), the outer step of round r − 1's messages is taken as soon as
 all of them are here (checked before each inner step of round r, `between_steps`), and θ is shifted by
@@ -46,6 +46,10 @@ from protocol.errors import ProtocolError
 from protocol.tensors import difference, shift_in_place, weights_digest
 
 log = logging.getLogger("lowcomm.dilocox")
+# Steps a diverged node can replay from its last agreed state (`_replayed`): a slow node learns
+# of its split only when the others' votes reach it, 4 rounds late on 512 kbit/s. Members keep
+# the messages (relay.py) and their records of each step (replay.py) as long.
+REPLAY_ROUNDS = 8
 
 
 @dataclass
@@ -85,9 +89,13 @@ class DiLoCoXLink(Protocol):
 
     def take_resync(self, round_index: int) -> dict | None:
         """If our φ after `round_index` disagreed with the majority's: a majority peer's verified
-        state ({"slow_weights", "momentum", "source"}), or what replays the step ({"replay":
-        {"round", "target", "senders", "messages" (received copies by author), "digest"}});
-        else None."""
+        state ({"slow_weights", "momentum", "source"}), or what replays our steps since our last
+        agreed round ({"replay": {"since", "round", "steps" [(round, the round it applied,
+        senders)], "messages" {(applied round, author): received copy}, "digest"}}); else None."""
+
+    def last_agreed(self) -> int:
+        """The last round whose φ of ours the consensus check found the majority's (the round
+        before this node's first: its starting state, before any was checked)."""
 
     def settle(self, round_index: int, wait_s: float) -> None:
         """Before the outer step of `round_index`: when our φ is known to be off the majority's,
@@ -164,10 +172,15 @@ class DiLoCoXRound:
         self.own_norm = 0.0  # of our last Δ: what peers' messages are checked against
         self.lock = threading.Lock()  # held while φ and m change; exports take it too
         self.state_round, self.phi_digest = -1, weights_digest(self.outer.slow_weights)
-        # The last two post-step states, with the messages each step applied: a diverged peer
-        # asks for the round it compared, and we may have finished another round by the time its
-        # request arrives; and a replay of our last step starts from the state before it.
+        # The last two post-step states: a diverged peer asks for the round it compared, and we
+        # may have finished another round by the time its request arrives.
         self.history: deque = deque(maxlen=2)
+        # Where a replay starts (`_replayed`): the last state known agreed, and the messages each
+        # step since applied (compressed, at most REPLAY_ROUNDS steps). The initial φ is every
+        # node's (one seed), so the first steps can be replayed too.
+        self.agreed: tuple[int, dict] | None = (-1, {"phi": self.outer.slow_weights,
+                                                     "momentum": self.outer.momentum})
+        self.step_log: dict[int, dict[str, PseudoGradientMessage]] = {}
         self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
         self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
 
@@ -277,8 +290,9 @@ class DiLoCoXRound:
             waited = time.monotonic() - waited
             self.outer.counters.late += len(arrived)
         step = self.outer.last_step
-        applied = (step.applied_round, tuple(sorted(self.outer.last_messages))) \
-            if step is not None and step.applied_round is not None else None
+        # a step with nothing due (the first round, delay 1) applied nothing: round -1, no one
+        applied = (-1 if step.applied_round is None else step.applied_round,
+                   tuple(sorted(self.outer.last_messages))) if step is not None else None
         self.link.publish_digest(round_index, self.phi_digest, applied)
         return step, refused, waited, ahead
 
@@ -289,21 +303,24 @@ class DiLoCoXRound:
         for item in arrived:
             self._admit(item, self.own_norm, refused)
         with self.lock:
+            self._note_agreed(self.link.last_agreed())
             resync = self.link.take_resync(round_index - 1)
             # our φ of the last round disagreed with the majority's
             if resync is not None and "replay" in resync:
                 replayed = self._replayed(resync["replay"], refused)
                 if replayed is not None:
-                    self._adopt_round(round_index - 1, replayed, replayed.pop("messages"))
+                    self._adopt_round(round_index - 1, replayed, agreed=True)
                     self.replays += 1
             elif resync is not None and self._resync_usable(resync):
-                self._adopt_round(round_index - 1, resync, None)
+                self._adopt_round(round_index - 1, resync, agreed=False)
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
             self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
-            self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum},
-                                 digest, self.outer.last_messages))
+            self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum}, digest))
+            self.step_log[round_index] = self.outer.last_messages
+            oldest = max(round_index - REPLAY_ROUNDS, self.agreed[0] if self.agreed else round_index)
+            self.step_log = {r: m for r, m in self.step_log.items() if r > oldest}
         for sender in self.outer.last_step.left_out:  # every node leaves out the same ones
             sentence = (f"DiLoCoX pseudo-gradient from {sender} of round "
                         f"{self.outer.last_step.applied_round} looks like noise: its magnitudes "
@@ -313,50 +330,68 @@ class DiLoCoXRound:
             self.link.refused(sender, "noise", sentence)
         return self.outer.last_step, refused
 
-    def _replayed(self, recipe: dict, refused: list) -> dict | None:
-        """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: our
-        state before that step, one outer step over the majority's senders' messages (ours where
-        we applied the same sender's, the copies the link fetched for the others, each checked as
-        any contribution), kept only if its digest is the majority's. None (the node stays off,
-        and its next divergent check downloads the state) when a message or the state before
-        is missing, a copy is refused, or the digest differs: the majority's record of its
-        senders was wrong, or a sender sent different messages to different members."""
-        step = recipe["round"]
-        before = next((groups for r, groups, _, _ in self.history if r == step - 1), None)
-        ours = next((messages for r, _, _, messages in self.history if r == step), None)
-        # None also when that step's state came whole from a resync: we do not know its messages
-        if before is None or ours is None:
-            log.info("round %d: no state before it held here to replay it from", step)
-            return None
-        messages = {}
-        for sender in recipe["senders"]:
-            if sender in ours:
-                messages[sender] = ours[sender]
-            elif (copy := recipe["messages"].get(sender)) is not None:
-                checked = self._checked(GroupMessage(sender, recipe["target"], copy), refused)
-                if checked is None:
-                    return None
-                messages[sender] = checked
-            else:
-                log.info("round %d: the message of %s to replay it is missing", step, sender[-8:])
-                return None
-        state = self.outer.replay({"slow_weights": before["phi"], "momentum": before["momentum"]},
-                                  messages)
-        if weights_digest(state["slow_weights"]) != recipe["digest"]:
-            log.warning("round %d replayed over the majority's %d messages does not give its φ "
-                        "%s: left to a resync", step, len(messages), recipe["digest"][:12])
-            return None
-        return {**state, "messages": messages}
+    def _note_agreed(self, round_index: int) -> None:
+        """The link found our φ of `round_index` the majority's: it is where a replay starts,
+        if we still hold it."""
+        if self.agreed is not None and round_index <= self.agreed[0]:
+            return
+        held = next((groups for r, groups, _ in self.history if r == round_index), None)
+        if held is not None:
+            self.agreed = (round_index, held)
 
-    def _adopt_round(self, round_index: int, state: dict, messages: dict | None) -> None:
+    def _replayed(self, recipe: dict, refused: list) -> dict | None:
+        """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: from
+        our agreed state of round `recipe["since"]`, each step since over the majority's
+        senders' messages (ours where our step applied the same sender's, the copies the link
+        fetched for the others, each checked as any contribution), kept only if the last
+        digest is the majority's. None (the node stays off; a later check tries again from the
+        same agreed state, or downloads the state) when that agreed state or a message is
+        missing, a copy is refused, or the digest differs: a holder's records were wrong, or a
+        sender sent different messages to different members."""
+        # our agreed state may be later than the link knows (a replay adopted since): the steps
+        # up to it are ours already
+        steps = [step for step in recipe["steps"] if self.agreed and step[0] > self.agreed[0]]
+        if self.agreed is None or self.agreed[0] < recipe["since"] or not steps:
+            log.info("round %d: our agreed state is of round %s, the replay's from round %d: no "
+                     "replay", recipe["round"], self.agreed and self.agreed[0], recipe["since"])
+            return None
+        groups = self.agreed[1]
+        state = {"slow_weights": groups["phi"], "momentum": groups["momentum"]}
+        replayed_steps = {}
+        for step, target, senders in steps:
+            ours, messages = self.step_log.get(step, {}), {}
+            for sender in senders:
+                copy = recipe["messages"].get((target, sender))
+                if sender in ours:
+                    messages[sender] = ours[sender]
+                elif copy is not None and (checked := self._checked(
+                        GroupMessage(sender, target, copy), refused)) is not None:
+                    messages[sender] = checked
+                else:
+                    log.info("round %d: the message of %s of round %d to replay it is missing or "
+                             "refused", recipe["round"], sender[-8:], target)
+                    return None
+            state = self.outer.replay(state, messages)
+            replayed_steps[step] = messages
+        if weights_digest(state["slow_weights"]) != recipe["digest"]:
+            log.warning("round %d replayed over the majority's messages of %d steps does not give "
+                        "its φ %s: left to a later check", recipe["round"], len(steps),
+                        recipe["digest"][:12])
+            return None
+        self.step_log.update(replayed_steps)
+        return state
+
+    def _adopt_round(self, round_index: int, state: dict, agreed: bool) -> None:
         """Our φ and m after `round_index` become `state` (the majority's), in the outer state and
-        in the history: a peer asking for that round is served it, and a replay of the next
-        step starts from it. `messages`: what its step applied, None when not known (a resync)."""
+        in the history (a peer asking for that round is served it); `agreed`: its digest was
+        checked against the majority's here (a replay), so later replays may start from it."""
         self.outer.adopt_outer_state(state)
         adopted = {"phi": state["slow_weights"], "momentum": state["momentum"]}
-        self.history = deque(((r, adopted, weights_digest(adopted["phi"]), messages)
-                              if r == round_index else (r, groups, digest, applied)
-                              for r, groups, digest, applied in self.history), maxlen=2)
+        digest = weights_digest(adopted["phi"])
+        self.history = deque(((r, adopted, digest) if r == round_index else (r, groups, d)
+                              for r, groups, d in self.history), maxlen=2)
+        if agreed:
+            self.agreed = (round_index, adopted)
 
     def _resync_usable(self, resync: dict) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within
@@ -410,7 +445,7 @@ class DiLoCoXRound:
         """(round, {"phi": φ, "momentum": m}, digest of φ) after `round_index` if still held,
         else the latest: for a late joiner or a diverged peer's resync."""
         with self.lock:
-            for held_round, groups, digest, _ in self.history:
+            for held_round, groups, digest in self.history:
                 if held_round == round_index:
                     return held_round, groups, digest
             return (self.state_round, {"phi": self.outer.slow_weights,
@@ -422,17 +457,18 @@ class DiLoCoXRound:
         self.trainer.load_parameters(groups["phi"])
 
     def _adopt_state(self, groups: dict, state_round: int | None) -> None:
-        """The swarm's state replaces ours, and the history starts from it: the first step after
-        it, if its φ leaves the majority's, is replayed from this state (a late joiner's first
-        round often lacks messages sent before its members knew of it)."""
+        """The swarm's state replaces ours and is our agreed state: the steps after it, if their
+        φ leaves the majority's, are replayed from it (a late joiner's first round often lacks
+        messages sent before its members knew of it)."""
         with self.lock:
             self.outer.adopt_outer_state({"slow_weights": groups["phi"],
                                           "momentum": groups["momentum"]}, rejoin=True)
             self.phi_digest = weights_digest(groups["phi"])
             # copies held by the outer state, not the received buffer's views
-            held = [(state_round, {"phi": self.outer.slow_weights, "momentum": self.outer.momentum},
-                     self.phi_digest, None)] if type(state_round) is int else []
-            self.history = deque(held, maxlen=2)
+            adopted = {"phi": self.outer.slow_weights, "momentum": self.outer.momentum}
+            known = type(state_round) is int
+            self.history = deque([(state_round, adopted, self.phi_digest)] if known else [], maxlen=2)
+            self.agreed, self.step_log = ((state_round, adopted) if known else None), {}
 
     def state_dict(self) -> dict[str, Any]:
         return {"dilocox": self.outer.state_dict(), "resyncs": self.resyncs}
@@ -440,3 +476,4 @@ class DiLoCoXRound:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["dilocox"])
         self.resyncs = int(state["resyncs"])
+        self.agreed, self.step_log = None, {}  # a resumed φ is not known agreed: a resync heals it

@@ -503,6 +503,7 @@ def test_dilocox_refuses_a_poisoned_message_and_a_poisoned_resync_and_adopts_a_r
     outcome = a.end_round(1)
     assert outcome.resyncs == 1
     assert a.export_state(0)[2] == digest  # a member asking for round 0 is served the majority's
+    assert a.agreed[0] == 0  # and a replay would start from it
     # a poisoned resync (its digest won the vote; issue 24): checked as a contribution, refused
     link.resync[1] = {"slow_weights": {n: torch.full_like(t, math.nan) for n, t in majority["phi"].items()},
                       "momentum": majority["momentum"], "source": "liar"}

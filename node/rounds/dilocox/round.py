@@ -309,10 +309,10 @@ class DiLoCoXRound:
             if resync is not None and "replay" in resync:
                 replayed = self._replayed(resync["replay"], refused)
                 if replayed is not None:
-                    self._adopt_round(round_index - 1, replayed, agreed=True)
+                    self._adopt_round(round_index - 1, replayed)
                     self.replays += 1
             elif resync is not None and self._resync_usable(resync):
-                self._adopt_round(round_index - 1, resync, agreed=False)
+                self._adopt_round(round_index - 1, resync)
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
@@ -381,17 +381,17 @@ class DiLoCoXRound:
         self.step_log.update(replayed_steps)
         return state
 
-    def _adopt_round(self, round_index: int, state: dict, agreed: bool) -> None:
-        """Our φ and m after `round_index` become `state` (the majority's), in the outer state and
-        in the history (a peer asking for that round is served it); `agreed`: its digest was
-        checked against the majority's here (a replay), so later replays may start from it."""
+    def _adopt_round(self, round_index: int, state: dict) -> None:
+        """Our φ and m after `round_index` become `state`, the majority's (a replay's digest was
+        checked here, a resync's by the link): in the outer state, in the history (a peer asking
+        for that round is served it), and as the agreed state later replays start from."""
         self.outer.adopt_outer_state(state)
-        adopted = {"phi": state["slow_weights"], "momentum": state["momentum"]}
+        # copies held by the outer state, not a received buffer's views
+        adopted = {"phi": self.outer.slow_weights, "momentum": self.outer.momentum}
         digest = weights_digest(adopted["phi"])
         self.history = deque(((r, adopted, digest) if r == round_index else (r, groups, d)
                               for r, groups, d in self.history), maxlen=2)
-        if agreed:
-            self.agreed = (round_index, adopted)
+        self.agreed = (round_index, adopted)
 
     def _resync_usable(self, resync: dict) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within

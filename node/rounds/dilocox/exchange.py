@@ -314,10 +314,8 @@ class DiLoCoXExchange:
         before the next outer step, which `apply_on_arrival` would take early). Never true for
         the rounds a (re)joining node may have missed: those wait for the round's end as before.
         Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
-        Members behind count: with only those finished or in the round, a node whose members
-        were all a round or more behind found every round complete at once, took each step
-        with its own message alone and ran ahead of them for 17 rounds, never waiting (the
-        512 kbit/s slow node, benchmarks/RESULTS.md, issue 18, "replays")."""
+        Without the members behind, a node all of whose members were behind stepped alone at
+        once every round and ran ahead of them (benchmarks/RESULTS.md, issue 18, "replays")."""
         if round_index < self.first_round or round_index <= self.collected or self._checks:
             return False
         box = self.inbox.get(round_index, {})

@@ -514,10 +514,11 @@ class DiLoCoXExchange:
 
     async def _pop_resync(self, round_index: int) -> dict | None:
         state = self.resyncs.pop(round_index, None)
-        if state is not None:  # our steps are replaced: by the majority's, or whole
-            recipe = state.get("replay")
-            for step, target, senders in recipe["steps"] if recipe else [(round_index, 0, ())]:
-                self.replay.record(step, (target, senders) if recipe else None)
+        if state is not None and "replay" in state:  # our steps are the majority's now
+            for step, target, senders in state["replay"]["steps"]:
+                self.replay.record(step, (target, senders))
+        elif state is not None:  # a state downloaded whole: we do not know its step's messages
+            self.replay.record(round_index, None)
         for old in [r for r in self.resyncs if r < round_index]:
             del self.resyncs[old]
         return state

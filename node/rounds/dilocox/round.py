@@ -301,7 +301,7 @@ class DiLoCoXRound:
         step of `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
         refused: list[str] = []
         for item in arrived:
-            self._admit(item, self.own_norm, refused)
+            self._admit(item, refused)
         with self.lock:
             self._note_agreed(self.link.last_agreed())
             resync = self.link.take_resync(round_index - 1)
@@ -408,8 +408,8 @@ class DiLoCoXRound:
             return False
         return True
 
-    def _admit(self, item: GroupMessage, own_norm: float, refused: list) -> ReceiveOutcome | None:
-        message = self._checked(item, refused, own_norm)
+    def _admit(self, item: GroupMessage, refused: list) -> ReceiveOutcome | None:
+        message = self._checked(item, refused)
         if message is None:
             return None
         try:
@@ -418,8 +418,7 @@ class DiLoCoXRound:
             self._refuse(item.peer, exc, refused)
             return None
 
-    def _checked(self, item: GroupMessage, refused: list, own_norm: float | None = None
-                 ) -> PseudoGradientMessage | None:
+    def _checked(self, item: GroupMessage, refused: list) -> PseudoGradientMessage | None:
         """A peer's message decoded and checked against the manifest's density bound, our
         layout and our own last Δ's norm; None (refused, counted against its author) if not."""
         try:
@@ -429,8 +428,7 @@ class DiLoCoXRound:
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))
                        for n, e in message.tensors.items() if n in params}
-            check_contribution(item.peer, decoded, params,
-                               self.own_norm if own_norm is None else own_norm,
+            check_contribution(item.peer, decoded, params, self.own_norm,
                                self.contributions.max_norm_ratio, "DiLoCoX pseudo-gradient")
             return message
         except (ContributionRefused, ProtocolError, ValueError) as exc:

@@ -277,8 +277,8 @@ def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_o
             swarm = unit_swarm(asyncio.get_running_loop(), records, peer_id=node.peer,
                                transport=node.transport, events=events)
             exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-            await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
-            resync = exchange.resyncs[HONEST_ROUND - 1]
+            await exchange.consensus.check(HONEST_ROUND - 1, "f" * 32)   # ours diverged
+            resync = exchange.consensus.resyncs[HONEST_ROUND - 1]
             assert resync["source"] == honest.peer
             assert weights_digest(resync["slow_weights"]) == digest
             assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
@@ -323,9 +323,9 @@ def test_a_diverged_dilocox_node_replays_its_step_over_real_streams_instead_of_d
                                events=events)
             exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
             exchange.relay.accepted(holder.peer, signed(holder, holder))  # ours missed the author's
-            exchange.agreed = HONEST_ROUND - 2  # our φ of the round before was the majority's
-            await exchange._check_consensus(HONEST_ROUND - 1, "f" * 32)   # ours diverged
-            recipe = exchange.resyncs[HONEST_ROUND - 1]["replay"]
+            exchange.consensus.agreed = HONEST_ROUND - 2  # our φ of the round before was the majority's
+            await exchange.consensus.check(HONEST_ROUND - 1, "f" * 32)   # ours diverged
+            recipe = exchange.consensus.resyncs[HONEST_ROUND - 1]["replay"]
             assert recipe["steps"] == [(HONEST_ROUND - 1, target, senders)]
             assert recipe["digest"] == digest
             assert sorted(recipe["messages"]) == sorted([(target, holder.peer), (target, author.peer)])

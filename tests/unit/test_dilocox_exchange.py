@@ -364,24 +364,24 @@ def test_a_node_whose_phi_left_the_majoritys_replays_its_steps_then_downloads_wh
         swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         ex.relay.store.keep(4, a, relayed_copy(holder, holder, 4))  # a's own message came to us
-        ex.agreed = 4
-        await ex._check_consensus(5, "f" * 32)
+        ex.consensus.agreed = 4
+        await ex.consensus.check(5, "f" * 32)
         assert transport.kinds == [APPLIED, RELAY]  # its records, and the one message we lacked
-        recipe = ex.resyncs[5]["replay"]
+        recipe = ex.consensus.resyncs[5]["replay"]
         assert recipe["since"] == 4 and recipe["steps"] == [(5, 4, senders)]
         assert sorted(recipe["messages"]) == sorted([(4, a), (4, b)]) and recipe["digest"] == "0" * 32
         assert [(e.round, e.source, e.steps, e.senders, e.fetched) for e in events
                 if isinstance(e, ReplayReady)] == [(5, a, 1, 3, 1)]
-        assert await ex._pop_resync(5) is not None
+        assert ex.consensus.pop_resync(5) is not None
         assert ex.replay.applied[5] == (4, senders)  # their step is ours now: served so
         assert ex.relay.store.get(4, b) is not None  # the fetched copy is kept for the next try
         ex.relay.store.keep(5, a, relayed_copy(holder, holder, 5))
         ex.members.records = {r.peer_id: r for r in view(6, "1" * 32)}
-        await ex._check_consensus(6, "e" * 32)  # off again: both steps since round 4
+        await ex.consensus.check(6, "e" * 32)  # off again: both steps since round 4
         assert transport.kinds[2:] == [APPLIED, RELAY]  # b's message of round 4 is not fetched again
-        assert ex.resyncs[6]["replay"]["steps"] == [(5, 4, senders), (6, 5, senders)]
+        assert ex.consensus.resyncs[6]["replay"]["steps"] == [(5, 4, senders), (6, 5, senders)]
         ex.members.records = {r.peer_id: r for r in view(4 + REPLAY_ROUNDS + 1, "2" * 32)}
-        await ex._check_consensus(4 + REPLAY_ROUNDS + 1, "d" * 32)  # too far: the state, whole
+        await ex.consensus.check(4 + REPLAY_ROUNDS + 1, "d" * 32)  # too far: the state, whole
         assert transport.kinds[-2:] == [STATE_KIND, STATE_KIND]
     asyncio.run(main())
 
@@ -449,17 +449,17 @@ def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
         def diverged() -> list[int]:
             return [e.round for e in events if isinstance(e, Diverged)]
 
-        await ex._check_consensus(5, "f" * 32)  # 1:1, a vote missing: wait for it
+        await ex.consensus.check(5, "f" * 32)  # 1:1, a vote missing: wait for it
         assert diverged() == []
         ex.members.records = {r.peer_id: r for r in view(7)}
-        await ex._check_consensus(7, "f" * 32)  # a tie again, but not in the next round
+        await ex.consensus.check(7, "f" * 32)  # a tie again, but not in the next round
         assert diverged() == []
         ex.members.records = {r.peer_id: r for r in view(8)}
-        await ex._check_consensus(8, "f" * 32)  # the tie lasted: broken toward the smaller digest
+        await ex.consensus.check(8, "f" * 32)  # the tie lasted: broken toward the smaller digest
         assert diverged() == [8]
         ex.members.records = {r.peer_id: r for r in view(9)}
         events.clear()
-        await ex._check_consensus(9, "0" * 32)  # we hold the winner: nothing to do
+        await ex.consensus.check(9, "0" * 32)  # we hold the winner: nothing to do
         assert diverged() == []
     asyncio.run(main())
 
@@ -478,22 +478,22 @@ def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
         swarm = unit_swarm(loop, records, peer_id="us", transport=NoStateServer(), events=events)
         swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-        ex.tied_round = 4   # the tie lasted: it is broken now
+        ex.consensus.tied_round = 4   # the tie lasted: it is broken now
         by_rank = {r: split_winner({d: [p] for p, d in digests.items()}, r) for r in range(5, 40)}
         split = next(r for r, d in by_rank.items() if d == "e" * 32)  # "other" ranks first
         records = [dataclasses.replace(m, round=split + 1, extra={**m.extra, "phi_round": split})
                    for m in records]
         ex.members.records = {m.peer_id: m for m in records}
-        ex.tied_round = split - 1
-        await ex._check_consensus(split, "f" * 32)
+        ex.consensus.tied_round = split - 1
+        await ex.consensus.check(split, "f" * 32)
         assert [(e.round, e.majority) for e in events if isinstance(e, Diverged)] == [(split, "e" * 12)]
         # a round we rank first in: we hold the winner, nothing to do
         ours = next(r for r, d in by_rank.items() if d == "f" * 32)
         ex.members.records = {m.peer_id: dataclasses.replace(m, round=ours + 1,
                                                         extra={**m.extra, "phi_round": ours})
                               for m in records}
-        ex.tied_round, events[:] = ours - 1, []
-        await ex._check_consensus(ours, "f" * 32)
+        ex.consensus.tied_round, events[:] = ours - 1, []
+        await ex.consensus.check(ours, "f" * 32)
         assert [e for e in events if isinstance(e, Diverged)] == []
     asyncio.run(main())
 
@@ -520,39 +520,39 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
 
         async def settle_seconds(round_index: int, wait_s: float) -> float:
             began = loop.time()
-            await ex._settle(round_index, wait_s)
+            await ex.consensus.settle(round_index, wait_s, ex.pace)
             return loop.time() - began
 
         ex._after_round(6, "f" * 32)  # round 6's votes are not in: the check waits for them
-        assert not ex.diverged and await settle_seconds(7, 5.0) < 0.05  # agreeing so far: no wait
-        await asyncio.wait(set(ex._checks.values()))
-        await ex._check_consensus(5, "f" * 32)  # two members hold another φ of round 5
-        assert ex.diverged and [e.round for e in events if isinstance(e, Diverged)] == [5]
+        assert not ex.consensus.diverged and await settle_seconds(7, 5.0) < 0.05  # agreeing so far: no wait
+        await asyncio.wait(set(ex.consensus.checks.values()))
+        await ex.consensus.check(5, "f" * 32)  # two members hold another φ of round 5
+        assert ex.consensus.diverged and [e.round for e in events if isinstance(e, Diverged)] == [5]
         ex.members.records = {r.peer_id: r for r in view(8, 5)}  # their votes of 7 and 8 lag
         ex._after_round(7, "f" * 32)
         waited = await settle_seconds(8, 5.0)  # diverged: the check of round 7 is waited for...
-        assert 0.4 < waited < 2.0 and not ex._checks, waited
-        assert not ex.diverged  # it heard no other vote: nothing to wait for any more
-        ex.diverged = True  # as a divergent check leaves it
+        assert 0.4 < waited < 2.0 and not ex.consensus.checks, waited
+        assert not ex.consensus.diverged  # it heard no other vote: nothing to wait for any more
+        ex.consensus.diverged = True  # as a divergent check leaves it
         ex._after_round(8, "f" * 32)  # a check of 1 s
         assert 0.15 < await settle_seconds(9, 0.2) < 0.5  # ...at most as long as asked
         ex.pace = 0.2
         assert 0.15 < await settle_seconds(9, 5.0) < 0.5  # ...and at most one of our rounds
-        assert ex._checks  # still waiting for votes
+        assert ex.consensus.checks  # still waiting for votes
         ex.pace = 3.0
         assert await settle_seconds(10, 5.0) < 0.05  # a check of another round is not waited for
         ex.members.records = {r.peer_id: r for r in view(11, 10)}
-        assert 8 in ex._checks and await settle_seconds(9, 5.0) < 0.05  # nor one the swarm is a round ahead of
-        await asyncio.wait(set(ex._checks.values()))
+        assert 8 in ex.consensus.checks and await settle_seconds(9, 5.0) < 0.05  # nor one the swarm is a round ahead of
+        await asyncio.wait(set(ex.consensus.checks.values()))
         ex.members.records = {r.peer_id: r for r in view(6, 5)}
-        await ex._check_consensus(5, "f" * 32)
-        assert ex.diverged
+        await ex.consensus.check(5, "f" * 32)
+        assert ex.consensus.diverged
         ex.members.records = {r.peer_id: r for r in view(10, 9, "f" * 32)}  # our φ again
-        await ex._check_consensus(9, "f" * 32)
-        assert not ex.diverged
+        await ex.consensus.check(9, "f" * 32)
+        assert not ex.consensus.diverged
         ex._after_round(10, "f" * 32)
         assert await settle_seconds(11, 5.0) < 0.05
-        await asyncio.wait(set(ex._checks.values()))
+        await asyncio.wait(set(ex.consensus.checks.values()))
     asyncio.run(main())
 
 

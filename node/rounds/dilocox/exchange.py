@@ -5,11 +5,9 @@ the round's group (every live member on our manifest, at most `fan_out`, a rando
 in the background, over signed streams, each signed once by its author for every receiver so
 that members can hand it on (relay.py). Received messages wait in an inbox by round until the
 training thread `collect`s them (with delay = 1 they had a whole round to arrive). After each
-outer step the node announces the digest of φ; when the majority of the members that reached
-the same round announced another digest, the node first tries to replay its steps since its
-last agreed round over the majority's messages (replay.py: records of their senders and the
-messages it lacked), and otherwise downloads that majority's state from one of them and checks
-its digest; the training thread adopts either before its next outer step.
+outer step the node announces the digest of φ and checks it against its members' (consensus.py:
+a φ off the majority's is replayed or downloaded); the training thread adopts either before its
+next outer step. A node rounds behind the swarm takes the swarm's state (`catch_up`).
 
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
@@ -28,19 +26,6 @@ Invariants:
   members that hold it (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
   than the fan-out, one that went to a random subset of members): every copy is checked against
   its author's signature, and every member applies the same messages;
-- a divergent check tries a replay first, from the last round a check found agreed, while that
-  is at most REPLAY_ROUNDS back; then it downloads the state;
-- a resync state is used only if its digest equals the winning digest for that round; a
-  holder that serves another φ for that round is banned; the training thread checks the state
-  as a contribution; it is due at the outer step after its round, so a node whose last check
-  found it diverged waits for that round's check at its round's end (`settle`, at most one of
-  its rounds, and not once the swarm is a round ahead): checks end with the slowest member's
-  vote, later than a short round;
-- every node picks the same winner from the same votes (`winning_digest`: ties go to the
-  smallest digest; a total split of three or more lone digests to the digest of the holder
-  ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
-  not kept; a tie waits for missing votes one round at most (`tied_round`), so a vote that
-  never comes cannot keep it;
 - a node still training a round that a majority of its members finished a round ago (it
   resumed, or caught up, late in their round, or trained slower), and not further behind, ends
   that round at its next step (`behind`, DiLoCoXRound.between_steps): its message then comes
@@ -61,19 +46,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections import Counter
 
 from node.config.manifest import ProtocolSection
-from node.events import CaughtUp, Diverged, Missing, ResyncReady
+from node.events import CaughtUp, Missing
+from node.rounds.dilocox.consensus import PhiConsensus
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.dilocox.round import REPLAY_ROUNDS, GroupMessage
+from node.rounds.dilocox.round import GroupMessage
 from node.rounds.dilocox.sending import PGRAD, RoundSender
-from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state, settled
+from node.rounds.state import agreed_round, settled
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
-from p2p.errors import P2PError, Reason, Refusal
+from p2p.errors import Reason, Refusal
 from p2p.messages import ReceivedMessage
-from protocol.dilocox import split_winner, winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
 # Rounds behind the swarm's agreed round before a node adopts the swarm's state. One round
@@ -94,20 +78,14 @@ class DiLoCoXExchange:
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
         self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
         self.replay = StepReplay(swarm, self.relay, config.message_deadline_s, self._members)
+        self.consensus = PhiConsensus(swarm, self.replay, config.message_deadline_s, self._finished)
         self.arrived = asyncio.Event()
-        self.resyncs: dict[int, dict] = {}
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
-        self.agreed = -1  # the last round whose φ of ours a check found the majority's
         self.collected = -1  # the last round collected
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
         self.ran_ahead_s = 0.0  # of the last collect's wait, the part for members still in its round
-        self._checks: dict[int, asyncio.Task] = {}  # consensus checks in flight, by round
-        self.tied_round: int | None = None  # the last round whose tie we left for missing votes
-        # our last finished check found our φ off the majority's: until one finds it agreed, a
-        # round's end waits for the check in flight (`settle`), whose resync is due at that step
-        self.diverged = False
         self.next_catch_up = 0  # the first round whose end may try to catch up (one try a lag)
         self._catch_up_task: asyncio.Task | None = None  # the swarm's state, downloading
 
@@ -124,11 +102,11 @@ class DiLoCoXExchange:
         it are never waited for (see _collect)."""
         self.oldest_wanted = max(0, round_index - 1)
         self.first_round = round_index
-        self.agreed = round_index - 1  # the state we start from: the swarm's, or the initial φ
+        self.consensus.restart_at(round_index)  # the state we start from: the swarm's, or the initial φ
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
-        running = [*self._checks.values(),
+        running = [*self.consensus.checks.values(),
                    *(task for task in (self._catch_up_task, self._watch) if task is not None)]
         for task in running:
             task.cancel()
@@ -178,16 +156,15 @@ class DiLoCoXExchange:
         self.swarm.bridge.post(self._after_round, round_index, digest, applied)
 
     def take_resync(self, round_index: int) -> dict | None:
-        return self.swarm.bridge.call("a resync state", self._pop_resync, round_index)
+        return self.swarm.bridge.call("a resync state", self.consensus.pop_resync, round_index)
 
     def settle(self, round_index: int, wait_s: float) -> None:
-        """While this node is known to be off the majority's φ, waits at most `wait_s` before the
-        outer step of `round_index` for the consensus check of the round before: the resync it
-        brings must be adopted at this step; after it, it is a round old and dropped, and a
-        check slower than a round then lost every resync (CI: a node diverged and resynced
-        rounds 1-8, never healing). A node that agrees never waits here."""
-        self.swarm.bridge.call("the consensus check in flight", self._settle, round_index, wait_s,
-                               wait_s=wait_s)
+        """While this node is known to be off the majority's φ, waits at most `wait_s` (and one
+        of our rounds) before the outer step of `round_index` for the consensus check of the
+        round before, whose resync is due at this step (PhiConsensus.settle). A node that
+        agrees never waits here."""
+        self.swarm.bridge.call("the consensus check in flight", self.consensus.settle, round_index,
+                               wait_s, self.pace, wait_s=wait_s)
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
@@ -206,7 +183,7 @@ class DiLoCoXExchange:
         return self.sender.send_ratio()
 
     def last_agreed(self) -> int:
-        return self.agreed  # an int the loop replaces: read from the training thread as is
+        return self.consensus.agreed  # an int the loop replaces: read from the training thread as is
 
     # ------------------------------------------------------------------ loop side
     def _check_head(self, header) -> None:
@@ -316,7 +293,7 @@ class DiLoCoXExchange:
         Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
         Without the members behind, a node all of whose members were behind stepped alone at
         once every round and ran ahead of them (benchmarks/RESULTS.md, issue 18, "replays")."""
-        if round_index < self.first_round or round_index <= self.collected or self._checks:
+        if round_index < self.first_round or round_index <= self.collected or self.consensus.checks:
             return False
         box = self.inbox.get(round_index, {})
         return not (self._finished(round_index) | self._unfinished(round_index)) - set(box)
@@ -384,79 +361,7 @@ class DiLoCoXExchange:
                      applied: tuple[int, tuple[str, ...]] | None = None) -> None:
         self.replay.record(round_index, applied)
         self.members.update(round=round_index + 1, status="training")
-        check = self.swarm.tasks.spawn(self._check_consensus(round_index, digest),
-                                       f"dilocox consensus of round {round_index}")
-        self._checks[round_index] = check
-        check.add_done_callback(lambda task: self._checks.get(round_index) is task
-                                and self._checks.pop(round_index))
-
-    async def _check_consensus(self, round_index: int, digest: str) -> None:
-        """Waits for the members that reach this round to announce their φ, then compares."""
-        deadline = self.loop.time() + self.swarm.timeouts.consensus_wait_s
-        votes: Counter = Counter()
-        holders: dict[str, list[str]] = {}
-        while self.loop.time() < deadline:
-            votes, holders = Counter({digest: 1}), {}
-            for r in self.members.eligible():  # a banned peer has no say in φ
-                vote = announced_phi(r.extra, round_index)
-                if vote:
-                    votes[vote] += 1
-                    holders.setdefault(vote, []).append(r.peer_id)
-            if sum(votes.values()) > len(self._finished(round_index - 1)):
-                break  # everyone who could vote has voted
-            await asyncio.sleep(self.members.refresh_s)  # votes arrive with the member cache
-        majority = winning_digest(votes)
-        complete = sum(votes.values()) > len(self._finished(round_index - 1))
-        if majority == digest:
-            # agreed (another vote for our φ), or nothing known (no other vote came): either
-            # way nothing to wait for at the next round's end
-            self.diverged = self.diverged and 1 < sum(votes.values()) and votes[digest] < 2
-            if votes[digest] >= 2:
-                self.agreed = max(self.agreed, round_index)
-            return
-        if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:
-            # A tie is broken only once every vote is in: a missing one may decide it. But a
-            # vote missing round after round (a member whose announcements run ahead or lag)
-            # would keep two survivors split forever, so a tie that lasts a second round is
-            # broken with the votes that came; both sides see the same ones and pick alike.
-            self.tied_round = round_index
-            return
-        if votes[majority] < 2 and sum(votes.values()) >= 3:
-            # A tie of lone digests, which a liar would win by grinding a small one: the holder
-            # ranked first for the round wins instead (it healed none before: CI saw three
-            # members on three φ for 15 rounds after one caught up)
-            majority = split_winner({digest: [self.peer_id], **holders}, round_index)
-            if majority == digest:
-                self.diverged = False
-                return
-        self.diverged = True
-        self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
-                              votes=dict(votes)))
-        since = self.agreed
-        if since < round_index <= since + REPLAY_ROUNDS and (recipe := await self.replay.recipe(
-                round_index, since, majority, holders.get(majority, []))):
-            self.resyncs[round_index] = {"replay": recipe}
-            return
-        for peer in holders.get(majority, []):
-            try:
-                received = await self.transport.request(
-                    peer, STATE_KIND, 0, meta={"phi_round": round_index}, timeout=self.deadline_s,
-                    streams=self.transport.limits.parallel_streams)
-            except P2PError as exc:
-                log.info("resync from %s failed: %s", peer[-8:], exc)
-                continue
-            # decoding and hashing a whole φ is torch work: off the loop
-            groups, got = await self.loop.run_in_executor(None, decode_state, received)
-            if received.meta.get("phi_round") == round_index and got == majority:
-                # the training thread checks it as a contribution of `source` before adopting it
-                self.resyncs[round_index] = {"slow_weights": groups["phi"],
-                                             "momentum": groups["momentum"], "source": peer}
-                self.publish(ResyncReady(round=round_index, source=peer))
-                return
-            if received.meta.get("phi_round") == round_index:  # it announced one φ, served another
-                self.swarm.bans.ban_now(peer, "resync_digest", f"{peer} served a φ of round "
-                                        f"{round_index} with digest {got[:12]}, where it announced "
-                                        f"{majority[:12]}", self.transport.ban)
+        self.consensus.start(round_index, digest)
 
     def _catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
         task = self._catch_up_task
@@ -465,8 +370,7 @@ class DiLoCoXExchange:
             joined = None if task.cancelled() else task.result()  # _adopt_state raises nothing
             if joined is None or joined.round_index <= round_index + 1:
                 return None  # no state, or we are no longer behind it
-            self._restart_at(joined.round_index)
-            self.diverged = False  # the swarm's agreed state, adopted
+            self._restart_at(joined.round_index)  # the swarm's agreed state, adopted
             for old in [r for r in self.inbox if r < self.oldest_wanted]:
                 del self.inbox[old]
             self.members.update(round=joined.round_index, status="training",
@@ -499,26 +403,3 @@ class DiLoCoXExchange:
             log.warning("%d rounds behind the swarm (round %d), and could not take its state: %s",
                         behind, swarm_round, failure_sentence(exc))
             return None
-
-    async def _settle(self, round_index: int, wait_s: float) -> None:
-        # Only the check whose resync this step can take, at most one of our rounds, and never
-        # once the swarm is a round ahead: a check may wait for votes that never come (members
-        # rounds ahead announce other rounds), and a node that waits then falls further behind,
-        # its messages refused as stale and its φ off again (CI: a node that had caught up
-        # waited 5 s a round and fell 12 rounds behind again; one that waited at each round's
-        # end fell two rounds behind a three-node swarm, and caught up, skipping four rounds)
-        check = self._checks.get(round_index - 1)
-        if self.diverged and check is not None and self.pace > 0 \
-                and agreed_round(self.members.eligible()) <= round_index + 1:
-            await asyncio.wait({check}, timeout=min(wait_s, self.pace))
-
-    async def _pop_resync(self, round_index: int) -> dict | None:
-        state = self.resyncs.pop(round_index, None)
-        if state is not None and "replay" in state:  # our steps are the majority's now
-            for step, target, senders in state["replay"]["steps"]:
-                self.replay.record(step, (target, senders))
-        elif state is not None:  # a state downloaded whole: we do not know its step's messages
-            self.replay.record(round_index, None)
-        for old in [r for r in self.resyncs if r < round_index]:
-            del self.resyncs[old]
-        return state

@@ -1,0 +1,174 @@
+"""Is our φ the majority's? The check after each DiLoCoX outer step, the event loop's side
+(PROTOCOLS.md §3: "the agreed state is bitwise identical on honest nodes").
+
+After each outer step the node announces the digest of φ (the member record's `phi`); the check
+waits for the members that reach the same round to announce theirs and compares. When the
+majority announced another digest, the node first tries to replay its steps since its last
+agreed round over the majority's messages (replay.py), and otherwise downloads that majority's
+state from one of its holders and checks its digest; either waits in `resyncs` until the
+training thread takes it before its next outer step (`pop_resync`).
+
+Invariants:
+- every node picks the same winner from the same votes (`winning_digest`: ties go to the
+  smallest digest; a total split of three or more lone digests to the digest of the holder
+  ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
+  not kept; a tie waits for missing votes one round at most (`tied_round`), so a vote that
+  never comes cannot keep it;
+- a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
+  while that is at most REPLAY_ROUNDS back; then it downloads the state;
+- a downloaded state is used only if its digest equals the winning digest for that round; a
+  holder that serves another φ for that round is banned; the training thread checks the state
+  as a contribution;
+- a resync is due at the outer step after its round, so a node whose last check found it
+  diverged waits for that round's check at its round's end (`settle`, at most one of its
+  rounds, and not once the swarm is a round ahead): checks end with the slowest member's vote,
+  later than a short round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Callable
+
+from node.events import Diverged, ResyncReady
+from node.rounds.dilocox.replay import StepReplay
+from node.rounds.dilocox.round import REPLAY_ROUNDS
+from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state
+from node.rounds.swarm import Swarm
+from p2p.errors import P2PError
+from protocol.dilocox import split_winner, winning_digest
+
+log = logging.getLogger("lowcomm.dilocox")
+
+
+class PhiConsensus:
+    """The consensus checks of our rounds, and the resyncs they bring."""
+
+    def __init__(self, swarm: Swarm, replay: StepReplay, deadline_s: float,
+                 finished: Callable[[int], set[str]]):
+        """`finished(k)`: the members that took part in round k and finished it (whose votes a
+        check of round k + 1 can expect)."""
+        self.swarm, self.replay, self.deadline_s, self.finished = swarm, replay, deadline_s, finished
+        self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
+        self.peer_id, self.publish = swarm.peer_id, swarm.publish
+        self.checks: dict[int, asyncio.Task] = {}  # checks in flight, by round
+        self.resyncs: dict[int, dict] = {}  # by round: a replay's recipe, or a downloaded state
+        self.agreed = -1  # the last round whose φ of ours a check found the majority's
+        self.tied_round: int | None = None  # the last round whose tie we left for missing votes
+        # our last finished check found our φ off the majority's: until one finds it agreed, a
+        # round's end waits for the check in flight (`settle`), whose resync is due at that step
+        self.diverged = False
+
+    def restart_at(self, round_index: int) -> None:
+        """We start from the swarm's state (or the initial φ) before `round_index`: agreed."""
+        self.agreed, self.diverged = round_index - 1, False
+
+    def start(self, round_index: int, digest: str) -> None:
+        check = self.swarm.tasks.spawn(self.check(round_index, digest),
+                                       f"dilocox consensus of round {round_index}")
+        self.checks[round_index] = check
+        check.add_done_callback(lambda task: self.checks.get(round_index) is task
+                                and self.checks.pop(round_index))
+
+    async def check(self, round_index: int, digest: str) -> None:
+        """Waits for the members that reach this round to announce their φ, then compares."""
+        deadline = self.loop.time() + self.swarm.timeouts.consensus_wait_s
+        votes: Counter = Counter()
+        holders: dict[str, list[str]] = {}
+        while self.loop.time() < deadline:
+            votes, holders = Counter({digest: 1}), {}
+            for r in self.members.eligible():  # a banned peer has no say in φ
+                vote = announced_phi(r.extra, round_index)
+                if vote:
+                    votes[vote] += 1
+                    holders.setdefault(vote, []).append(r.peer_id)
+            if sum(votes.values()) > len(self.finished(round_index - 1)):
+                break  # everyone who could vote has voted
+            await asyncio.sleep(self.members.refresh_s)  # votes arrive with the member cache
+        majority = winning_digest(votes)
+        complete = sum(votes.values()) > len(self.finished(round_index - 1))
+        if majority == digest:
+            # agreed (another vote for our φ), or nothing known (no other vote came): either
+            # way nothing to wait for at the next round's end
+            self.diverged = self.diverged and 1 < sum(votes.values()) and votes[digest] < 2
+            if votes[digest] >= 2:
+                self.agreed = max(self.agreed, round_index)
+            return
+        if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:
+            # A tie is broken only once every vote is in: a missing one may decide it. But a
+            # vote missing round after round (a member whose announcements run ahead or lag)
+            # would keep two survivors split forever, so a tie that lasts a second round is
+            # broken with the votes that came; both sides see the same ones and pick alike.
+            self.tied_round = round_index
+            return
+        if votes[majority] < 2 and sum(votes.values()) >= 3:
+            # A tie of lone digests, which a liar would win by grinding a small one: the holder
+            # ranked first for the round wins instead (it healed none before: CI saw three
+            # members on three φ for 15 rounds after one caught up)
+            majority = split_winner({digest: [self.peer_id], **holders}, round_index)
+            if majority == digest:
+                self.diverged = False
+                return
+        self.diverged = True
+        self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
+                              votes=dict(votes)))
+        await self._resync(round_index, majority, holders.get(majority, []))
+
+    async def _resync(self, round_index: int, majority: str, holders: list[str]) -> None:
+        """Our steps replayed over the majority's messages when our last agreed round is near,
+        or else the majority's state downloaded from one of its `holders`."""
+        since = self.agreed
+        if since < round_index <= since + REPLAY_ROUNDS and (recipe := await self.replay.recipe(
+                round_index, since, majority, holders)):
+            self.resyncs[round_index] = {"replay": recipe}
+            return
+        for peer in holders:
+            try:
+                received = await self.transport.request(
+                    peer, STATE_KIND, 0, meta={"phi_round": round_index}, timeout=self.deadline_s,
+                    streams=self.transport.limits.parallel_streams)
+            except P2PError as exc:
+                log.info("resync from %s failed: %s", peer[-8:], exc)
+                continue
+            # decoding and hashing a whole φ is torch work: off the loop
+            groups, got = await self.loop.run_in_executor(None, decode_state, received)
+            if received.meta.get("phi_round") == round_index and got == majority:
+                # the training thread checks it as a contribution of `source` before adopting it
+                self.resyncs[round_index] = {"slow_weights": groups["phi"],
+                                             "momentum": groups["momentum"], "source": peer}
+                self.publish(ResyncReady(round=round_index, source=peer))
+                return
+            if received.meta.get("phi_round") == round_index:  # it announced one φ, served another
+                self.swarm.bans.ban_now(peer, "resync_digest", f"{peer} served a φ of round "
+                                        f"{round_index} with digest {got[:12]}, where it announced "
+                                        f"{majority[:12]}", self.transport.ban)
+
+    async def settle(self, round_index: int, wait_s: float, pace: float) -> None:
+        """While we are known to be off the majority's φ, waits at most `wait_s` and one of our
+        rounds (`pace`) for the check of the round before `round_index`: its resync is due at
+        this step; after it, it is a round old and dropped, and a check slower than a round then
+        lost every resync (CI: a node diverged and resynced rounds 1-8, never healing).
+        Never once the swarm is a round ahead: a check may wait for votes that never come
+        (members rounds ahead announce other rounds), and a node that waits then falls further
+        behind, its messages refused as stale and its φ off again (CI: a node that had caught up
+        waited 5 s a round and fell 12 rounds behind again; one that waited at each round's end
+        fell two rounds behind a three-node swarm, and caught up, skipping four rounds)."""
+        check = self.checks.get(round_index - 1)
+        if self.diverged and check is not None and pace > 0 \
+                and agreed_round(self.members.eligible()) <= round_index + 1:
+            await asyncio.wait({check}, timeout=min(wait_s, pace))
+
+    def pop_resync(self, round_index: int) -> dict | None:
+        """The resync due at the outer step of `round_index`, if one came; older ones are
+        dropped. Its steps are recorded as ours, so that we serve them to others' replays."""
+        state = self.resyncs.pop(round_index, None)
+        if state is not None and "replay" in state:  # our steps are the majority's now
+            for step, target, senders in state["replay"]["steps"]:
+                self.replay.record(step, (target, senders))
+        elif state is not None:  # a state downloaded whole: we do not know its step's messages
+            self.replay.record(round_index, None)
+        for old in [r for r in self.resyncs if r < round_index]:
+            del self.resyncs[old]
+        return state

@@ -26,8 +26,8 @@ from collections import Counter
 from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
 from node.simulator.exchange import InMemoryExchange, InMemoryMessage
 from node.simulator.lockstep import Lockstep
-from protocol.dilocox import winning_digest
 from protocol.tensors import fp32_clone, numel
+from protocol.vote import winning_digest
 
 TOPIC = "dilocox-pseudo-gradient"
 DIGEST_BYTES = 16  # protocol.tensors.weights_digest: BLAKE3, 128 bits

@@ -10,9 +10,9 @@ import torch
 
 from protocol.codecs import CodecError, Encoded, get_codec
 from protocol.diloco import DiLoCo
-from protocol.dilocox import (DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome,
-                              split_winner, winning_digest)
+from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
+from protocol.vote import split_winner, winning_digest
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -27,7 +27,7 @@ from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.origin import ORIGIN, sign_origin
 from p2p.records import MemberRecord
-from protocol.dilocox import split_winner
+from protocol.vote import split_winner
 from tests.p2p_helpers import MANIFEST, SWARM, as_received, make_header
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm

@@ -16,8 +16,8 @@ from node.rounds.dilocox.payload import encode_message
 from node.rounds.noloco.payload import encode_snapshot, snapshot_bytes
 from node.simulator.replica import weight_spread
 from node.train.trainer import InnerTrainer
-from protocol.dilocox import winning_digest
 from protocol.tensors import weights_digest
+from protocol.vote import winning_digest
 
 VERY_SMALL = ["model.dim=32", "model.n_heads=2", "model.n_layers=1", "model.ffn_hidden=64",
               "data.seq_len=32", "train.micro_batch_size=4", "train.tokens_per_step=128",

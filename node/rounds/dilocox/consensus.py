@@ -38,7 +38,7 @@ from node.rounds.dilocox.round import REPLAY_ROUNDS
 from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state
 from node.rounds.swarm import Swarm
 from p2p.errors import P2PError
-from protocol.dilocox import split_winner, winning_digest
+from protocol.vote import split_winner, winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
 

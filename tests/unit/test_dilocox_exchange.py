@@ -464,6 +464,46 @@ def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
     asyncio.run(main())
 
 
+def test_a_node_ahead_waits_up_to_a_round_for_the_votes_of_members_still_in_it():
+    """The 512 kbit/s run R4: a node 8-10 s ahead of its two members checked each round before
+    their votes came and held another φ for 18 rounds without noticing. Members still training
+    the round are waited for up to one of our rounds (their votes come at its end); members that
+    finished it, or a node whose pace is not known yet, only consensus_wait_s."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        events: list = []
+        others = ("a", "b")
+        training = [member(peer, 5) for peer in others]  # still in round 5, as we finished it
+        swarm = unit_swarm(loop, training, transport=NoStateServer(), events=events)
+        swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.3))
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        ex.pace = 3.0  # our rounds take 3 s
+
+        async def vote_later(delay_s: float, round_index: int) -> None:
+            await asyncio.sleep(delay_s)  # they end the round, and announce their φ of it
+            ex.members.records = {peer: live_member(peer, round_index + 1, "dilocox", "training",
+                                                    since=0, phi="0" * 32, phi_round=round_index)
+                                  for peer in others}
+
+        voting = asyncio.create_task(vote_later(1.0, 5))
+        began = loop.time()
+        await ex.consensus.check(5, "f" * 32)
+        await voting
+        assert [e.round for e in events if isinstance(e, Diverged)] == [5], events
+        assert 0.9 < loop.time() - began < 2.0
+        # members past the round whose votes do not come: consensus_wait_s, as before
+        ex.members.records = {peer: member(peer, 8) for peer in others}
+        began = loop.time()
+        await ex.consensus.check(6, "f" * 32)
+        assert loop.time() - began < 0.9
+        # members in the round, but our pace not known yet (our first rounds): the same
+        ex.members.records = {peer: member(peer, 9) for peer in others}
+        ex.pace, began = 0.0, loop.time()
+        await ex.consensus.check(9, "f" * 32)
+        assert loop.time() - began < 0.9
+    asyncio.run(main())
+
+
 def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
     """Issue 24: three members each announce another φ; the smallest digest (which a liar can
     grind for) would win a plain tie. A total split goes to the holder ranked first for the

@@ -46,11 +46,15 @@ log = logging.getLogger("lowcomm.dilocox")
 class PhiConsensus:
     """The consensus checks of our rounds, and the resyncs they bring."""
 
-    def __init__(self, swarm: Swarm, replay: StepReplay, deadline_s: float,
-                 finished: Callable[[int], set[str]]):
+    def __init__(self, swarm: Swarm, replay: StepReplay, deadline_s: float, *,
+                 finished: Callable[[int], set[str]], in_round: Callable[[int], set[str]],
+                 pace: Callable[[], float]):
         """`finished(k)`: the members that took part in round k and finished it (whose votes a
-        check of round k + 1 can expect)."""
-        self.swarm, self.replay, self.deadline_s, self.finished = swarm, replay, deadline_s, finished
+        check of round k + 1 can expect); `in_round(k)`: those still training round k (their
+        vote of round k comes at its end); `pace()`: seconds one of our rounds takes (0 before
+        we know)."""
+        self.swarm, self.replay, self.deadline_s = swarm, replay, deadline_s
+        self.finished, self.in_round, self.pace = finished, in_round, pace
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.checks: dict[int, asyncio.Task] = {}  # checks in flight, by round
@@ -74,21 +78,14 @@ class PhiConsensus:
 
     async def check(self, round_index: int, digest: str) -> None:
         """Waits for the members that reach this round to announce their φ, then compares."""
-        deadline = self.loop.time() + self.swarm.timeouts.consensus_wait_s
-        votes: Counter = Counter()
-        holders: dict[str, list[str]] = {}
-        while self.loop.time() < deadline:
-            votes, holders = Counter({digest: 1}), {}
-            for r in self.members.eligible():  # a banned peer has no say in φ
-                vote = announced_phi(r.extra, round_index)
-                if vote:
-                    votes[vote] += 1
-                    holders.setdefault(vote, []).append(r.peer_id)
-            if sum(votes.values()) > len(self.finished(round_index - 1)):
-                break  # everyone who could vote has voted
+        began = self.loop.time()
+        while True:  # the votes are counted after every wait, the last one included
+            votes, holders = self._votes(round_index, digest)
+            complete = sum(votes.values()) > len(self.finished(round_index - 1))
+            if complete or self._waited_enough(round_index, self.loop.time() - began):
+                break  # everyone who could vote has voted, or we waited long enough
             await asyncio.sleep(self.members.refresh_s)  # votes arrive with the member cache
         majority = winning_digest(votes)
-        complete = sum(votes.values()) > len(self.finished(round_index - 1))
         if majority == digest:
             # agreed (another vote for our φ), or nothing known (no other vote came): either
             # way nothing to wait for at the next round's end
@@ -115,6 +112,26 @@ class PhiConsensus:
         self.publish(Diverged(round=round_index, ours=digest[:12], majority=majority[:12],
                               votes=dict(votes)))
         await self._resync(round_index, majority, holders.get(majority, []))
+
+    def _votes(self, round_index: int, digest: str) -> tuple[Counter, dict[str, list[str]]]:
+        """(votes by φ digest of round `round_index`, ours included; the members holding each)"""
+        votes, holders = Counter({digest: 1}), {}
+        for r in self.members.eligible():  # a banned peer has no say in φ
+            vote = announced_phi(r.extra, round_index)
+            if vote:
+                votes[vote] += 1
+                holders.setdefault(vote, []).append(r.peer_id)
+        return votes, holders
+
+    def _waited_enough(self, round_index: int, waited_s: float) -> bool:
+        """consensus_wait_s for the votes; as long as one of our rounds while members still
+        train the round, whose votes come only at its end. A node ahead of its members by most
+        of a round (the 512 kbit/s run R4, benchmarks/RESULTS.md: 8-10 s ahead, rounds of
+        10-11 s) checked each round before their votes came, heard none, and never learned that
+        its φ had left theirs at round 2: it held another φ for 18 rounds."""
+        if waited_s < self.swarm.timeouts.consensus_wait_s:
+            return False
+        return waited_s >= self.pace() or not self.in_round(round_index)
 
     async def _resync(self, round_index: int, majority: str, holders: list[str]) -> None:
         """Our steps replayed over the majority's messages when our last agreed round is near,

@@ -78,7 +78,9 @@ class DiLoCoXExchange:
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
         self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
         self.replay = StepReplay(swarm, self.relay, config.message_deadline_s, self._members)
-        self.consensus = PhiConsensus(swarm, self.replay, config.message_deadline_s, self._finished)
+        self.consensus = PhiConsensus(swarm, self.replay, config.message_deadline_s,
+                                      finished=self._finished, in_round=self._in_round,
+                                      pace=lambda: self.pace)
         self.arrived = asyncio.Event()
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect

@@ -9,6 +9,9 @@ state from one of its holders and checks its digest; either waits in `resyncs` u
 training thread takes it before its next outer step (`pop_resync`).
 
 Invariants:
+- a check waits consensus_wait_s for the votes of its round, and as long as one of our rounds
+  while members still train that round: their votes come only at its end, and a node ahead
+  that stopped waiting sooner would never compare its φ with theirs;
 - every node picks the same winner from the same votes (`winning_digest`: ties go to the
   smallest digest; a total split of three or more lone digests to the digest of the holder
   ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,

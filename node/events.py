@@ -231,12 +231,13 @@ class LateJoined(Event, kind="late_join", logged=True):
 @dataclass(frozen=True)
 class CaughtUp(Event, kind="caught_up", logged=True):
     """DiLoCoX: this node fell too far behind its swarm for its messages to count and adopted
-    the swarm's state mid-run, as a late joiner does (node/rounds/dilocox/exchange.py)."""
+    the swarm's state mid-run, replayed or downloaded (node/rounds/dilocox/catch_up.py)."""
     source: str
     from_round: int        # the round this node would have trained next
     round: int             # the round it trains next instead
     state_round: int | None
     digest: str | None
+    by: str = "download"   # or "replay": the swarm's steps replayed from our agreed state
 
 
 @dataclass(frozen=True)

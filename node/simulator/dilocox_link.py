@@ -122,9 +122,12 @@ class DiLoCoXMemoryLink:
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.network.refused[reason] += 1
 
-    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
+    def catch_up(self, round_index: int, reference: dict) -> None:
         """None: replicas run in lockstep, so none falls behind."""
         return None
+
+    def rejoin(self, from_round: int, state) -> None:
+        raise AssertionError("no replica catches up: catch_up never offers a state")
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         """Every other replica's message of `round_index` has arrived by this replica's step:

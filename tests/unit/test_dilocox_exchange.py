@@ -19,7 +19,7 @@ from node.rounds.contributions import MISBEHAVIOUR
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, RELAY
 from node.rounds.dilocox.replay import APPLIED, StepReplay
-from node.rounds.dilocox.round import REPLAY_ROUNDS
+from node.rounds.dilocox.round import REPLAY_ROUNDS, SwarmState
 from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
 from node.rounds.state import STATE_KIND
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
@@ -645,10 +645,10 @@ def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_rou
             return answer
         swarm.adopt_state = adopt_state
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
-        ex._restart_at(0)
+        ex._restart_at(0)  # no φ announced: a replay has no target, the state is downloaded
 
         async def round_end(round_index: int):
-            caught = ex._catch_up(round_index, {})
+            caught = ex.catching_up.poll(round_index, ex.consensus.agreed, {})
             await asyncio.sleep(0.05)  # the download in the background
             return caught
         assert await round_end(7) is None and asked == []  # round 8 next: one behind
@@ -656,10 +656,57 @@ def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_rou
         assert await round_end(6) is None and len(asked) == 1  # ...taken, not repeated at once
         ex.members.records = {p: member(p, 12) for p in ("a", "b")}
         assert await round_end(7) is None and len(asked) == 2  # asked; the state arrives
-        assert ex._catch_up(8, {}) == (12, 11, state) and len(asked) == 2
-        assert ex.first_round == 12 and ex.oldest_wanted == 11
-        assert [(e.from_round, e.round, e.source) for e in events
-                if isinstance(e, CaughtUp)] == [(9, 12, "b")]
+        got = ex.catching_up.poll(8, -1, {})
+        assert got == SwarmState(12, 11, state, "b", "d2") and len(asked) == 2
+        assert ex.first_round == 0  # not moved until the training thread adopted it
+        ex._rejoin(9, got)
+        assert ex.first_round == 12 and ex.oldest_wanted == 11 and ex.consensus.agreed == 11
+        assert [(e.from_round, e.round, e.source, e.by) for e in events
+                if isinstance(e, CaughtUp)] == [(9, 12, "b", "download")]
+    asyncio.run(main())
+
+
+def test_a_node_behind_whose_agreed_round_is_near_replays_the_swarms_steps_instead():
+    """Our φ of round 4 was agreed and a and b announce one φ of round 7 (they train round 8):
+    three rounds behind, the catch-up asks a for its records of steps 5-7 and b's messages we
+    lack (kilobytes) instead of downloading φ and m; with no such records it downloads."""
+    from node.daemon.state_quorum import JoinState
+    from node.events import CaughtUp
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        holder, author = NodeIdentity.generate(), NodeIdentity.generate()
+        a, b = holder.peer_id.to_base58(), author.peer_id.to_base58()
+        senders = (a, b)
+        transport = ReplayHolders(loop, {(a, r, b): relayed_copy(author, holder, r) for r in (4, 5, 6)},
+                                  {(a, holder): {r: (r - 1, senders) for r in (5, 6, 7)}})
+        events, downloads = [], []
+        records = [live_member(p, 8, "dilocox", "training", since=0, phi="0" * 32, phi_round=7)
+                   for p in senders]
+        swarm = unit_swarm(loop, records, transport=transport, events=events)
+
+        async def adopt_state(reference):
+            downloads.append(reference)
+            return JoinState(8, {"phi": {}, "momentum": {}}, {"phi_round": 7, "phi": "0" * 32}, a)
+        swarm.adopt_state = adopt_state
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        for r in (4, 5, 6):  # a's own messages came to us
+            ex.relay.store.keep(r, a, relayed_copy(holder, holder, r))
+        assert ex.catching_up.poll(4, 4, {}) is None  # round 5 next, the swarm's round 8
+        await asyncio.wait({ex.catching_up.task})
+        got = ex.catching_up.poll(5, 4, {})
+        assert got is not None and downloads == [] and transport.kinds == [APPLIED, RELAY, RELAY, RELAY]
+        recipe = got.state["replay"]
+        assert (got.next_round, got.state_round, got.source, got.digest) == (8, 7, a, "0" * 32)
+        assert recipe["since"] == 4 and recipe["steps"] == [(r, r - 1, senders) for r in (5, 6, 7)]
+        ex._rejoin(6, got)
+        assert [(e.round, e.by) for e in events if isinstance(e, CaughtUp)] == [(8, "replay")]
+        # further back than a replay reaches (or no holder's records): the state, downloaded
+        ex.catching_up.next_try = 0
+        assert ex.catching_up.poll(1, 4 - REPLAY_ROUNDS, {}) is None
+        await asyncio.wait({ex.catching_up.task})
+        assert ex.catching_up.poll(2, 4 - REPLAY_ROUNDS, {}).state == {"phi": {}, "momentum": {}}
+        assert len(downloads) == 1
     asyncio.run(main())
 
 

@@ -20,7 +20,7 @@ from node.config.schema import load_config
 from node.data.corpus import load_corpus
 from node.events import PairCorrected
 from node.rounds.dilocox import payload as dilocox_payload
-from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
+from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage, SwarmState
 from node.rounds.noloco import payload as noloco_payload
 from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot, rounding_seed
 from node.rounds.wire_tensors import WIRE_DTYPES, to_wire
@@ -411,7 +411,8 @@ class ScriptedDiLoCoXLink:
         self.resync: dict[int, dict] = {}
         self.refusals: list[tuple[str, str]] = []
         self.ratio: float | None = None  # what send_ratio reports
-        self.catch_ups: dict[int, tuple[int, int, dict]] = {}  # round ended -> the swarm's state
+        self.catch_ups: dict[int, SwarmState] = {}  # round ended -> the swarm's state
+        self.rejoined: list[tuple[int, int]] = []  # (the round we skipped, the swarm's round)
         self.behind_in: set[int] = set()  # rounds a majority of the swarm finished a round ago
         self.applied: dict[int, tuple | None] = {}  # round -> what its step applied (a replay's record)
         self.agreed = -1  # what last_agreed reports: the last round a consensus check agreed
@@ -450,8 +451,12 @@ class ScriptedDiLoCoXLink:
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.inbox.pop(round_index, None)
 
-    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
-        return self.catch_ups.pop(round_index, None)
+    def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
+        state = self.catch_ups.pop(round_index, None)
+        return state() if callable(state) else state  # a callable: the swarm moves on meanwhile
+
+    def rejoin(self, from_round: int, state: SwarmState) -> None:
+        self.rejoined.append((from_round, state.next_round))
 
 
 
@@ -610,9 +615,10 @@ def test_dilocox_that_fell_behind_takes_the_swarms_state_and_round_then_goes_on(
     state_round, state, digest = swarm.export_state()
     train_round(model, a, 0)
     ended_at = a.phi_digest
-    link.catch_ups[0] = (6, 5, state)
+    link.catch_ups[0] = SwarmState(6, 5, state, "s", digest)
     outcome = a.end_round(0)
     assert outcome.caught_up_to == 6 and outcome.phi_digest != digest  # round 0's own φ reported
+    assert link.rejoined == [(1, 6)]
     assert a.phi_digest == digest == weights_digest(model.named_parameters()) != ended_at
     assert model.step == 6 * H and a.export_state()[0] == 5
     train_round(model, a, 6)
@@ -621,6 +627,51 @@ def test_dilocox_that_fell_behind_takes_the_swarms_state_and_round_then_goes_on(
     # round 5 was not ours to train: its step holds no message of ours (and no stale one)
     assert outcome.caught_up_to is None and outcome.applied_round == 5 and outcome.group == []
     assert link.digests[-1] == (6, a.phi_digest) and len(link.sent) == 2
+
+
+def test_dilocox_a_node_behind_catches_up_by_replaying_the_swarms_steps(config, corpus):
+    """c trains rounds 0 and 1 with a and b and falls behind: by the time it ends round 1, a and
+    b took the steps of rounds 2-4, the first over c's own message of round 1. Handed a's records
+    of those steps (c's φ of round 1 was agreed) and a's and b's messages, c replays them (its
+    own message as it sent it), holds their φ of round 4 and trains round 5 next: it moved their
+    messages instead of φ and m. A recipe whose digest it cannot reproduce leaves it where it
+    was: no state, no move to the swarm's round."""
+    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+    sent, outcomes = {}, {}
+    play_dilocox(nodes, 0, sent, outcomes)
+    pair = {name: nodes[name] for name in ("a", "b")}
+    play_dilocox(pair, 1, sent, outcomes)
+    theirs_of_1 = outcomes["a"].phi_digest
+    c, c_link, c_model = nodes["c"]
+    c_link.agreed = 1  # its φ of round 1 was the majority's (checked below)
+
+    def swarm_moves_on() -> SwarmState:
+        sent[("c", 1)] = received(1, c_link.sent[-1][1])  # sent at c's round end, before this
+        for name, (_, link, _) in pair.items():
+            link.inbox[1].append(GroupMessage("c", 1, sent[("c", 1)]))
+        for r in (2, 3, 4):
+            play_dilocox(pair, r, sent, outcomes)
+        a_link = nodes["a"][1]
+        steps = [(r, *a_link.applied[r]) for r in (2, 3, 4)]
+        assert steps[0] == (2, 1, ("a", "b", "c"))  # c's own message is in the swarm's step
+        messages = {(r, p): sent[(p, r)] for r in (1, 2, 3) for p in ("a", "b")}
+        return SwarmState(5, 4, {"replay": {"since": 1, "round": 4, "steps": steps, "messages": messages,
+                                            "digest": outcomes["a"].phi_digest}}, "a",
+                          outcomes["a"].phi_digest)
+    c_link.catch_ups[1] = swarm_moves_on
+    train_round(c_model, c, 1)
+    outcome = c.end_round(1)
+    assert outcome.phi_digest == theirs_of_1  # round 1's φ, agreed indeed
+    assert outcome.caught_up_to == 5 and outcome.replays == 1 and outcome.resyncs == 0
+    assert c.phi_digest == outcomes["a"].phi_digest == outcomes["b"].phi_digest
+    assert c_link.rejoined == [(2, 5)] and c_model.step == 5 * H and c.agreed[0] == 4
+    # a recipe naming the wrong senders: its digest is not reached, and c trains on as it was
+    c_link.catch_ups[5] = SwarmState(8, 7, {"replay": {"since": 4, "round": 7, "steps": [
+        (5, 4, ("c",)), (6, 5, ("c",)), (7, 6, ("c",))], "messages": {}, "digest": "0" * 32}}, "a", "0" * 32)
+    c_link.inbox[4] = []
+    train_round(c_model, c, 5)
+    outcome = c.end_round(5)
+    assert outcome.caught_up_to is None and c_link.rejoined == [(2, 5)] and c_model.step == 6 * H
 
 
 def test_dilocox_a_round_behind_its_swarm_ends_at_its_next_step(config, corpus):

@@ -35,10 +35,10 @@ Invariants:
   step). A node ahead is held back by its own wait for them (`ran_ahead`, which a round's end
   beside training makes training wait as long: node/daemon/worker.py);
 - a node `CATCH_UP_LAG` or more rounds behind the round a majority of its members reached (it
-  stalled, or joined from a stale view of the swarm) adopts the swarm's state as a late joiner
-  does (`catch_up`, the daemon's StateAdoption: a majority's digest, checked) and trains on from
-  the swarm's round: nothing else would bring it back, since every member refuses its messages
-  as stale and the consensus check finds no vote for the rounds it compares.
+  stalled, or joined from a stale view of the swarm) takes the swarm's state, replayed or
+  downloaded (catch_up.py), and trains on from the swarm's round: nothing else would bring it
+  back, since every member refuses its messages as stale and the consensus check finds no vote
+  for the rounds it compares.
 """
 
 from __future__ import annotations
@@ -49,20 +49,18 @@ import random
 
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Missing
+from node.rounds.dilocox.catch_up import CATCH_UP_LAG, SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.dilocox.round import GroupMessage
+from node.rounds.dilocox.round import GroupMessage, SwarmState
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import agreed_round, settled
-from node.rounds.swarm import Swarm, failure_sentence, peer_name
+from node.rounds.swarm import Swarm, peer_name
 from p2p.errors import Reason, Refusal
 from p2p.messages import ReceivedMessage
 
 log = logging.getLogger("lowcomm.dilocox")
-# Rounds behind the swarm's agreed round before a node adopts the swarm's state. One round
-# behind is left to the resync: members still announce φ of the round before their latest.
-CATCH_UP_LAG = 2
 WATCH_S = 0.25  # how often the messages that did not come are looked for (relay.py)
 
 
@@ -88,8 +86,7 @@ class DiLoCoXExchange:
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
         self.ran_ahead_s = 0.0  # of the last collect's wait, the part for members still in its round
-        self.next_catch_up = 0  # the first round whose end may try to catch up (one try a lag)
-        self._catch_up_task: asyncio.Task | None = None  # the swarm's state, downloading
+        self.catching_up = SwarmCatchUp(swarm, self.replay)  # when we fall rounds behind
 
     def start(self, round_index: int) -> None:
         self._restart_at(round_index)
@@ -108,12 +105,12 @@ class DiLoCoXExchange:
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
-        running = [*self.consensus.checks.values(),
-                   *(task for task in (self._catch_up_task, self._watch) if task is not None)]
+        running = [*self.consensus.checks.values(), *([self._watch] if self._watch else [])]
         for task in running:
             task.cancel()
         if running:
             await asyncio.wait(running)
+        await self.catching_up.stop()
 
     def _members(self) -> list[str]:
         # not a member still joining: its exchange is not listening yet, and a push to it was
@@ -171,15 +168,18 @@ class DiLoCoXExchange:
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.swarm.refuse_from_thread(peer, reason, sentence)
 
-    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
-        """(the round to train next, the round of the state, the swarm's {"phi", "momentum"})
-        once this node, ending `round_index`, has fallen CATCH_UP_LAG or more rounds behind the
-        round a majority of its members reached and a state was agreed and verified; None
-        otherwise. The state downloads in the background (the training thread never waits
-        for it, so a stop is never held up) and is taken at a later round's end.
-        `reference`: our φ, what the state's norms are checked against."""
-        return self.swarm.bridge.call("a catch-up to the swarm", self._catch_up, round_index,
-                                      reference)
+    def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
+        """The swarm's state once this node, ending `round_index`, has fallen CATCH_UP_LAG or
+        more rounds behind the round a majority of its members reached and a state was had
+        (catch_up.py: replayed from our agreed round, or downloaded); None otherwise. It comes
+        in the background (the training thread never waits for it, so a stop is never held up)
+        and is taken at a later round's end. `reference`: our φ, what a downloaded state's
+        norms are checked against."""
+        return self.swarm.bridge.call("a catch-up to the swarm", self.catching_up.poll,
+                                      round_index, self.consensus.agreed, reference)
+
+    def rejoin(self, from_round: int, state: SwarmState) -> None:
+        self.swarm.bridge.call("the swarm's round", self._rejoin, from_round, state)
 
     def send_ratio(self) -> float | None:
         return self.sender.send_ratio()
@@ -365,43 +365,13 @@ class DiLoCoXExchange:
         self.members.update(round=round_index + 1, status="training")
         self.consensus.start(round_index, digest)
 
-    def _catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
-        task = self._catch_up_task
-        if task is not None and task.done():
-            self._catch_up_task = None
-            joined = None if task.cancelled() else task.result()  # _adopt_state raises nothing
-            if joined is None or joined.round_index <= round_index + 1:
-                return None  # no state, or we are no longer behind it
-            self._restart_at(joined.round_index)  # the swarm's agreed state, adopted
-            for old in [r for r in self.inbox if r < self.oldest_wanted]:
-                del self.inbox[old]
-            self.members.update(round=joined.round_index, status="training",
-                                extra={"since": joined.round_index})
-            self.publish(CaughtUp(source=joined.source, from_round=round_index + 1,
-                                  round=joined.round_index, state_round=joined.meta.get("phi_round"),
-                                  digest=joined.meta.get("phi")))
-            return joined.round_index, int(joined.meta.get("phi_round", joined.round_index - 1)), \
-                joined.tensors
-        swarm_round = agreed_round(self.members.eligible())
-        if task is None and swarm_round - (round_index + 1) >= CATCH_UP_LAG \
-                and round_index >= self.next_catch_up and self.swarm.adopt_state is not None:
-            self.next_catch_up = round_index + CATCH_UP_LAG  # a failed try is repeated, not each round
-            # a copy: the training thread goes on changing φ while the download runs (rare: a
-            # node only copies its φ when it has fallen behind)
-            own_phi = {name: tensor.detach().clone() for name, tensor in reference.items()}
-            self._catch_up_task = self.swarm.tasks.spawn(
-                self._adopt_state(own_phi, swarm_round - round_index - 1, swarm_round),
-                "dilocox catch-up")
-        return None
-
-    async def _adopt_state(self, reference: dict, behind: int, swarm_round: int):
-        timeouts = self.swarm.timeouts
-        budget = timeouts.state_download_attempts * timeouts.state_download_s \
-            + timeouts.state_announce_wait_s
-        log.info("%d rounds behind the swarm (round %d): taking its state", behind, swarm_round)
-        try:
-            return await asyncio.wait_for(self.swarm.adopt_state(reference), timeout=budget)
-        except Exception as exc:  # no state agreed, a download failed: train on, try again later
-            log.warning("%d rounds behind the swarm (round %d), and could not take its state: %s",
-                        behind, swarm_round, failure_sentence(exc))
-            return None
+    def _rejoin(self, from_round: int, got: SwarmState) -> None:
+        """The training thread adopted the swarm's state instead of training `from_round`: we
+        take part from the swarm's round on, and say so."""
+        self._restart_at(got.next_round)
+        for old in [r for r in self.inbox if r < self.oldest_wanted]:
+            del self.inbox[old]
+        self.members.update(round=got.next_round, status="training", extra={"since": got.next_round})
+        self.publish(CaughtUp(source=got.source, from_round=from_round, round=got.next_round,
+                              state_round=got.state_round, digest=got.digest,
+                              by="replay" if "replay" in got.state else "download"))

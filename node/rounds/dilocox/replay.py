@@ -87,7 +87,7 @@ class StepReplay:
                      ) -> dict | None:
         """What replays our steps after round `since` (our φ of it was agreed) to the majority's
         φ of `round_index` (`digest`, held by `holders`): {"since", "round", "steps",
-        "messages", "digest"}, with steps [(round, the round it applied, senders)] and messages
+        "messages", "digest", "source"}, with steps [(round, the round it applied, senders)] and messages
         {(applied round, author): copy}; None when no holder answered or a message could not be
         had."""
         for holder in holders:
@@ -114,7 +114,7 @@ class StepReplay:
                 senders=sum(len(s) for _, _, s in steps), fetched=fetched,
                 bytes=sum(len(c.payload) for c in copies.values())))
             return {"since": since, "round": round_index, "steps": steps, "messages": copies,
-                    "digest": digest}
+                    "digest": digest, "source": holder}
         return None
 
     def _read(self, round_index: int, since: int, reply: ReceivedMessage) -> list[Step]:

@@ -59,6 +59,18 @@ class GroupMessage:
     message: Any  # a received message holding a payload (payload.decode_message reads it)
 
 
+@dataclass(frozen=True)
+class SwarmState:
+    """The swarm's state for a node that fell behind it (node/rounds/dilocox/catch_up.py)."""
+    next_round: int   # the round to train next: the swarm's
+    state_round: int  # the round whose φ and m these are
+    # {"phi", "momentum"} downloaded and verified, or {"replay": recipe} (as `take_resync`'s)
+    # that rebuilds them from our agreed state and is kept only if it gives `digest`
+    state: dict
+    source: str       # the member that served it
+    digest: str | None  # of the swarm's φ of state_round
+
+
 class DiLoCoXLink(Protocol):
     """The network's side, called from the training thread."""
 
@@ -101,10 +113,13 @@ class DiLoCoXLink(Protocol):
         """Before the outer step of `round_index`: when our φ is known to be off the majority's,
         waits at most `wait_s` for the resync of the round before on its way; at once otherwise."""
 
-    def catch_up(self, round_index: int, reference: dict) -> tuple[int, int, dict] | None:
-        """(the round to train next, the state's round, {"phi", "momentum"}) when this node,
-        ending `round_index`, fell too far behind its swarm and took the swarm's state; else
-        None. `reference`: our φ, what the state is checked against."""
+    def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
+        """The swarm's state when this node, ending `round_index`, fell too far behind its swarm
+        and one was had; else None. `reference`: our φ, what the state is checked against."""
+
+    def rejoin(self, from_round: int, state: SwarmState) -> None:
+        """We adopted `state` instead of training `from_round`: the link takes part from the
+        swarm's round on."""
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
@@ -181,6 +196,9 @@ class DiLoCoXRound:
         self.agreed: tuple[int, dict] | None = (-1, {"phi": self.outer.slow_weights,
                                                      "momentum": self.outer.momentum})
         self.step_log: dict[int, dict[str, PseudoGradientMessage]] = {}
+        # our own messages of the last REPLAY_ROUNDS rounds: a catch-up replays steps we never
+        # took, and the swarm's may have applied them
+        self.own_sent: dict[int, PseudoGradientMessage] = {}
         self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
         self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
 
@@ -243,6 +261,8 @@ class DiLoCoXRound:
         delta = self.outer.pseudo_gradient(fast_weights)
         own = self.outer.compress(delta, round_index)
         self.own_norm = global_norm(delta)
+        self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
+        self.own_sent[round_index] = own
         self.link.send_round(round_index, payload.encode_message(own))
         compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
         early = self.stepped_round == round_index
@@ -252,10 +272,10 @@ class DiLoCoXRound:
         digest = self.phi_digest  # this round's φ; a catch-up replaces it for the next
         caught = self.link.catch_up(round_index, self.outer.slow_weights)
         next_round = None
-        if caught is not None:
-            next_round, state_round, state = caught
-            self._adopt_state(state, state_round)
-            self.state_round, start = state_round, state["phi"]
+        if caught is not None and (state := self._swarm_state(caught, refused)) is not None:
+            self._adopt_state(state, caught.state_round)
+            self.link.rejoin(round_index + 1, caught)
+            next_round, self.state_round, start = caught.next_round, caught.state_round, state["phi"]
         outcome = DiLoCoXOutcome(
             phi_digest=digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
@@ -330,6 +350,19 @@ class DiLoCoXRound:
             self.link.refused(sender, "noise", sentence)
         return self.outer.last_step, refused
 
+    def _swarm_state(self, caught: SwarmState, refused: list) -> dict | None:
+        """{"phi", "momentum"} of a catch-up: as downloaded, or replayed from our agreed state
+        (None, and we stay where we are, if the replay does not give the swarm's digest)."""
+        if "replay" not in caught.state:
+            return caught.state
+        with self.lock:
+            self._note_agreed(self.link.last_agreed())  # the check of our last step may be in
+            replayed = self._replayed(caught.state["replay"], refused)
+        if replayed is None:
+            return None
+        self.replays += 1
+        return {"phi": replayed["slow_weights"], "momentum": replayed["momentum"]}
+
     def _note_agreed(self, round_index: int) -> None:
         """The link found our φ of `round_index` the majority's: it is where a replay starts,
         if we still hold it."""
@@ -342,8 +375,9 @@ class DiLoCoXRound:
     def _replayed(self, recipe: dict, refused: list) -> dict | None:
         """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: from
         our agreed state of round `recipe["since"]`, each step since over the majority's
-        senders' messages (ours where our step applied the same sender's, the copies the link
-        fetched for the others, each checked as any contribution), kept only if the last
+        senders' messages (ours where our step applied the same sender's, our own as we sent it,
+        the copies the link fetched for the others, each checked as any contribution; a
+        catch-up replays steps we never took), kept only if the last
         digest is the majority's. None (the node stays off; a later check tries again from the
         same agreed state, or downloads the state) when that agreed state or a message is
         missing, a copy is refused, or the digest differs: a holder's records were wrong, or a
@@ -364,6 +398,8 @@ class DiLoCoXRound:
                 copy = recipe["messages"].get((target, sender))
                 if sender in ours:
                     messages[sender] = ours[sender]
+                elif sender == self.outer.node_id and target in self.own_sent:
+                    messages[sender] = self.own_sent[target]  # a step we did not take (catch-up)
                 elif copy is not None and (checked := self._checked(
                         GroupMessage(sender, target, copy), refused)) is not None:
                     messages[sender] = checked

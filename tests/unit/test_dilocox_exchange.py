@@ -852,3 +852,18 @@ def test_a_round_stretched_by_a_wait_does_not_make_the_link_look_idle():
         ex.sender._round_durations = (16.0, 16.0, 97.0)
         assert ex.send_ratio() == pytest.approx(10 / 16)
     asyncio.run(main())
+
+
+def test_a_resync_that_came_after_its_step_is_handed_over_at_the_next():
+    """The check of round 3 ended after our step of round 4 (we were ahead of the voters): its
+    resync is taken at the step after round 4 (the training thread replays our step 4 over it),
+    the latest of those due; older ones are dropped, later ones kept."""
+    async def main():
+        ex = exchange(asyncio.get_running_loop(), [])
+        recipe = {"replay": {"steps": [(3, 2, ("a", "b"))]}}
+        ex.consensus.resyncs = {2: {"round": 2, "slow_weights": {}, "momentum": {}}, 3: recipe,
+                                6: {"round": 6}}
+        assert ex.consensus.pop_resync(4) is recipe and list(ex.consensus.resyncs) == [6]
+        assert ex.replay.applied[3] == (2, ("a", "b"))  # its step is ours now: served so
+        assert ex.consensus.pop_resync(4) is None
+    asyncio.run(main())

@@ -567,6 +567,29 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
         assert c.end_round(r).replays == 1  # dropped: its step went on from its own φ
 
 
+def test_dilocox_a_replay_that_comes_a_round_late_is_taken_with_our_own_steps_since(config, corpus):
+    """c missed b's message of round 0, so its φ of round 1 left a's and b's; the check that
+    found it came late (c was ahead of them: their votes come at their round's end), after c's
+    step of round 2 over the same messages as theirs. At its step of round 3 c replays the
+    majority's step 1 from its initial state, then its own step 2 over that, and holds their φ
+    again; its agreed state is round 1's, the last one verified."""
+    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+    sent, outcomes = {}, {}
+    a_link, c_link = nodes["a"][1], nodes["c"][1]
+    for r in range(4):
+        play_dilocox(nodes, r, sent, outcomes, missed={("b", "c")} if r == 0 else ())
+        if r == 1:
+            theirs_of_1 = outcomes["a"].phi_digest
+            assert theirs_of_1 == outcomes["b"].phi_digest != outcomes["c"].phi_digest
+        if r == 2:
+            assert outcomes["a"].phi_digest != outcomes["c"].phi_digest
+            c_link.resync[2] = {"replay": {  # of round 1, handed over at the step of round 3
+                "since": -1, "round": 1, "steps": [(r, *a_link.applied[r]) for r in (0, 1)],
+                "messages": {(0, "b"): sent[("b", 0)]}, "digest": theirs_of_1}}
+    assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
+    assert outcomes["c"].replays == 1 and nodes["c"][0].agreed[0] == 1
+
+
 def test_dilocox_a_late_joiners_first_step_is_replayed_from_the_state_it_adopted(config, corpus):
     """d joins with a's state after round 1 and trains round 2; the messages of round 1 were
     sent before it joined, so its step applies none and its φ leaves a's and b's. The state it

@@ -25,7 +25,8 @@ Invariants:
 - a resync is due at the outer step after its round, so a node whose last check found it
   diverged waits for that round's check at its round's end (`settle`, at most one of its
   rounds, and not once the swarm is a round ahead): checks end with the slowest member's vote,
-  later than a short round.
+  later than a short round; one that comes later still is taken at the next step, and our own
+  steps since its round are replayed over it (round.py `_adopt_round`).
 """
 
 from __future__ import annotations
@@ -156,7 +157,7 @@ class PhiConsensus:
             groups, got = await self.loop.run_in_executor(None, decode_state, received)
             if received.meta.get("phi_round") == round_index and got == majority:
                 # the training thread checks it as a contribution of `source` before adopting it
-                self.resyncs[round_index] = {"slow_weights": groups["phi"],
+                self.resyncs[round_index] = {"slow_weights": groups["phi"], "round": round_index,
                                              "momentum": groups["momentum"], "source": peer}
                 self.publish(ResyncReady(round=round_index, source=peer))
                 return
@@ -181,14 +182,17 @@ class PhiConsensus:
             await asyncio.wait({check}, timeout=min(wait_s, pace))
 
     def pop_resync(self, round_index: int) -> dict | None:
-        """The resync due at the outer step of `round_index`, if one came; older ones are
-        dropped. Its steps are recorded as ours, so that we serve them to others' replays."""
-        state = self.resyncs.pop(round_index, None)
+        """The resync due at the outer step after `round_index`: of that round, or the latest of
+        an earlier one whose step it came too late for (the training thread replays its own
+        steps since over it); all are dropped. Its steps are recorded as ours, so that we serve
+        them to others' replays."""
+        due = [r for r in self.resyncs if r <= round_index]
+        state = self.resyncs[max(due)] if due else None
+        for old in due:
+            del self.resyncs[old]
         if state is not None and "replay" in state:  # our steps are the majority's now
             for step, target, senders in state["replay"]["steps"]:
                 self.replay.record(step, (target, senders))
         elif state is not None:  # a state downloaded whole: we do not know its step's messages
-            self.replay.record(round_index, None)
-        for old in [r for r in self.resyncs if r < round_index]:
-            del self.resyncs[old]
+            self.replay.record(state["round"], None)
         return state

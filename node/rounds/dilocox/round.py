@@ -43,7 +43,7 @@ from protocol.codecs import Codec, get_codec
 from protocol.diloco import DiLoCoHyperParameters
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
 from protocol.errors import ProtocolError
-from protocol.tensors import difference, shift_in_place, weights_digest
+from protocol.tensors import difference, fp32_clone, shift_in_place, weights_digest
 
 log = logging.getLogger("lowcomm.dilocox")
 # Steps a diverged node can replay from its last agreed state (`_replayed`): a slow node learns
@@ -325,14 +325,14 @@ class DiLoCoXRound:
         with self.lock:
             self._note_agreed(self.link.last_agreed())
             resync = self.link.take_resync(round_index - 1)
-            # our φ of the last round disagreed with the majority's
+            # our φ of the last round, or of one before it, disagreed with the majority's
             if resync is not None and "replay" in resync:
                 replayed = self._replayed(resync["replay"], refused)
-                if replayed is not None:
-                    self._adopt_round(round_index - 1, replayed)
+                if replayed is not None and self._adopt_round(
+                        resync["replay"]["round"], replayed, round_index - 1):
                     self.replays += 1
-            elif resync is not None and self._resync_usable(resync):
-                self._adopt_round(round_index - 1, resync)
+            elif resync is not None and self._resync_usable(resync) and self._adopt_round(
+                    resync.get("round", round_index - 1), resync, round_index - 1):
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
@@ -417,17 +417,32 @@ class DiLoCoXRound:
         self.step_log.update(replayed_steps)
         return state
 
-    def _adopt_round(self, round_index: int, state: dict) -> None:
+    def _adopt_round(self, round_index: int, state: dict, now: int | None = None) -> bool:
         """Our φ and m after `round_index` become `state`, the majority's (a replay's digest was
         checked here, a resync's by the link): in the outer state, in the history (a peer asking
-        for that round is served it), and as the agreed state later replays start from."""
-        self.outer.adopt_outer_state(state)
+        for that round is served it), and as the agreed state later replays start from.
+        With `now` later than `round_index` (the check that found our φ off came a round or more
+        late: a node ahead of its members hears their votes only at their round's end), our own
+        steps after it are replayed over `state` with the messages they applied, and the result
+        is our state after `now`; False, and nothing changes, if one of those steps is not held."""
+        now = round_index if now is None else now
+        current = state
+        for step in range(round_index + 1, now + 1):
+            if step not in self.step_log:
+                log.info("round %d: the majority's φ of round %d came, but our step of round %d "
+                         "is not held to replay over it", now, round_index, step)
+                return False
+            current = self.outer.replay(current, self.step_log[step])
+        verified = {"phi": fp32_clone(state["slow_weights"]), "momentum": fp32_clone(state["momentum"])} \
+            if now > round_index else None  # ours after `now` are not: a later replay starts here
+        self.outer.adopt_outer_state(current)
         # copies held by the outer state, not a received buffer's views
         adopted = {"phi": self.outer.slow_weights, "momentum": self.outer.momentum}
         digest = weights_digest(adopted["phi"])
-        self.history = deque(((r, adopted, digest) if r == round_index else (r, groups, d)
+        self.history = deque(((r, adopted, digest) if r == now else (r, groups, d)
                               for r, groups, d in self.history), maxlen=2)
-        self.agreed = (round_index, adopted)
+        self.agreed = (round_index, verified or adopted)
+        return True
 
     def _resync_usable(self, resync: dict) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within

@@ -433,8 +433,9 @@ class DiLoCoXRound:
                          "is not held to replay over it", now, round_index, step)
                 return False
             current = self.outer.replay(current, self.step_log[step])
-        verified = {"phi": fp32_clone(state["slow_weights"]), "momentum": fp32_clone(state["momentum"])} \
-            if now > round_index else None  # ours after `now` are not: a later replay starts here
+        # the steps after `round_index` are ours, not verified: a later replay starts before them
+        verified = {"phi": fp32_clone(state["slow_weights"]),
+                    "momentum": fp32_clone(state["momentum"])} if now > round_index else None
         self.outer.adopt_outer_state(current)
         # copies held by the outer state, not a received buffer's views
         adopted = {"phi": self.outer.slow_weights, "momentum": self.outer.momentum}

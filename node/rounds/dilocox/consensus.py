@@ -169,8 +169,9 @@ class PhiConsensus:
     async def settle(self, round_index: int, wait_s: float, pace: float) -> None:
         """While we are known to be off the majority's φ, waits at most `wait_s` and one of our
         rounds (`pace`) for the check of the round before `round_index`: its resync is due at
-        this step; after it, it is a round old and dropped, and a check slower than a round then
-        lost every resync (CI: a node diverged and resynced rounds 1-8, never healing).
+        this step (one that comes later is taken at the next, our step since replayed over it;
+        before, it was dropped, and a check slower than a round lost every resync: CI saw a node
+        diverge and resync rounds 1-8, never healing).
         Never once the swarm is a round ahead: a check may wait for votes that never come
         (members rounds ahead announce other rounds), and a node that waits then falls further
         behind, its messages refused as stale and its φ off again (CI: a node that had caught up

@@ -517,6 +517,14 @@ def test_dilocox_refuses_a_poisoned_message_and_a_poisoned_resync_and_adopts_a_r
     assert outcome.resyncs == 1 and ("liar", "not_finite") in link.refusals
 
 
+def dilocox_trio(config, corpus) -> dict:
+    """Nodes a, b and c (each its own data stream): name -> (round, link, trainer)."""
+    return {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+
+
+C_MISSES_B_AT_0 = {("b", "c")}  # (sender, receiver): c's step of round 1 lacks b's message
+
+
 def play_dilocox(nodes: dict, r: int, sent: dict, outcomes: dict, missed=()) -> None:
     """Round `r` of the DiLoCoX `nodes` (name -> (round, link, trainer)): each trains and ends
     it, and then holds every other node's message of it but the (sender, receiver) `missed`."""
@@ -536,11 +544,11 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
     agreed yet) at its next outer step and holds their φ again, bitwise, having moved one message instead of
     φ and m. A recipe whose digest it cannot reproduce (records naming the wrong senders) is
     dropped, not adopted; nor is one from a round it does not hold as agreed."""
-    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+    nodes = dilocox_trio(config, corpus)
     sent, outcomes = {}, {}
     a_link, c_link = nodes["a"][1], nodes["c"][1]
     for r in range(4):
-        play_dilocox(nodes, r, sent, outcomes, missed={("b", "c")} if r == 0 else ())
+        play_dilocox(nodes, r, sent, outcomes, missed=C_MISSES_B_AT_0 if r == 0 else ())
         if r == 0:
             assert a_link.applied[0] == (-1, ())  # nothing was due: a step a replay goes through
         if r in (1, 2):
@@ -573,11 +581,11 @@ def test_dilocox_a_replay_that_comes_a_round_late_is_taken_with_our_own_steps_si
     step of round 2 over the same messages as theirs. At its step of round 3 c replays the
     majority's step 1 from its initial state, then its own step 2 over that, and holds their φ
     again; its agreed state is round 1's, the last one verified."""
-    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+    nodes = dilocox_trio(config, corpus)
     sent, outcomes = {}, {}
     a_link, c_link = nodes["a"][1], nodes["c"][1]
     for r in range(4):
-        play_dilocox(nodes, r, sent, outcomes, missed={("b", "c")} if r == 0 else ())
+        play_dilocox(nodes, r, sent, outcomes, missed=C_MISSES_B_AT_0 if r == 0 else ())
         if r == 1:
             theirs_of_1 = outcomes["a"].phi_digest
             assert theirs_of_1 == outcomes["b"].phi_digest != outcomes["c"].phi_digest
@@ -659,7 +667,7 @@ def test_dilocox_a_node_behind_catches_up_by_replaying_the_swarms_steps(config, 
     own message as it sent it), holds their φ of round 4 and trains round 5 next: it moved their
     messages instead of φ and m. A recipe whose digest it cannot reproduce leaves it where it
     was: no state, no move to the swarm's round."""
-    nodes = {name: dilocox(config, corpus, name, stream) for name, stream in (("a", 1), ("b", 2), ("c", 3))}
+    nodes = dilocox_trio(config, corpus)
     sent, outcomes = {}, {}
     play_dilocox(nodes, 0, sent, outcomes)
     pair = {name: nodes[name] for name in ("a", "b")}

@@ -59,7 +59,7 @@ from node.config.settings import NodeTimeouts
 from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
-from node.rounds.state import (STATE_KIND, agreed_round, announced_phi, decode_state, majority,
+from node.rounds.state import (STATE_KIND, agreed_round, decode_state, majority, phi_holders,
                                round_bound, settled)
 from p2p.errors import P2PError, Reason, RemoteRefused
 from p2p.records import MemberRecord
@@ -109,11 +109,11 @@ def quorum_digest(members: list[MemberRecord]) -> tuple[int, str, list[str]] | N
     rounds = {v for r in members for v in (r.extra.get("phi_round"), r.extra.get("phi_prev_round"))
               if type(v) is int and v >= 0}
     for state_round in sorted(rounds, reverse=True):
-        votes = Counter(d for r in members if (d := announced_phi(r.extra, state_round)))
+        holders = phi_holders(members, state_round)
+        votes = Counter({d: len(peers) for d, peers in holders.items()})
         for digest, count in votes.most_common(1):
             if count >= needed:
-                return state_round, digest, [r.peer_id for r in members
-                                             if announced_phi(r.extra, state_round) == digest]
+                return state_round, digest, holders[digest]
     return None
 
 

@@ -47,6 +47,16 @@ def announced_phi(extra: dict[str, Any], round_index: int) -> str | None:
     return None
 
 
+def phi_holders(members: list, round_index: int) -> dict[str, list[str]]:
+    """The members (MemberRecords) announcing a φ digest after `round_index`, by digest, in
+    the members' order."""
+    holders: dict[str, list[str]] = {}
+    for r in members:
+        if digest := announced_phi(r.extra, round_index):
+            holders.setdefault(digest, []).append(r.peer_id)
+    return holders
+
+
 # How far an honest member's round can run ahead of the rounds known to have passed (the
 # majority's, or as many as this node could have trained since it started): 4x, plus 16.
 LEAD_FACTOR, LEAD_ROUNDS = 4, 16

@@ -32,7 +32,7 @@ from collections import Counter
 
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.round import REPLAY_ROUNDS, SwarmState
-from node.rounds.state import agreed_round, announced_phi
+from node.rounds.state import agreed_round, phi_holders
 from node.rounds.swarm import Swarm, failure_sentence
 from protocol.vote import winning_digest
 
@@ -100,10 +100,7 @@ class SwarmCatchUp:
     def _agreed_phi(self, round_index: int) -> tuple[str, list[str]] | None:
         """(the φ digest of `round_index` held by two or more members and by most of those
         announcing one, its holders), or None."""
-        holders: dict[str, list[str]] = {}
-        for r in self.members.eligible():
-            if vote := announced_phi(r.extra, round_index):
-                holders.setdefault(vote, []).append(r.peer_id)
+        holders = phi_holders(self.members.eligible(), round_index)
         if not holders:
             return None
         digest = winning_digest(Counter({d: len(peers) for d, peers in holders.items()}))

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from node.events import Diverged, ResyncReady
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.round import REPLAY_ROUNDS
-from node.rounds.state import STATE_KIND, agreed_round, announced_phi, decode_state
+from node.rounds.state import STATE_KIND, agreed_round, decode_state, phi_holders
 from node.rounds.swarm import Swarm
 from p2p.errors import P2PError
 from protocol.vote import split_winner, winning_digest
@@ -119,12 +119,9 @@ class PhiConsensus:
 
     def _votes(self, round_index: int, digest: str) -> tuple[Counter, dict[str, list[str]]]:
         """(votes by φ digest of round `round_index`, ours included; the members holding each)"""
-        votes, holders = Counter({digest: 1}), {}
-        for r in self.members.eligible():  # a banned peer has no say in φ
-            vote = announced_phi(r.extra, round_index)
-            if vote:
-                votes[vote] += 1
-                holders.setdefault(vote, []).append(r.peer_id)
+        holders = phi_holders(self.members.eligible(), round_index)  # a banned peer has no say
+        votes = Counter({digest: 1})
+        votes.update({vote: len(peers) for vote, peers in holders.items()})
         return votes, holders
 
     def _waited_enough(self, round_index: int, waited_s: float) -> bool:

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
+from node.rounds.dilocox.link import GroupMessage
+from node.rounds.dilocox.round import DiLoCoXRound
 from node.simulator.exchange import InMemoryExchange, InMemoryMessage
 from node.simulator.lockstep import Lockstep
 from protocol.tensors import fp32_clone, numel

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from node.config.manifest import ContributionSection, ProtocolSection
 from node.rounds.dilocox import payload as dilocox_payload
-from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage
+from node.rounds.dilocox.link import GroupMessage
+from node.rounds.dilocox.round import DiLoCoXRound
 from protocol.codecs import Encoded
 from tests.unit.test_rounds import H, ScriptedDiLoCoXLink, config, corpus, received, trainer, \
     train_round  # noqa: F401 (config and corpus are fixtures)

@@ -20,7 +20,8 @@ from node.config.schema import load_config
 from node.data.corpus import load_corpus
 from node.events import PairCorrected
 from node.rounds.dilocox import payload as dilocox_payload
-from node.rounds.dilocox.round import DiLoCoXRound, GroupMessage, SwarmState
+from node.rounds.dilocox.link import GroupMessage, SwarmState
+from node.rounds.dilocox.round import DiLoCoXRound
 from node.rounds.noloco import payload as noloco_payload
 from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot, rounding_seed
 from node.rounds.wire_tensors import WIRE_DTYPES, to_wire

@@ -30,8 +30,8 @@ import asyncio
 import logging
 from collections import Counter
 
+from node.rounds.dilocox.link import REPLAY_ROUNDS, SwarmState
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.dilocox.round import REPLAY_ROUNDS, SwarmState
 from node.rounds.state import agreed_round, phi_holders
 from node.rounds.swarm import Swarm, failure_sentence
 from protocol.vote import winning_digest

@@ -23,7 +23,7 @@ Invariants:
 - a reply is bounded before its messages are fetched: one record for each round asked, at most
   twice as many senders as the members and us (senders may have left since), each a peer id,
   none twice;
-- records are kept for REPLAY_ROUNDS rounds (round.py), as the relay keeps messages: a replay
+- records are kept for REPLAY_ROUNDS rounds (link.py), as the relay keeps messages: a replay
   needs both; a member agreed longer ago than that downloads the state.
 """
 
@@ -34,8 +34,8 @@ import logging
 from collections.abc import Callable
 
 from node.events import ReplayReady
+from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.dilocox.relay import Relay
-from node.rounds.dilocox.round import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage

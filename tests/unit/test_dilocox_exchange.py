@@ -14,12 +14,13 @@ import pytest
 
 from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
-from node.events import Diverged, Relayed, ReplayReady, SendFailed
+from node.events import Diverged, Missing, Relayed, ReplayReady, SendFailed
 from node.rounds.contributions import MISBEHAVIOUR
+from node.rounds.dilocox import exchange as exchange_module
 from node.rounds.dilocox.exchange import DiLoCoXExchange
+from node.rounds.dilocox.link import REPLAY_ROUNDS, SwarmState
 from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, RELAY
 from node.rounds.dilocox.replay import APPLIED, StepReplay
-from node.rounds.dilocox.round import REPLAY_ROUNDS, SwarmState
 from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
 from node.rounds.state import STATE_KIND
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused, TransferFailed, TransferTimeout
@@ -167,20 +168,72 @@ def test_a_node_is_behind_once_a_majority_finished_the_round_after_its_own():
     asyncio.run(main())
 
 
-def test_a_member_that_finished_the_round_is_waited_for_until_the_deadline():
+def test_a_finished_members_message_is_waited_for_a_round_then_only_while_on_its_way(monkeypatch):
+    """A member that finished the round and whose message has not come is waited for one of our
+    rounds (at least ASKING_S), its message asked of the others meanwhile; beyond that only
+    while its message is on its way to us. (R5: a slow node sent its message of a round to no
+    one, and each fast node waited the whole 120 s deadline for it.)"""
+    monkeypatch.setattr(exchange_module, "ASKING_S", 1.5)
+    monkeypatch.setattr(exchange_module, "ON_ITS_WAY_S", 1.5)
+
     async def main():
         loop = asyncio.get_running_loop()
-        ex = exchange(loop, [member("done", 6)])  # announced round 6: it sent its round-5 message
-        ex.last_collect_at = loop.time() - 0.1
+        events: list = []
+        swarm = unit_swarm(loop, [member("done", 6)], transport=HoldingTransport({}), events=events)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=8, message_deadline_s=30.0),
+                             swarm, random.Random(0))  # announced round 6: it sent its round-5 message
+        ex.last_collect_at = loop.time() - 2.0  # our rounds take 2 s
         began = loop.time()
-        assert await ex._collect(5, 1.0) == []
-        assert loop.time() - began >= 0.9
-        assert ex.ran_ahead() == 0.0  # its message is on its way: we are not ahead of it
+        assert await ex._collect(5, 30.0) == []
+        assert 1.9 < loop.time() - began < 2.5, loop.time() - began
+        assert ex.ran_ahead() == 0.0  # it is not behind us: we are not ahead of it
+        assert [e.peers for e in events if isinstance(e, Missing)] == [["done"]]
+        # a push of it still coming in at the round's end is waited for past it
+        ex = exchange(loop, [member("done", 6)])
+        ex.last_collect_at = loop.time() - 0.5
+        ex.transport.arriving.add(("done", 5))
+        loop.call_later(2.2, deliver, ex, 5, "done")
+        began = loop.time()
+        assert [g.peer for g in await ex._collect(5, 30.0)] == ["done"]
+        assert 2.1 < loop.time() - began < 2.6
         # a member two rounds behind is a straggler: nobody waits on it
         ex = exchange(loop, [member("behind", 3)])
         ex.last_collect_at = loop.time() - 5.0
         began = loop.time()
         assert await ex._collect(5, 30.0) == [] and loop.time() - began < 0.1
+    asyncio.run(main())
+
+
+class SlowHolder(HoldingTransport):
+    """Serves its copies after `serve_s`: a holder on a slow link."""
+
+    def __init__(self, copies: dict, serve_s: float):
+        super().__init__(copies)
+        self.serve_s = serve_s
+
+    async def request(self, peer, kind, round_index, *, meta, timeout, streams):
+        await asyncio.sleep(self.serve_s)
+        return await super().request(peer, kind, round_index, meta=meta, timeout=timeout, streams=streams)
+
+
+def test_a_copy_being_fetched_at_the_rounds_end_is_waited_for(monkeypatch):
+    monkeypatch.setattr(exchange_module, "ASKING_S", 1.5)
+    monkeypatch.setattr(exchange_module, "ON_ITS_WAY_S", 1.5)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        author, holder = NodeIdentity.generate(), NodeIdentity.generate()
+        a, h = author.peer_id.to_base58(), holder.peer_id.to_base58()
+        transport = SlowHolder({(h, 5, a): relayed_copy(author, holder, 5)}, serve_s=2.0)
+        swarm = unit_swarm(loop, [member(a, 6), member(h, 6)], transport=transport)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=1, message_deadline_s=30.0),
+                             swarm, random.Random(0))
+        ex.last_collect_at = loop.time() - 0.5
+        deliver(ex, 5, h)
+        began = loop.time()
+        got = await ex._collect(5, 30.0)  # asked at 0.5 s, served at 2.5 s: past the 1.5 s wait
+        assert sorted(g.peer for g in got) == sorted([a, h])
+        assert 2.4 < loop.time() - began < 3.2, loop.time() - began
     asyncio.run(main())
 
 
@@ -635,7 +688,7 @@ def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_rou
         swarm = unit_swarm(loop, [member("a", 9), member("b", 9)], events=events)
         state = {"phi": {}, "momentum": {}}
         answers = [RuntimeError("no φ digest is announced by a majority"),
-                   JoinState(12, state, {"phi_round": 11, "phi": "d2"}, "b")]
+                   JoinState(12, state, {"phi_round": 10, "phi": "d2"}, "b")]
 
         async def adopt_state(reference):
             asked.append(reference)
@@ -657,10 +710,12 @@ def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_rou
         ex.members.records = {p: member(p, 12) for p in ("a", "b")}
         assert await round_end(7) is None and len(asked) == 2  # asked; the state arrives
         got = ex.catching_up.poll(8, -1, {})
-        assert got == SwarmState(12, 11, state, "b", "d2") and len(asked) == 2
+        # the majority's φ it served is of round 10, while the swarm trains round 12
+        assert got == SwarmState(12, 10, state, "b", "d2") and len(asked) == 2
         assert ex.first_round == 0  # not moved until the training thread adopted it
         ex._rejoin(9, got)
-        assert ex.first_round == 12 and ex.oldest_wanted == 11 and ex.consensus.agreed == 11
+        # a replay starts from the state we hold (R6: from round 11, every one was refused)
+        assert ex.first_round == 12 and ex.oldest_wanted == 11 and ex.consensus.agreed == 10
         assert [(e.from_round, e.round, e.source, e.by) for e in events
                 if isinstance(e, CaughtUp)] == [(9, 12, "b", "download")]
     asyncio.run(main())

@@ -37,8 +37,8 @@ from collections import Counter
 from collections.abc import Callable
 
 from node.events import Diverged, ResyncReady
+from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.dilocox.round import REPLAY_ROUNDS
 from node.rounds.state import STATE_KIND, agreed_round, decode_state, phi_holders
 from node.rounds.swarm import Swarm
 from p2p.errors import P2PError
@@ -69,9 +69,11 @@ class PhiConsensus:
         # round's end waits for the check in flight (`settle`), whose resync is due at that step
         self.diverged = False
 
-    def restart_at(self, round_index: int) -> None:
-        """We start from the swarm's state (or the initial φ) before `round_index`: agreed."""
-        self.agreed, self.diverged = round_index - 1, False
+    def restart_at(self, round_index: int, state_round: int | None = None) -> None:
+        """We start `round_index` from the swarm's state (or the initial φ) of `state_round`
+        (the round before, unless given): agreed."""
+        self.agreed = round_index - 1 if state_round is None else state_round
+        self.diverged = False
 
     def start(self, round_index: int, digest: str) -> None:
         check = self.swarm.tasks.spawn(self.check(round_index, digest),

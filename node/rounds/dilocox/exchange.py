@@ -11,9 +11,11 @@ next outer step. A node rounds behind the swarm takes the swarm's state (`catch_
 
 Invariants:
 - a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
-- `collect` waits at most its deadline for members that already finished the round (their record
-  says so, or their message of it is arriving), and at most one of our own rounds for members
-  still in it: a node more than a round ahead would otherwise refuse a slower member's every
+- `collect` waits at most one of our own rounds for a member's message (asking members that may
+  hold the message of one that finished the round, its record says so or its message is
+  arriving, for at least `ASKING_S`), and beyond it, up to its deadline, only for a message on
+  its way to us (`ON_ITS_WAY_S`). Waiting for members still in the round, a node more than a round ahead
+  slows to their pace: it would otherwise refuse a slower member's every
   message as stale and split φ each round; a member more than a round behind is a straggler
   whose messages may miss the round, unless such members are the majority (`_unfinished`: then
   we are the one ahead, and wait for them as for members still in the round);
@@ -45,15 +47,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Missing
 from node.rounds.dilocox.catch_up import CATCH_UP_LAG, SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
+from node.rounds.dilocox.link import GroupMessage, SwarmState
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.dilocox.round import GroupMessage, SwarmState
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import agreed_round, settled
 from node.rounds.swarm import Swarm, peer_name
@@ -62,6 +65,17 @@ from p2p.messages import ReceivedMessage
 
 log = logging.getLogger("lowcomm.dilocox")
 WATCH_S = 0.25  # how often the messages that did not come are looked for (relay.py)
+# Past one of our rounds, and at least ASKING_S, a collect waits (up to its deadline) only for
+# a message on its way: a push from its author or a copy from a holder coming in now, or less
+# than ON_ITS_WAY_S ago (a broken push is tried again a second later: sending.py). A member
+# that finished the round and sent us nothing is then given up: at 512 kbit/s a slow node's
+# view of its members emptied, it sent its message of round 4 to no one, and each fast node
+# waited the whole 120 s deadline for it (benchmarks/RESULTS.md, issue 18, R5); a φ split that
+# follows heals by replay. ASKING_S: the time a message needs to reach the members that hold
+# it and a relay to find it there; at 3 s a loaded CI machine's 2 s rounds gave up on a copy
+# beyond the fan-out that the others applied, and φ split.
+ASKING_S = 15.0
+ON_ITS_WAY_S = 3.0
 
 
 class DiLoCoXExchange:
@@ -96,12 +110,14 @@ class DiLoCoXExchange:
         self.replay.start()
         self._watch = self.swarm.tasks.spawn(self._watch_missing(), "dilocox missing messages")
 
-    def _restart_at(self, round_index: int) -> None:
+    def _restart_at(self, round_index: int, state_round: int | None = None) -> None:
         """Takes part from `round_index` on (at start, or after catching up): the rounds before
-        it are never waited for (see _collect)."""
+        it are never waited for (see _collect). `state_round`: the round of the swarm's state we
+        start from, if not the one before `round_index`."""
         self.oldest_wanted = max(0, round_index - 1)
         self.first_round = round_index
-        self.consensus.restart_at(round_index)  # the state we start from: the swarm's, or the initial φ
+        # the state we start from, the swarm's or the initial φ, is agreed: a replay starts there
+        self.consensus.restart_at(round_index, state_round)
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
@@ -225,7 +241,10 @@ class DiLoCoXExchange:
         the round and did not send them to us, so that they are here before the round's end."""
         while True:
             await asyncio.sleep(WATCH_S)
-            for round_index in range(max(self.oldest_wanted, self.first_round), self.collected + 3):
+            # not the round a collect waits for: it asks for that one itself, and stops asking
+            # past one of our rounds
+            for round_index in range(max(self.oldest_wanted, self.first_round, self.collected + 1),
+                                     self.collected + 3):
                 box = self.inbox.get(round_index, {})
                 self._ask_for(round_index, self._finished(round_index) - set(box))
 
@@ -318,6 +337,8 @@ class DiLoCoXExchange:
             wait_s = 0.0
         deadline = now + wait_s
         laggard_deadline = now + min(wait_s, pace)
+        # for a message that did not come, the round at least as long as a relay needs to find it
+        asking_deadline = now + min(wait_s, max(pace, ASKING_S))
         if self.first_round == round_index:
             # The first round we take part in (the swarm's first, or the one we joined late in):
             # a member may have ended it before its member cache listed us, and then it never
@@ -325,22 +346,29 @@ class DiLoCoXExchange:
             # long as for a member still in the round (CI: a node of four that started together
             # waited 9.4 s for a round-0 message sent to the two members its sender knew of,
             # fell 7 rounds behind and caught up, skipping them).
-            deadline = laggard_deadline
+            deadline = asking_deadline = laggard_deadline
         ahead_until = now  # until when we waited for members still training the round
+        on_its_way: dict[str, float] = {}  # member -> when its message was last on its way to us
+        given_up: set[str] = set()
         while True:
             box = self.inbox.get(round_index, {})
-            missing = unsent = (self._finished(round_index) | self._arriving(round_index)) - set(box)
-            remaining = deadline - self.loop.time()
-            laggards: set[str] = set()
-            if (laggard_remaining := laggard_deadline - self.loop.time()) > 0:
-                laggards = self._unfinished(round_index) - set(box)
-                missing |= laggards
-                remaining = min(remaining, laggard_remaining)
-            if not missing or remaining <= 0:
+            at = self.loop.time()
+            for peer in self._arriving(round_index) | self.relay.fetching(round_index):
+                on_its_way[peer] = at
+            unsent = (self._finished(round_index) | set(on_its_way)) - set(box)
+            if at < asking_deadline:
+                # a member that finished the round and whose message has not come: another
+                # member may hold it (its push to us broke, or went to a subset beyond the fan-out)
+                self._ask_for(round_index, unsent)
+            else:  # past it only a message on its way holds us
+                quiet = {peer for peer in unsent if at - on_its_way.get(peer, -math.inf) > ON_ITS_WAY_S}
+                given_up |= quiet
+                unsent -= quiet
+            laggards = self._unfinished(round_index) - set(box) if at < laggard_deadline else set()
+            missing = unsent | laggards
+            if not missing or at >= deadline:
                 break
-            # a member that finished the round and whose message has not come: another member
-            # may hold it (its push to us broke, or went to a subset beyond the fan-out)
-            self._ask_for(round_index, unsent)
+            remaining = min(d - at for d in (deadline, asking_deadline, laggard_deadline) if d > at)
             self.arrived.clear()
             try:
                 await asyncio.wait_for(self.arrived.wait(), timeout=min(remaining, 1.0))
@@ -352,7 +380,7 @@ class DiLoCoXExchange:
         self.relay.stop_asking(round_index)
         self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)
         box = self.inbox.pop(round_index, {})
-        if missing:
+        if missing := (missing | given_up) - set(box):
             self.publish(Missing(round=round_index, peers=sorted(missing)))
         self.oldest_wanted = round_index + 1
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
@@ -368,7 +396,12 @@ class DiLoCoXExchange:
     def _rejoin(self, from_round: int, got: SwarmState) -> None:
         """The training thread adopted the swarm's state instead of training `from_round`: we
         take part from the swarm's round on, and say so."""
-        self._restart_at(got.next_round)
+        # a downloaded state may be of a round before the swarm's last (the φ its majority
+        # announced): our φ then lacks the steps since, and the check's replay starts there. As
+        # the round before the swarm's, a fast node that downloaded round 5's state to train
+        # round 7 had every later replay refused (its state older than the recipe's start) and
+        # stayed off the majority's φ for 8 rounds (benchmarks/RESULTS.md, issue 18, R6).
+        self._restart_at(got.next_round, got.state_round)
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
             del self.inbox[old]
         self.members.update(round=got.next_round, status="training", extra={"since": got.next_round})

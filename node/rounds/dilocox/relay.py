@@ -29,7 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from node.events import Relayed
-from node.rounds.dilocox.round import REPLAY_ROUNDS
+from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
@@ -40,7 +40,7 @@ RELAY = "dilocox.relay"
 AUTHOR = "author"  # the request's and the reply's meta: whose message
 ASK_AFTER_S = 0.5
 # our round, the one before (its laggards collect it now), and the rounds a diverged member may
-# replay (round.py REPLAY_ROUNDS), whose messages it may lack
+# replay (link.py REPLAY_ROUNDS), whose messages it may lack
 KEEP_ROUNDS = REPLAY_ROUNDS
 KEEP_BYTES = 256 << 20
 
@@ -131,6 +131,10 @@ class Relay:
             self._asking[key] = self.swarm.tasks.spawn(
                 self._fetch(round_index, author, holders(author), deliver),
                 f"dilocox relay of round {round_index} from {author[-8:]}")
+
+    def fetching(self, round_index: int) -> set[str]:
+        """The authors whose message of `round_index` we are asking a holder for now."""
+        return {author for (r, author), task in self._asking.items() if r == round_index and not task.done()}
 
     def stop_asking(self, round_index: int) -> None:
         """The round was collected: what is still being fetched of it (or before) is for no one."""

@@ -50,6 +50,7 @@ class Membership:
         self._heartbeat: asyncio.Task | None = None
         self._lock = asyncio.Lock()
         self._last_expiration = 0.0
+        self.left: frozenset[str] = frozenset()  # members whose tombstone the last lookup found
         host.validator.protect(self.key)
 
     @property
@@ -108,7 +109,7 @@ class Membership:
         if found is None or not isinstance(found.value, dict):
             return {}
         now = time.time()
-        members = {}
+        members, left = {}, set()
         for subkey, entry in found.value.items():
             # The validator already checked that each subkey's owner signed its value.
             if type(subkey) is not str or (subkey == self._peer and not include_self):
@@ -116,8 +117,11 @@ class Membership:
             record = MemberRecord.from_value(subkey, entry.value, entry.expiration_time)
             if record is None:
                 logger.debug("ignoring a malformed member record for %s", subkey)
-            elif not record.left and record.expires > now:
+            elif record.left:
+                left.add(subkey)
+            elif record.expires > now:
                 members[subkey] = record
+        self.left = frozenset(left)
         return members
 
     async def leave(self) -> None:

@@ -97,6 +97,8 @@ class IncomingStreams:
             raw, signature = await io.read_frame_head(self.wire_limits.max_header_bytes)
             header = check_head(raw, signature, peer_bytes, self._expect, time.time())
             verified = True
+            if self.on_heard is not None:
+                self.on_heard(peer.to_base58())
             earlier = self._refused.earlier(peer_bytes, header.nonce)
             if earlier is not None:  # another stream of a message refused already: counted once
                 repeated = True

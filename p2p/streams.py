@@ -101,6 +101,9 @@ class Transport(IncomingStreams):
         # Admission: None admits every peer; otherwise a peer for which it returns False has each
         # stream refused NOT_ADMITTED before anything of it is read.
         self.admit: Callable[[str], bool] | None = None
+        # Called with the peer id of every stream whose signed head checked, whatever is then
+        # refused: that peer is alive (the member cache keeps it in view: MemberCache.vouch).
+        self.on_heard: Callable[[str], None] | None = None
         self._tasks: set[asyncio.Task] = set()
         self._executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="lowcomm-hash")
         self._started = False

@@ -21,6 +21,8 @@ from p2p.records import MemberRecord
 class RecordedMembership:
     """Stands in for p2p.membership.Membership: no lookups, our updates kept in order."""
 
+    left: frozenset[str] = frozenset()
+
     def __init__(self):
         self.updates: list[dict] = []
 

@@ -78,8 +78,9 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     gate = NewcomerGate(m.admission.new_members_per_hour) if m.admission.new_members_per_hour else None
     network.cache = cache = MemberCache(network.membership, node.tasks, manifest=m.digest, bans=bans,
                                         refresh_s=settings.timeouts.member_refresh_s, admit=admit,
-                                        gate=gate)
+                                        gate=gate, vouch_s=settings.member_ttl_s)
     await cache.start()
+    transport.on_heard = cache.vouch  # a member whose stream came is alive while its lookups lag
     await publish_manifest(host.dht, m)
     transport.counters.on_refusal_issued = \
         lambda peer, reason: bans.transport_refusal(peer, reason.name, transport.ban)

@@ -87,7 +87,9 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
                 ("banned peer", frame(round=5), {"ban": True}, Reason.BANNED),
                 ("key not on the allowlist", frame(round=5), {"unlisted": True}, Reason.NOT_ADMITTED),
             ]
-            report, honest_ok = [], 0
+            report, honest_ok, heard = [], 0, []
+            victim.on_heard = heard.append  # peers whose signed head checked (MemberCache.vouch)
+            attacker_id = attacker_host.peer_id.to_base58()
             tracemalloc.start()
             try:
                 for name, data, options, expected in attacks:
@@ -97,6 +99,7 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
                     victim.admit = {honest_host.peer_id.to_base58()}.__contains__ \
                         if options.get("unlisted") else None
                     before_refusals = sum(victim.counters.refused_incoming.values())
+                    heard.clear()
                     tracemalloc.reset_peak()
                     baseline = tracemalloc.get_traced_memory()[0]
                     got = await _attack(attacker_host, victim_host.peer_id, data, options, victim)
@@ -105,6 +108,11 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
                     victim.unban(attacker_host.peer_id)
                     report.append((name, expected.name, got.name if got is not None else None, peak))
                     assert got == expected, f"{name}: expected {expected.name}, got {got}"
+                    # a head it signed says the attacker is alive, refused or not; a forged one does not
+                    if expected == Reason.BAD_SIGNATURE:
+                        assert heard == [], name
+                    if expected in (Reason.STALE_ROUND, Reason.OK):
+                        assert heard == [attacker_id], name
                     assert peak < MEMORY_BOUND, f"{name}: victim allocated {peak} bytes"
                     if expected != Reason.OK:
                         assert sum(victim.counters.refused_incoming.values()) > before_refusals, name

@@ -15,6 +15,8 @@ from p2p.records import MemberRecord
 class LookupThatFailsAfterOneAnswer:
     """Stands in for p2p.membership.Membership: one answer, then every lookup times out."""
 
+    left: frozenset[str] = frozenset()
+
     def __init__(self, records: dict[str, MemberRecord]):
         self.records, self.calls = records, 0
 
@@ -45,6 +47,48 @@ def test_members_expire_on_time_while_refreshes_fail():
         # "a" expired although no refresh succeeded; "b" is still alive; both stay known
         assert [r.peer_id for r in cache.peers()] == ["b"]
         assert set(cache.records) == {"a", "b"}
+    asyncio.run(scenario())
+
+
+class LookupThatLosesRecords:
+    """Stands in for p2p.membership.Membership: one answer, then answers without anyone (the
+    lookups of a node on a saturated link found none of its members' fresh records), or with
+    the tombstones of `leaving` from the third lookup on."""
+
+    def __init__(self, records: dict[str, MemberRecord], leaving: frozenset[str] = frozenset()):
+        self.records, self.calls, self.leaving, self.left = records, 0, leaving, frozenset()
+
+    async def peers(self) -> dict[str, MemberRecord]:
+        self.calls += 1
+        self.left = self.leaving if self.calls >= 3 else frozenset()
+        return self.records if self.calls == 1 else {}
+
+
+def test_a_member_whose_message_came_stays_in_the_view_while_lookups_miss_it():
+    async def scenario():
+        soon = time.time() + 0.3
+        cache = MemberCache(LookupThatLosesRecords({"a": record("a", soon), "b": record("b", soon)}),
+                            BackgroundTasks(), manifest="m", bans=BanList(2, 60.0), refresh_s=60.0,
+                            vouch_s=0.6)
+        await cache.refresh()
+        cache.vouch("a")  # a's message came; nothing from b
+        cache.vouch("stranger")  # no record of it: nothing to keep
+        await cache.refresh()  # the lookup lost both records
+        await asyncio.sleep(0.35)  # and their own expiry passed
+        assert [r.peer_id for r in cache.peers()] == ["a"] and "stranger" not in cache.vouched
+        await asyncio.sleep(0.3)  # no message from a since: it expires on time
+        await cache.refresh()
+        assert cache.peers() == [] and cache.records == {}
+        # a member that left is dropped at its tombstone, streams or not
+        cache = MemberCache(LookupThatLosesRecords({"a": record("a", soon + 60)}, leaving=frozenset({"a"})),
+                            BackgroundTasks(), manifest="m", bans=BanList(2, 60.0), refresh_s=60.0)
+        await cache.refresh()
+        cache.vouch("a")
+        await cache.refresh()
+        assert [r.peer_id for r in cache.peers()] == ["a"]
+        cache.vouch("a")
+        await cache.refresh()  # its tombstone
+        assert cache.peers() == []
     asyncio.run(scenario())
 
 

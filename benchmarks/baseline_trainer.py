@@ -88,6 +88,10 @@ def run_diloco_hivemind(args: argparse.Namespace, manifest: Manifest, log: Log) 
         buffers, dht, start=True, prefix=f"{manifest.swarm.id}-diloco",
         target_group_size=args.group_size, min_group_size=args.group_size,
         min_matchmaking_time=args.matchmaking_time, request_timeout=args.request_timeout,
+        # a group member that stops sending mid-all-reduce is dropped, and the all-reduce ends,
+        # as a user would set them: without them an fp32 run at 1.1 Mbit/s hung in its tenth
+        # all-reduce for 38 min (step's own timeout bounds only the search for a group)
+        allreduce_timeout=args.allreduce_timeout, next_chunk_timeout=args.next_chunk_timeout,
         compression=Float16Compression() if args.wire == "fp16" else NoCompression())
     payload = sum(b.numel() for b in buffers) * (2 if args.wire == "fp16" else 4)
     H = manifest.protocol.inner_steps
@@ -100,10 +104,12 @@ def run_diloco_hivemind(args: argparse.Namespace, manifest: Manifest, log: Log) 
                     for buffer, value in zip(tensors, delta.values()):
                         buffer.copy_(value)
                 waited, error = time.monotonic(), None
+                control = averager.step(timeout=args.sync_timeout, wait=False)
                 try:
-                    group = averager.step(timeout=args.sync_timeout)
+                    group = control.result(timeout=args.sync_timeout + args.allreduce_timeout + 30)
                 except Exception as exc:  # e.g. "could not find a group" on a saturated link:
-                    group, error = None, str(exc)  # a user's loop goes on with its own Δ
+                    control.cancel()  # (a no-op once it ended) a user's loop goes on with its own Δ
+                    group, error = None, f"{type(exc).__name__}: {exc}"
                 waited = time.monotonic() - waited
                 with averager.get_tensors() as tensors:
                     mean = dict(zip(delta, (t.clone() for t in tensors)))
@@ -179,6 +185,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--matchmaking-time", type=float, default=3.0)
     parser.add_argument("--request-timeout", type=float, default=3.0)
     parser.add_argument("--sync-timeout", type=float, default=120.0)
+    parser.add_argument("--allreduce-timeout", type=float, default=600.0,
+                        help="seconds an all-reduce may take once its group formed")
+    parser.add_argument("--next-chunk-timeout", type=float, default=60.0,
+                        help="seconds a group member may go without sending its next chunk")
     parser.add_argument("--wire", choices=["fp32", "fp16"], default="fp32")
     parser.add_argument("--dht-wait-timeout", type=float, default=3.0,
                         help="seconds hivemind's DHT waits for a reply before it drops the peer "

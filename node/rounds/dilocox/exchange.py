@@ -14,9 +14,9 @@ Invariants:
 - `collect` waits at most one of our own rounds for a member's message (asking members that may
   hold the message of one that finished the round, its record says so or its message is
   arriving, for at least `ASKING_S`), and beyond it, up to its deadline, only for a message on
-  its way to us (`ON_ITS_WAY_S`). Waiting for members still in the round, a node more than a round ahead
-  slows to their pace: it would otherwise refuse a slower member's every
-  message as stale and split φ each round; a member more than a round behind is a straggler
+  its way to us (`ON_ITS_WAY_S`). Waiting for members still in the round, a node more than a
+  round ahead slows to their pace: it would otherwise refuse a slower member's every message as
+  stale and split φ each round; a member more than a round behind is a straggler
   whose messages may miss the round, unless such members are the majority (`_unfinished`: then
   we are the one ahead, and wait for them as for members still in the round);
 - a member's round is the later of its record's and the one after its last message that came

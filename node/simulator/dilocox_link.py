@@ -117,6 +117,9 @@ class DiLoCoXMemoryLink:
         """-1: the simulated network resyncs a replica whole (`round_ended`), never by replay."""
         return -1
 
+    def replay_failed(self, recipe: dict, start: int | None) -> None:
+        raise AssertionError("no replica replays: take_resync offers whole states only")
+
     def settle(self, round_index: int, wait_s: float) -> None:
         """Nothing to wait for: in lockstep a resync is ready before the next outer step."""
 

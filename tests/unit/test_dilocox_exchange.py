@@ -517,6 +517,64 @@ def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
     asyncio.run(main())
 
 
+class AskedKinds(NoStateServer):
+    """A transport whose requests all fail, noting the kind of each."""
+
+    def __init__(self):
+        self.kinds: list[str] = []
+
+    async def request(self, peer, kind, *args, **kwargs):
+        self.kinds.append(kind)
+        raise P2PError("the holder left")
+
+
+def test_agreement_needs_a_majority_of_the_expected_votes_and_a_failed_replay_downloads_next():
+    """The 512 kbit/s run R8 (benchmarks/RESULTS.md, issue 18): after a 2:2 split each pair's
+    check heard its partner's vote first and counted the round agreed; the pair that lost the
+    tie replayed from that state, never reached the winners' digest, and tried again every
+    round. A round is agreed only when our digest holds a strict majority of the votes the check
+    expects (the members that finished the round before, and us): not 2 of 4, but 3 of 4, or 2
+    of 3. And a replay that failed from the agreed round is not tried from it again: the next
+    divergent check downloads the state, and the failed recipe's records are not served."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        transport, events = AskedKinds(), []
+
+        def view(round_index: int, ours: set, theirs: set = frozenset(), peers="abc",
+                 other="0" * 32):
+            """`peers` finished the round before; `ours` announced our φ of `round_index`,
+            `theirs` the `other` one, the rest have not announced it yet."""
+            return [live_member(p, round_index + 1, "dilocox", "training", since=0,
+                                phi="1" * 32 if p in ours else other, phi_round=round_index)
+                    if p in ours | theirs else member(p, round_index) for p in peers]
+
+        swarm = unit_swarm(loop, view(5, {"a"}), transport=transport, events=events)
+        swarm = dataclasses.replace(swarm, timeouts=NodeTimeouts(consensus_wait_s=0.2))
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+
+        async def check(round_index: int, records: list) -> int:
+            ex.members.records = {r.peer_id: r for r in records}
+            await ex.consensus.check(round_index, "1" * 32)
+            return ex.consensus.agreed
+
+        ex.consensus.agreed = 3
+        assert await check(5, view(5, {"a"})) == 3  # 2 of 4: b and c may hold another φ
+        assert await check(6, view(6, {"a", "b"})) == 6  # 3 of 4
+        assert await check(7, view(7, {"a"}, peers="ab")) == 7  # 2 of 3
+        assert await check(8, view(8, {"a"}, {"b", "c"}, other="2" * 32)) == 7  # a tie we win
+        assert not transport.kinds
+        assert [e.round for e in events if isinstance(e, Diverged)] == []
+        ex.replay.record(9, (8, ("a", "b", "me")))  # a recipe's step, recorded as ours
+        ex.consensus.replay_failed(6, None)  # a replay from a round no longer our agreed one
+        assert ex.consensus.agreed == 7
+        ex._replay_failed({"since": 7, "round": 9, "steps": [(9, 8, ("a", "b", "me"))]}, None)
+        assert ex.consensus.agreed < -REPLAY_ROUNDS and 9 not in ex.replay.applied
+        assert await check(10, view(10, set(), {"a", "b", "c"})) < 0
+        assert [e.round for e in events if isinstance(e, Diverged)] == [10]
+        assert transport.kinds == [STATE_KIND] * 3  # the state from each holder: no records asked
+    asyncio.run(main())
+
+
 def test_a_node_ahead_waits_up_to_a_round_for_the_votes_of_members_still_in_it():
     """The 512 kbit/s run R4: a node 8-10 s ahead of its two members checked each round before
     their votes came and held another φ for 18 rounds without noticing. Members still training

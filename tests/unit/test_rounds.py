@@ -417,6 +417,7 @@ class ScriptedDiLoCoXLink:
         self.behind_in: set[int] = set()  # rounds a majority of the swarm finished a round ago
         self.applied: dict[int, tuple | None] = {}  # round -> what its step applied (a replay's record)
         self.agreed = -1  # what last_agreed reports: the last round a consensus check agreed
+        self.failed: list[tuple[int, int, int | None]] = []  # replays failed: (since, round, start)
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
@@ -436,6 +437,9 @@ class ScriptedDiLoCoXLink:
 
     def take_resync(self, round_index: int) -> dict | None:
         return self.resync.pop(round_index, None)
+
+    def replay_failed(self, recipe: dict, start: int | None) -> None:
+        self.failed.append((recipe["since"], recipe["round"], start))
 
     def last_agreed(self) -> int:
         return self.agreed
@@ -544,7 +548,8 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
     records of its steps and b's message, it replays them from the initial state (no check has
     agreed yet) at its next outer step and holds their φ again, bitwise, having moved one message instead of
     φ and m. A recipe whose digest it cannot reproduce (records naming the wrong senders) is
-    dropped, not adopted; nor is one from a round it does not hold as agreed."""
+    dropped, not adopted, and its agreed state is no longer where replays start (the link
+    downloads the state next); nor is one from a round it does not hold as agreed adopted."""
     nodes = dilocox_trio(config, corpus)
     sent, outcomes = {}, {}
     a_link, c_link = nodes["a"][1], nodes["c"][1]
@@ -574,6 +579,9 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
         c_link.inbox[r - 1] = []
         train_round(c_model, c, r)
         assert c.end_round(r).replays == 1  # dropped: its step went on from its own φ
+        if r == 4:  # no replay from the state of round 2 again: the state is downloaded next
+            assert c.agreed is None and c_link.failed == [(2, 3, None)]
+    assert c_link.failed[1:] == [(0, 4, None)]  # nor from an older one: it holds none
 
 
 def test_dilocox_a_replay_that_comes_a_round_late_is_taken_with_our_own_steps_since(config, corpus):

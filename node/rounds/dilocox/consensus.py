@@ -17,8 +17,16 @@ Invariants:
   ranked first for the round, `split_winner`, which a liar cannot grind), so a split is healed,
   not kept; a tie waits for missing votes one round at most (`tied_round`), so a vote that
   never comes cannot keep it;
+- a round counts as agreed (`agreed`, where a replay starts) only when our digest holds a
+  strict majority of the votes the check expects (the members that finished the round before,
+  and us), not just two of those that came: the two sides of a 2:2 split each counted their
+  round agreed from the votes that reached them first, and the pair that lost the tie replayed
+  from a state that was not the majority's, never reaching its digest (benchmarks/RESULTS.md,
+  issue 18, R8);
 - a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
-  while that is at most REPLAY_ROUNDS back; then it downloads the state;
+  while that is at most REPLAY_ROUNDS back; then it downloads the state. A replay that did not
+  give the majority's φ (`replay_failed`) is not tried again from that round: the next
+  divergent check downloads;
 - a downloaded state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution;
@@ -40,11 +48,15 @@ from node.events import Diverged, ResyncReady
 from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import STATE_KIND, agreed_round, decode_state, phi_holders
+from node.rounds.state import majority as state_majority
 from node.rounds.swarm import Swarm
 from p2p.errors import P2PError
 from protocol.vote import split_winner, winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
+# `agreed` when no state we hold is known agreed: no replay can start anywhere (a later check
+# that agrees, or a download, sets it again)
+NOTHING_AGREED = -(2 ** 31)
 
 
 class PhiConsensus:
@@ -75,6 +87,15 @@ class PhiConsensus:
         self.agreed = round_index - 1 if state_round is None else state_round
         self.diverged = False
 
+    def replay_failed(self, since: int, start: int | None) -> None:
+        """The training thread's replay from our agreed state of round `since` did not give the
+        majority's φ (a holder's records were wrong, or our φ of that round was not the
+        majority's after all), or it holds no state of that round: replays start from round
+        `start` from now on, the round of the agreed state it still holds (None: none, and the
+        next divergent check downloads the state). A check that agreed since moved past it."""
+        if self.agreed == since:
+            self.agreed = NOTHING_AGREED if start is None else start
+
     def start(self, round_index: int, digest: str) -> None:
         check = self.swarm.tasks.spawn(self.check(round_index, digest),
                                        f"dilocox consensus of round {round_index}")
@@ -96,7 +117,8 @@ class PhiConsensus:
             # agreed (another vote for our φ), or nothing known (no other vote came): either
             # way nothing to wait for at the next round's end
             self.diverged = self.diverged and 1 < sum(votes.values()) and votes[digest] < 2
-            if votes[digest] >= 2:
+            voters = max(sum(votes.values()), len(self.finished(round_index - 1)) + 1)
+            if votes[digest] >= max(2, state_majority(voters)):
                 self.agreed = max(self.agreed, round_index)
             return
         if not complete and votes[majority] <= votes[digest] and self.tied_round != round_index - 1:

@@ -200,6 +200,9 @@ class DiLoCoXExchange:
     def send_ratio(self) -> float | None:
         return self.sender.send_ratio()
 
+    def replay_failed(self, recipe: dict, start: int | None) -> None:
+        self.swarm.bridge.post(self._replay_failed, recipe, start)
+
     def last_agreed(self) -> int:
         return self.consensus.agreed  # an int the loop replaces: read from the training thread as is
 
@@ -392,6 +395,11 @@ class DiLoCoXExchange:
         self.replay.record(round_index, applied)
         self.members.update(round=round_index + 1, status="training")
         self.consensus.start(round_index, digest)
+
+    def _replay_failed(self, recipe: dict, start: int | None) -> None:
+        for step, _, _ in recipe["steps"]:  # recorded as ours when the recipe was handed over
+            self.replay.record(step, None)
+        self.consensus.replay_failed(recipe["since"], start)
 
     def _rejoin(self, from_round: int, got: SwarmState) -> None:
         """The training thread adopted the swarm's state instead of training `from_round`: we

@@ -67,6 +67,11 @@ class DiLoCoXLink(Protocol):
         agreed round ({"replay": {"since", "round", "steps" [(round, the round it applied,
         senders)], "messages" {(applied round, author): received copy}, "digest"}}); else None."""
 
+    def replay_failed(self, recipe: dict, start: int | None) -> None:
+        """The replay `recipe` (as `take_resync`'s) did not give the majority's φ, or could not
+        run: our records of its steps are not ours, and replays start from our agreed state of
+        round `start` from now on (None: we hold none, and the next divergence downloads)."""
+
     def last_agreed(self) -> int:
         """The last round whose φ of ours the consensus check found the majority's (the round
         before this node's first: its starting state, before any was checked)."""

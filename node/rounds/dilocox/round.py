@@ -298,16 +298,20 @@ class DiLoCoXRound:
         senders' messages (ours where our step applied the same sender's, our own as we sent it,
         the copies the link fetched for the others, each checked as any contribution; a
         catch-up replays steps we never took), kept only if the last
-        digest is the majority's. None (the node stays off; a later check tries again from the
-        same agreed state, or downloads the state) when that agreed state or a message is
-        missing, a copy is refused, or the digest differs: a holder's records were wrong, or a
-        sender sent different messages to different members."""
+        digest is the majority's. None (the node stays off) when that agreed state or a message
+        is missing or a copy is refused (a later check tries again, from the agreed state we
+        hold), or the digest differs: a holder's records were wrong, a sender sent different
+        messages to different members, or our state of that round was not the majority's after
+        all; a later check then downloads the state (`link.replay_failed`)."""
         # our agreed state may be later than the link knows (a replay adopted since): the steps
         # up to it are ours already
         steps = [step for step in recipe["steps"] if self.agreed and step[0] > self.agreed[0]]
-        if self.agreed is None or self.agreed[0] < recipe["since"] or not steps:
+        if self.agreed is not None and self.agreed[0] >= recipe["since"] and not steps:
+            return None  # a replay adopted since covers it
+        if self.agreed is None or self.agreed[0] < recipe["since"]:
             log.info("round %d: our agreed state is of round %s, the replay's from round %d: no "
                      "replay", recipe["round"], self.agreed and self.agreed[0], recipe["since"])
+            self.link.replay_failed(recipe, self.agreed[0] if self.agreed else None)
             return None
         groups = self.agreed[1]
         state = {"slow_weights": groups["phi"], "momentum": groups["momentum"]}
@@ -326,13 +330,19 @@ class DiLoCoXRound:
                 else:
                     log.info("round %d: the message of %s of round %d to replay it is missing or "
                              "refused", recipe["round"], sender[-8:], target)
+                    self.link.replay_failed(recipe, self.agreed[0])  # another holder may have it
                     return None
             state = self.outer.replay(state, messages)
             replayed_steps[step] = messages
         if weights_digest(state["slow_weights"]) != recipe["digest"]:
-            log.warning("round %d replayed over the majority's messages of %d steps does not give "
-                        "its φ %s: left to a later check", recipe["round"], len(steps),
-                        recipe["digest"][:12])
+            log.warning("round %d replayed from our φ of round %d over the majority's messages of "
+                        "%d steps does not give its φ %s: the state will be downloaded",
+                        recipe["round"], self.agreed[0], len(steps), recipe["digest"][:12])
+            # either a holder's records were wrong or our state of that round was not the
+            # majority's after all (its check counted the votes that came first): a replay from
+            # it can never heal the second, so the next divergence downloads the state
+            self.agreed = None
+            self.link.replay_failed(recipe, None)
             return None
         self.step_log.update(replayed_steps)
         return state

@@ -145,6 +145,6 @@ class DiLoCoXMemoryLink:
                 for e in exchange.collect(self.name, TOPIC, round_index)]
 
     def send_ratio(self) -> float | None:
-        """None: the in-memory exchange models latency, not bandwidth (the controller sees a
-        free link, so only the energy rule moves the strength)."""
-        return None
+        """0: the in-memory exchange models latency, not bandwidth (the controller sees a free
+        link from the first round on)."""
+        return 0.0

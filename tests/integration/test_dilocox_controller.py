@@ -43,7 +43,8 @@ def test_four_nodes_adapt_their_compression_and_agree_on_phi(harness_factory):
         for r in rounds:
             choice = r["compression"]
             assert choice["codec"] == "topk" and 1 <= choice["k_min"] <= choice["k_max"] <= 32
-            assert choice["bits"] in (2, 4, 8) and choice["budget"] in ("over", "within", "slack")
+            assert choice["bits"] in (2, 4, 8) \
+                and choice["budget"] in ("unmeasured", "over", "within", "slack")
         assert any(r["compression"]["changes"] for r in rounds), "the controller never moved"
         counters = node.events("transport")[-1]
         assert set(counters["refused_incoming"]) <= BENIGN

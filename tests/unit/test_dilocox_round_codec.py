@@ -25,22 +25,27 @@ def topk_round(config, corpus, name: str, stream: int, **protocol):
 def test_controller_raises_k_on_a_free_link_and_lowers_it_on_a_slow_one(config, corpus):
     policy, link, model = topk_round(config, corpus, "a", 1, controller=True,
                                      controller_energy_target=0.9)
-    train_round(model, policy, 0)
-    free = policy.end_round(0).compression
+    train_round(model, policy, 0)  # no send measured yet (link.ratio None): k held
+    unmeasured = policy.end_round(0).compression
+    assert unmeasured["budget"] == "unmeasured" and unmeasured["k_max"] == 4
+    assert unmeasured["changes"] == 0 and unmeasured["send_ratio"] is None
+    link.ratio = 0.0  # a free link
+    train_round(model, policy, 1)
+    free = policy.end_round(1).compression
     assert free["codec"] == "topk" and free["budget"] == "slack" and free["k_max"] == 8  # 4 -> 8
     assert free["summary"].startswith("send/compute 0.00 (slack)") and free["changes"] > 0
     assert link.sent[-1][1]  # the round still sent its message
     link.ratio = 2.0  # the last send took twice the round's compute
-    train_round(model, policy, 1)
-    slow = policy.end_round(1).compression
-    assert slow["budget"] == "over" and slow["k_max"] == 4 and slow["send_ratio"] == 2.0
     train_round(model, policy, 2)
-    policy.end_round(2)
-    sent = dilocox_payload.decode_message("a", 2, received(2, link.sent[-1][1]))
+    slow = policy.end_round(2).compression
+    assert slow["budget"] == "over" and slow["k_max"] == 4 and slow["send_ratio"] == 2.0
+    train_round(model, policy, 3)
+    policy.end_round(3)
+    sent = dilocox_payload.decode_message("a", 3, received(3, link.sent[-1][1]))
     assert {e.description["k"] for e in sent.tensors.values()} == {4}  # the choice took effect
     # every k stays within the manifest's density bound: 0.25 · 64 = 16
     link.ratio = 0.0
-    for r in range(3, 8):
+    for r in range(4, 9):
         train_round(model, policy, r)
         assert policy.end_round(r).compression["k_max"] <= 16
 

@@ -3,9 +3,12 @@
 After each round's message is encoded, the controller reads what it kept (ε per tensor, from
 the sender's encoder, and the bytes each tensor took) and how long that message will take to
 send against a round's compute (the link's `send_ratio`: the worst cost per byte of its last
-few sends over the shortest of its last few rounds; None where it has no clock for it, e.g. the
-simulator's in-memory links), and sets the codec's strength (top-k: k per tensor; low-rank:
-rank) and bits for the next round.
+few sends over the shortest of its last few rounds; 0 for the simulator's in-memory links,
+which model no bandwidth), and sets the codec's strength (top-k: k per tensor; low-rank: rank)
+and bits for the next round. Before the link has measured anything (None: the daemon's first
+round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
+node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
+it (benchmarks/RESULTS.md, issue 18, R9).
 
 Bounds come from the manifest, so every member can decode every other's messages: top-k's k up
 to `max_density · topk_chunk` (the density a receiver accepts), its bits any of 2, 4, 8; low-rank
@@ -22,8 +25,8 @@ from typing import Any
 
 from node.config.manifest import ProtocolSection
 from protocol.codecs import Codec, LowRankCodec, TopKCodec
-from protocol.controller import AdaptiveController, ControllerConfig, RoundMeasurements, \
-    apply_settings, settings_of
+from protocol.controller import AdaptiveController, CompressionSettings, ControllerConfig, \
+    RoundMeasurements, apply_settings, settings_of
 from protocol.dilocox import PseudoGradientMessage
 
 LOWRANK_MAX_RANK = 64
@@ -54,21 +57,31 @@ class CompressionAdapter:
         self.controller = AdaptiveController(bounds)
 
     def after_send(self, message: PseudoGradientMessage, send_ratio: float | None) -> dict[str, Any]:
-        """Decide the next round's settings from this round's message; returns the record."""
+        """Decide the next round's settings from this round's message; returns the record.
+        `send_ratio` None: the link has not measured a send yet, and nothing changes."""
         energy = {name: min(1.0, max(0.0, e)) for name, e in message.energy_kept.items()}
         bounds = self.controller.config
         settings = settings_of(self.codec, sorted(energy), self.inner_steps)
+        if send_ratio is None:
+            return self._record(settings, energy, send_ratio=None, budget="unmeasured", changes=0,
+                                summary="send/compute not measured yet: settings held")
         clamped = {n: min(max(k, bounds.min_rank), bounds.max_rank) for n, k in settings.ranks.items()}
         settings = type(settings)(clamped, settings.bits, settings.inner_steps)
         sizes = {name: message.tensors[name].size_bytes for name in energy}
-        measured = RoundMeasurements(energy, send_seconds=send_ratio or 0.0, compute_seconds=1.0,
+        measured = RoundMeasurements(energy, send_seconds=send_ratio, compute_seconds=1.0,
                                      tensor_bytes=sizes, message_bytes=message.size_bytes)
         decision = self.controller.decide(settings, measured)
         apply_settings(self.codec, decision.settings)
-        strengths = list(decision.settings.ranks.values()) or [0]
+        return self._record(decision.settings, energy, send_ratio=send_ratio,
+                            budget=decision.budget, changes=len(decision.changes),
+                            summary=decision.summary())
+
+    def _record(self, settings: CompressionSettings, energy: dict[str, float], *,
+                send_ratio: float | None, budget: str, changes: int, summary: str) -> dict[str, Any]:
+        """The round's choice as metrics.jsonl, the status view and telemetry show it."""
+        strengths = list(settings.ranks.values()) or [0]
         strength = "k" if isinstance(self.codec, TopKCodec) else "rank"
-        return {"codec": self.codec.name, "bits": decision.settings.bits,
+        return {"codec": self.codec.name, "bits": settings.bits,
                 f"{strength}_min": min(strengths), f"{strength}_max": max(strengths),
                 "energy_kept": sum(energy.values()) / len(energy) if energy else None,
-                "send_ratio": send_ratio, "budget": decision.budget,
-                "changes": len(decision.changes), "summary": decision.summary()}
+                "send_ratio": send_ratio, "budget": budget, "changes": changes, "summary": summary}

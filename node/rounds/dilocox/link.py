@@ -92,5 +92,6 @@ class DiLoCoXLink(Protocol):
         """Counts a refused contribution against `peer` (and may ban it)."""
 
     def send_ratio(self) -> float | None:
-        """Seconds the last finished send took over the seconds of the round it overlapped;
-        None when the link has no clock for it (the controller then sees a free link)."""
+        """Seconds the message just handed over will take to send, over one round's compute
+        (0 for a link that models no bandwidth); None before the link has measured a send (the
+        controller then holds its settings)."""

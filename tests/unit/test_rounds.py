@@ -440,6 +440,7 @@ class ScriptedDiLoCoXLink:
 
     def replay_failed(self, recipe: dict, start: int | None) -> None:
         self.failed.append((recipe["since"], recipe["round"], start))
+        self.agreed = -(2 ** 31) if start is None else start  # as the exchange's consensus does
 
     def last_agreed(self) -> int:
         return self.agreed
@@ -548,8 +549,8 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
     records of its steps and b's message, it replays them from the initial state (no check has
     agreed yet) at its next outer step and holds their φ again, bitwise, having moved one message instead of
     φ and m. A recipe whose digest it cannot reproduce (records naming the wrong senders) is
-    dropped, not adopted, and its agreed state is no longer where replays start (the link
-    downloads the state next); nor is one from a round it does not hold as agreed adopted."""
+    dropped, not adopted, and its agreed state is no longer where replays start (the one before
+    it is); nor is one from a round it does not hold as agreed adopted."""
     nodes = dilocox_trio(config, corpus)
     sent, outcomes = {}, {}
     a_link, c_link = nodes["a"][1], nodes["c"][1]
@@ -579,9 +580,38 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
         c_link.inbox[r - 1] = []
         train_round(c_model, c, r)
         assert c.end_round(r).replays == 1  # dropped: its step went on from its own φ
-        if r == 4:  # no replay from the state of round 2 again: the state is downloaded next
-            assert c.agreed is None and c_link.failed == [(2, 3, None)]
-    assert c_link.failed[1:] == [(0, 4, None)]  # nor from an older one: it holds none
+        if r == 4:  # no replay from the state of round 2 again: from the initial φ next
+            assert c.agreed[0] == -1 and c_link.failed == [(2, 3, -1)]
+    assert c_link.failed[1:] == [(0, 4, -1)]  # not from round 0: it holds no agreed state of it
+
+
+def test_dilocox_a_replay_from_a_wrongly_agreed_round_falls_back_to_the_agreed_state_before_it(
+        config, corpus):
+    """The 512 kbit/s run R10: c's check counted round 1 agreed though its φ of round 1 was not
+    the majority's (it missed b's message of round 0). A replay from round 1 over a's true
+    records cannot give a's φ: c goes back to its agreed state before (round 0), the link is
+    told so, and the next recipe, from round 0, brings c to a's φ without any download."""
+    nodes = dilocox_trio(config, corpus)
+    sent, outcomes = {}, {}
+    a_link, c_link = nodes["a"][1], nodes["c"][1]
+    c = nodes["c"][0]
+    for r in range(5):
+        play_dilocox(nodes, r, sent, outcomes, missed=C_MISSES_B_AT_0 if r == 0 else ())
+        if r in (0, 1):
+            c_link.agreed = r  # round 0 was agreed; round 1 was counted so, wrongly
+        if r == 2:
+            assert c.agreed[0] == 1 and c.agreed_before[0] == 0
+            assert outcomes["a"].phi_digest != outcomes["c"].phi_digest
+            c_link.resync[2] = {"replay": {"since": 1, "round": 2, "steps": [(2, *a_link.applied[2])],
+                                           "messages": {}, "digest": outcomes["a"].phi_digest}}
+        if r == 3:  # that replay failed: back to round 0, and the link replays from there
+            assert c_link.failed == [(1, 2, 0)] and c.agreed[0] == 0 and c_link.agreed == 0
+            assert outcomes["c"].replays == 0
+            c_link.resync[3] = {"replay": {
+                "since": 0, "round": 3, "steps": [(r, *a_link.applied[r]) for r in (1, 2, 3)],
+                "messages": {(0, "b"): sent[("b", 0)]}, "digest": outcomes["a"].phi_digest}}
+    assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
+    assert outcomes["c"].replays == 1 and outcomes["c"].resyncs == 0 and c.agreed[0] == 3
 
 
 def test_dilocox_a_replay_that_comes_a_round_late_is_taken_with_our_own_steps_since(config, corpus):

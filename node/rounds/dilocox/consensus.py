@@ -25,8 +25,9 @@ Invariants:
   issue 18, R8);
 - a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
   while that is at most REPLAY_ROUNDS back; then it downloads the state. A replay that did not
-  give the majority's φ (`replay_failed`) is not tried again from that round: the next
-  divergent check downloads;
+  give the majority's φ (`replay_failed`) is not tried again from that round: the next one
+  starts from the agreed state the training thread held before it, and with none the next
+  divergent check downloads (over 512 kbit/s a download never came: R10);
 - a downloaded state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution;

@@ -115,6 +115,12 @@ class DiLoCoXRound:
         # node's (one seed), so the first steps can be replayed too.
         self.agreed: tuple[int, dict] | None = (-1, {"phi": self.outer.slow_weights,
                                                      "momentum": self.outer.momentum})
+        # The agreed state before it (one more φ and m held): where a replay starts when one from
+        # `agreed` did not give the majority's φ. A check counts its round agreed on the votes
+        # that came, and the majority's chain may have left it there (the 512 kbit/s run R10:
+        # the slow node's round 3 held 3 of 4 votes, the pair that won round 5 went through the
+        # fourth); the state downloaded instead never came over that link.
+        self.agreed_before: tuple[int, dict] | None = None
         self.step_log: dict[int, dict[str, PseudoGradientMessage]] = {}
         # our own messages of the last REPLAY_ROUNDS rounds: a catch-up replays steps we never
         # took, and the swarm's may have applied them
@@ -259,7 +265,8 @@ class DiLoCoXRound:
             self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
             self.history.append((round_index, {"phi": phi, "momentum": self.outer.momentum}, digest))
             self.step_log[round_index] = self.outer.last_messages
-            oldest = max(round_index - REPLAY_ROUNDS, self.agreed[0] if self.agreed else round_index)
+            first_agreed = (self.agreed_before or self.agreed or (round_index,))[0]
+            oldest = max(round_index - REPLAY_ROUNDS, first_agreed)
             self.step_log = {r: m for r, m in self.step_log.items() if r > oldest}
         for sender in self.outer.last_step.left_out:  # every node leaves out the same ones
             sentence = (f"DiLoCoX pseudo-gradient from {sender} of round "
@@ -290,7 +297,7 @@ class DiLoCoXRound:
             return
         held = next((groups for r, groups, _ in self.history if r == round_index), None)
         if held is not None:
-            self.agreed = (round_index, held)
+            self.agreed_before, self.agreed = self.agreed, (round_index, held)
 
     def _replayed(self, recipe: dict, refused: list) -> dict | None:
         """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: from
@@ -335,14 +342,16 @@ class DiLoCoXRound:
             state = self.outer.replay(state, messages)
             replayed_steps[step] = messages
         if weights_digest(state["slow_weights"]) != recipe["digest"]:
-            log.warning("round %d replayed from our φ of round %d over the majority's messages of "
-                        "%d steps does not give its φ %s: the state will be downloaded",
-                        recipe["round"], self.agreed[0], len(steps), recipe["digest"][:12])
             # either a holder's records were wrong or our state of that round was not the
             # majority's after all (its check counted the votes that came first): a replay from
-            # it can never heal the second, so the next divergence downloads the state
-            self.agreed = None
-            self.link.replay_failed(recipe, None)
+            # it can never heal the second, so the next one starts from the agreed state before
+            # it, and with none the next divergence downloads the state
+            self.agreed, self.agreed_before = self.agreed_before, None
+            log.warning("round %d replayed over the majority's messages of %d steps does not give "
+                        "its φ %s: %s", recipe["round"], len(steps), recipe["digest"][:12],
+                        f"the next replay starts from our φ of round {self.agreed[0]}"
+                        if self.agreed else "the state will be downloaded")
+            self.link.replay_failed(recipe, self.agreed[0] if self.agreed else None)
             return None
         self.step_log.update(replayed_steps)
         return state
@@ -372,7 +381,7 @@ class DiLoCoXRound:
         digest = weights_digest(adopted["phi"])
         self.history = deque(((r, adopted, digest) if r == now else (r, groups, d)
                               for r, groups, d in self.history), maxlen=2)
-        self.agreed = (round_index, verified or adopted)
+        self.agreed_before, self.agreed = self.agreed, (round_index, verified or adopted)
         return True
 
     def _resync_usable(self, resync: dict) -> bool:
@@ -449,6 +458,7 @@ class DiLoCoXRound:
             known = type(state_round) is int
             self.history = deque([(state_round, adopted, self.phi_digest)] if known else [], maxlen=2)
             self.agreed, self.step_log = ((state_round, adopted) if known else None), {}
+            self.agreed_before = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"dilocox": self.outer.state_dict(), "resyncs": self.resyncs}
@@ -456,4 +466,5 @@ class DiLoCoXRound:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.outer.load_state_dict(state["dilocox"])
         self.resyncs = int(state["resyncs"])
-        self.agreed, self.step_log = None, {}  # a resumed φ is not known agreed: a resync heals it
+        # a resumed φ is not known agreed: a resync heals it
+        self.agreed, self.agreed_before, self.step_log = None, None, {}

@@ -309,7 +309,8 @@ class DiLoCoXRound:
         is missing or a copy is refused (a later check tries again, from the agreed state we
         hold), or the digest differs: a holder's records were wrong, a sender sent different
         messages to different members, or our state of that round was not the majority's after
-        all; a later check then downloads the state (`link.replay_failed`)."""
+        all; the next replay then starts from the agreed state before it, and with none the
+        state is downloaded (`link.replay_failed`)."""
         # our agreed state may be later than the link knows (a replay adopted since): the steps
         # up to it are ours already
         steps = [step for step in recipe["steps"] if self.agreed and step[0] > self.agreed[0]]

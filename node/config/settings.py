@@ -36,6 +36,9 @@ class NodeTimeouts:
     watch_every_s: float = 2.0           # the daemon's look at p2pd, stop requests and members
     p2pd_start_s: float = 15.0           # p2pd's start (a loaded machine takes longer)
     leave_step_s: float = 5.0            # each step of leaving (tombstone, stop serving, p2pd)
+    # a node that ended its schedule (no stop asked): how long its last messages may take to
+    # reach their peers before p2pd stops; a stop request keeps to leave_step_s / 2
+    leave_drain_s: float = 30.0
     # of the grace period, what is kept for leaving once the training thread has stopped
     leave_reserve_s: float = 5.0
 

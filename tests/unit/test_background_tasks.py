@@ -46,3 +46,33 @@ def test_leaving_waits_for_transfers_in_flight_but_not_for_other_tasks():
         return done, idle.cancelled(), stuck_running
 
     assert asyncio.run(scenario()) == (True, True, True)
+
+
+def test_a_node_that_ended_its_schedule_lets_its_last_messages_arrive_and_a_stopped_one_does_not(
+        tmp_path):
+    """The 512 kbit/s run R13: a node that ended its 100 steps gave its last push 2.5 s (half a
+    leave step) and cut it at 260 of 411 KB; the member receiving it waited 16 s and left it out.
+    With no stop asked, leaving waits up to leave_drain_s for the transfers in flight; a stop
+    request (a signal, a preemption notice) keeps to half a step."""
+    import types
+
+    from node.config.settings import NodeTimeouts
+    from node.daemon.leave import leave
+
+    async def scenario(stop_asked: bool) -> bool:
+        tasks = BackgroundTasks()
+        timeouts = NodeTimeouts(leave_step_s=0.2, leave_drain_s=5.0)
+        node = types.SimpleNamespace(
+            network=types.SimpleNamespace(exchange=None, cache=None, membership=None,
+                                          transport=None, host=None),
+            settings=types.SimpleNamespace(timeouts=timeouts), stop_event=asyncio.Event(),
+            tasks=tasks, data_dir=types.SimpleNamespace(address=tmp_path / "address"),
+            events=types.SimpleNamespace(publish=lambda event: None))
+        if stop_asked:
+            node.stop_event.set()
+        push = tasks.spawn(asyncio.sleep(0.6), "dilocox send of round 19", transfer=True)
+        await asyncio.wait_for(leave(node), 10.0)
+        return push.done() and not push.cancelled()
+
+    assert asyncio.run(scenario(stop_asked=False)) is True  # 0.6 s: well past half a step
+    assert asyncio.run(scenario(stop_asked=True)) is False  # cancelled at the end of leaving

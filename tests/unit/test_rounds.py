@@ -20,6 +20,7 @@ from node.config.schema import load_config
 from node.data.corpus import load_corpus
 from node.events import PairCorrected
 from node.rounds.dilocox import payload as dilocox_payload
+from node.rounds.dilocox.consensus import NOTHING_AGREED
 from node.rounds.dilocox.link import GroupMessage, SwarmState
 from node.rounds.dilocox.round import DiLoCoXRound
 from node.rounds.noloco import payload as noloco_payload
@@ -440,7 +441,7 @@ class ScriptedDiLoCoXLink:
 
     def replay_failed(self, recipe: dict, start: int | None) -> None:
         self.failed.append((recipe["since"], recipe["round"], start))
-        self.agreed = -(2 ** 31) if start is None else start  # as the exchange's consensus does
+        self.agreed = NOTHING_AGREED if start is None else start  # as the exchange's consensus does
 
     def last_agreed(self) -> int:
         return self.agreed

@@ -34,6 +34,26 @@ def test_a_rounds_load_is_its_bytes_at_the_fastest_rate_its_messages_came():
     assert meter.load == pytest.approx(1202 / 100 / 8)
 
 
+def test_messages_that_share_the_downlink_measure_it_together():
+    """R14's slow node: three 400 KB messages coming at once through 64 KB/s, each at a third
+    of it. Read one at a time the link would look three times slower than it is, and its
+    senders would compress three times harder than it needs."""
+    meter = DownlinkMeter()
+    for _ in range(3):
+        meter.arrived(0, 400 * KB, 18.75, at=100.0)
+    assert meter.collected(0, 12.0) == pytest.approx(1200 / 64 / 12)
+
+
+def test_a_slow_senders_message_does_not_count_against_a_fast_receivers_link():
+    """A fast node receives two 200 KB messages in 0.1 s and the slow node's 100 KB in 4.7 s (that
+    node's uplink): its downlink is idle, whatever the slow sender's message took."""
+    meter = DownlinkMeter()
+    meter.arrived(0, 200 * KB, 0.1, at=100.1)
+    meter.arrived(0, 200 * KB, 0.1, at=100.1)
+    meter.arrived(0, 100 * KB, 4.7, at=104.7)
+    assert meter.collected(0, 12.0) == pytest.approx(500 / 2000 / 12)
+
+
 def test_no_load_before_a_large_message_measured_the_link():
     meter = DownlinkMeter()
     meter.arrived(0, MIN_BYTES - 1, 0.001)  # would read as a 32 MB/s link

@@ -11,7 +11,6 @@ reservation. A deadline timer does the same for a message whose streams never al
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable, Coroutine
 
 import numpy as np
@@ -31,7 +30,6 @@ class Assembly:
         stream's handler sees that failure first, so the receiver counts it there)."""
         self.sender = sender
         self.first = first
-        self.started = time.monotonic()
         self.key = first.message_key()
         self.tensors = first.tensors
         # np.empty: pages are touched only as bytes arrive, so a reservation costs no time.
@@ -86,8 +84,7 @@ class Assembly:
         self._frames_left -= 1
         if self._frames_left == 0 and not self.done:
             self._timer.cancel()
-            message = ReceivedMessage(self.sender, self.first, self.tensors or (), self._view,
-                                      arrival_s=time.monotonic() - self.started)
+            message = ReceivedMessage(self.sender, self.first, self.tensors or (), self._view)
             self._buffer = self._view = None   # the message owns the memory now
             self._release()
             self.complete.set_result(message)

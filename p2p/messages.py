@@ -134,10 +134,6 @@ class ReceivedMessage:
     header: MessageHeader
     tensors: tuple[TensorEntry, ...]
     payload: memoryview
-    # Seconds from its first frame's header to its last frame checked: how long its bytes took
-    # to come (0 for a message not received over a stream). A receiver's downlink load is
-    # read from these (node/rounds/dilocox/downlink.py).
-    arrival_s: float = 0.0
 
     kind = property(lambda self: self.header.kind)
     round = property(lambda self: self.header.round)

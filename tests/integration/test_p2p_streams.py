@@ -66,8 +66,6 @@ def test_100_mb_swap_arrives_bit_exact_and_verified(tmp_path, p2p_cleanup):
                 assert [t.name for t in got.tensors] == ["w", "b"] and got.tensors[1].dtype == "bfloat16"
                 assert np.array_equal(arrays["w"], expected["w"]) and np.array_equal(arrays["b"], expected["b"])
             assert answer.round == 8 and len(answer.payload) == 100 * MB
-            # how long its bytes took to come, the DiLoCoX downlink load's measure: at most the swap's
-            assert all(0 < got.arrival_s <= elapsed for got in (answer, received_by_b[0]))
             for side in (ta, tb):
                 counters = side.counters
                 assert counters.messages_verified == 1 and counters.frames_received == 12

@@ -3,9 +3,8 @@
 After each round's message is encoded, the controller reads what it kept (ε per tensor, from
 the sender's encoder, and the bytes each tensor took) and how long that message will take to
 send against a round's compute (the link's `send_ratio`: the worst cost per byte of its last
-few sends over the shortest of its last few rounds, or the load the busiest receiver publishes
-for its downlink, which every member's message crosses, if larger (downlink.py); 0 for the
-simulator's in-memory links, which model no bandwidth), and sets the codec's strength (top-k: k per tensor; low-rank: rank)
+few sends over the shortest of its last few rounds; 0 for the simulator's in-memory links,
+which model no bandwidth), and sets the codec's strength (top-k: k per tensor; low-rank: rank)
 and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for

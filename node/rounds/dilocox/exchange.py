@@ -54,7 +54,6 @@ from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Missing
 from node.rounds.dilocox.catch_up import CATCH_UP_LAG, SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
-from node.rounds.dilocox.downlink import RECORD_KEY, DownlinkMeter, receiver_load
 from node.rounds.dilocox.link import GroupMessage, SwarmState
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
@@ -89,10 +88,7 @@ class DiLoCoXExchange:
         self.heard: dict[str, int] = {}  # member -> the latest round whose message came from it
         self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
-        self.downlink = DownlinkMeter()  # our downlink's load, published for our senders
-        self.receivers_load = 0.0  # the busiest of our members' published loads (loop writes)
-        self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign,
-                                  receiver_load=lambda: self.receivers_load)
+        self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
         self.replay = StepReplay(swarm, self.relay, config.message_deadline_s, self._members)
         self.consensus = PhiConsensus(swarm, self.replay, config.message_deadline_s,
                                       finished=self._finished, in_round=self._in_round,
@@ -239,7 +235,6 @@ class DiLoCoXExchange:
     def _accept(self, author: str, message: ReceivedMessage) -> None:
         """Into the inbox, the relay's store, and our view of the author's round."""
         self.inbox.setdefault(message.round, {})[author] = message
-        self.downlink.arrived(message.round, message.payload.nbytes, message.arrival_s)
         self.relay.accepted(author, message)
         self.heard[author] = max(self.heard.get(author, -1), message.round)
         self.arrived.set()
@@ -388,7 +383,6 @@ class DiLoCoXExchange:
         self.relay.stop_asking(round_index)
         self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)
         box = self.inbox.pop(round_index, {})
-        self._measure_downlinks(round_index)
         if missing := (missing | given_up) - set(box):
             self.publish(Missing(round=round_index, peers=sorted(missing)))
         self.oldest_wanted = round_index + 1
@@ -396,24 +390,10 @@ class DiLoCoXExchange:
             del self.inbox[old]
         return [GroupMessage(peer, round_index, msg) for peer, msg in sorted(box.items())]
 
-    def _measure_downlinks(self, round_index: int) -> None:
-        """Our downlink's load of the round just collected, and the busiest of our members'
-        (downlink.py), which our sends are held to as well."""
-        load = self.downlink.collected(round_index, self.sender.shortest_round_s)
-        others = set(self._members()) - {self.peer_id}
-        self.receivers_load = receiver_load(self.members.eligible(), others)
-        if load is not None:
-            log.info("round %d: downlink load %.2f (the worst of our last rounds %.2f), the "
-                     "busiest member's %.2f", round_index, load, self.downlink.load,
-                     self.receivers_load)
-
     def _after_round(self, round_index: int, digest: str,
                      applied: tuple[int, tuple[str, ...]] | None = None) -> None:
         self.replay.record(round_index, applied)
-        fields = {"round": round_index + 1, "status": "training"}
-        if self.downlink.load is not None:
-            fields["extra"] = {RECORD_KEY: round(self.downlink.load, 3)}
-        self.members.update(**fields)
+        self.members.update(round=round_index + 1, status="training")
         self.consensus.start(round_index, digest)
 
     def _replay_failed(self, recipe: dict, start: int | None) -> None:

@@ -92,7 +92,6 @@ class DiLoCoXLink(Protocol):
         """Counts a refused contribution against `peer` (and may ban it)."""
 
     def send_ratio(self) -> float | None:
-        """Seconds the message just handed over will take to send, over one round's compute,
-        or the busiest receiver's downlink load if larger (node/rounds/dilocox/downlink.py; 0
-        for a link that models no bandwidth); None before the link has measured a send (the
+        """Seconds the message just handed over will take to send, over one round's compute
+        (0 for a link that models no bandwidth); None before the link has measured a send (the
         controller then holds its settings)."""

@@ -36,13 +36,9 @@ RETRY_PAUSE_S = 1.0
 
 class RoundSender:
     def __init__(self, swarm: Swarm, deadline_s: float, group: Callable[[], list[str]],
-                 sign: Callable[[OutgoingMessage], None],
-                 receiver_load: Callable[[], float] = lambda: 0.0):
-        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature;
-        `receiver_load()`: the busiest downlink load our members publish (downlink.py: every
-        member receives every message, pushed or relayed)."""
+                 sign: Callable[[OutgoingMessage], None]):
+        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature."""
         self.swarm, self.deadline_s, self.group, self.sign = swarm, deadline_s, group, sign
-        self.receiver_load = receiver_load
         self._send_called_at: float | None = None  # training thread: the last send_round
         self._round_durations: tuple[float, ...] = ()  # between send_round calls, the last few
         self._handed_bytes = 0                      # training thread: the last message handed over
@@ -53,12 +49,6 @@ class RoundSender:
     def last_round_s(self) -> float:
         """Seconds between our last two messages: one of our rounds (0 before the second)."""
         return self._round_durations[-1] if self._round_durations else 0.0
-
-    @property
-    def shortest_round_s(self) -> float:
-        """The shortest of our last rounds: one round's compute, without waits on the network
-        (0 before the second message)."""
-        return min(self._round_durations) if self._round_durations else 0.0
 
     # ------------------------------------------------------------------ training thread side
     def send_round(self, round_index: int, tensors: list) -> None:
@@ -80,16 +70,13 @@ class RoundSender:
         controller, which judges the current one, doubled the rank on a send half its size and
         saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20). Over the shortest of the
         last rounds: a round stretched by a wait on the network is not compute, and after an
-        81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link.
-        And at least the load its receivers publish for their downlinks (downlink.py): our
-        message crosses each, with every other member's."""
+        81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
         now, in_flight = time.monotonic(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
         rates += self._link_costs
         if not rates or not self._round_durations:
             return None
-        own = max(rates) * self._handed_bytes / min(self._round_durations)
-        return max(own, self.receiver_load())
+        return max(rates) * self._handed_bytes / min(self._round_durations)
 
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:

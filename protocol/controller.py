@@ -21,7 +21,15 @@ Every upward move (more rank, more bits, smaller H) is taken only if the project
 within budget. Bytes are projected per tensor, each in proportion to its rank, and in proportion
 to bits; compute time to H:
 
-    r' = r · (B_other + Σ_i b_i · k'_i / k_i) / B · (bits' / bits) · (H / H')
+    r' = max(r, r_s) · (B_other + Σ_i b_i · k'_i / k_i) / B · (bits' / bits) · (H / H')
+
+r_s (`shared_send_seconds` over compute, 0 if not measured) is what the busiest receiver's
+downlink would take for every member's message of this size: every member sends it one, so a
+receiver that took our message longer than the others did carries N − 1 such messages a round.
+It only holds moves up, never forces one down: measured while the senders' pushes overlapped
+there, it counts their sharing twice. Three fast senders each grew from 197 to 391 KiB on their
+own slack while the others did, 18 s of a 512 kbit/s member's downlink against 12 s rounds, and
+waited for it (benchmarks/RESULTS.md, issue 18, R14).
 
 with b_i the bytes tensor i took in the measured message, B its total and B_other = B − Σ_i b_i
 (tensors that do not adapt). Without per-tensor bytes, Σ k'_i / Σ k_i stands for the bytes: a
@@ -101,18 +109,22 @@ class CompressionSettings:
 @dataclass(frozen=True)
 class RoundMeasurements:
     """Last round's numbers: ε per low-rank tensor, seconds spent sending, seconds computing;
-    optionally the bytes each adapted tensor took in the message and the message's total."""
+    optionally the bytes each adapted tensor took in the message and the message's total, and
+    the seconds the busiest receiver's downlink would take for every member's message (r_s in
+    the module docstring)."""
 
     energy_kept: Mapping[str, float]
     send_seconds: float
     compute_seconds: float
     tensor_bytes: Mapping[str, int] = field(default_factory=dict)
     message_bytes: int = 0
+    shared_send_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (_is_number(self.send_seconds) and self.send_seconds >= 0):
-            raise ConfigurationError(
-                f"send_seconds must be a finite number >= 0, got {self.send_seconds!r}.")
+        for name in ("send_seconds", "shared_send_seconds"):
+            value = getattr(self, name)
+            if not (_is_number(value) and value >= 0):
+                raise ConfigurationError(f"{name} must be a finite number >= 0, got {value!r}.")
         if not (_is_number(self.compute_seconds) and self.compute_seconds > 0):
             raise ConfigurationError(
                 f"compute_seconds must be a finite number > 0, got {self.compute_seconds!r}.")
@@ -194,11 +206,12 @@ class AdaptiveController:
             return self._decision(ranks, bits, steps, ratio, budget, changes, held_back)
 
         budget = "slack" if ratio <= config.slack_ratio * config.overlap_budget else "within"
+        held_to = max(ratio, measurements.shared_send_seconds / measurements.compute_seconds)
 
         def projected(new_ranks: Mapping[str, int], new_bits: int, new_steps: int) -> float:
             """r after a move (the module docstring's r')."""
             growth = _byte_growth(settings.ranks, new_ranks, measurements)
-            return ratio * growth * (new_bits / settings.bits) * (settings.inner_steps / new_steps)
+            return held_to * growth * (new_bits / settings.bits) * (settings.inner_steps / new_steps)
 
         def try_move(candidate: tuple[dict[str, int], int, int], move: str) -> bool:
             """Upward moves only: allowed while the projected ratio stays within budget."""

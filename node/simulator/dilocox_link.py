@@ -148,3 +148,7 @@ class DiLoCoXMemoryLink:
         """0: the in-memory exchange models latency, not bandwidth (the controller sees a free
         link from the first round on)."""
         return 0.0
+
+    def shared_ratio(self) -> float:
+        """0: no receiver's downlink is modelled either."""
+        return 0.0

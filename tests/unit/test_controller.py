@@ -140,3 +140,19 @@ def test_a_raise_is_projected_on_the_bytes_each_tensor_takes_not_on_the_sum_of_r
 def test_tensor_bytes_beyond_the_message_are_refused() -> None:
     with pytest.raises(ConfigurationError, match="tensor_bytes"):
         RoundMeasurements({"a": 0.5}, 1.0, 1.0, tensor_bytes={"a": 200}, message_bytes=100)
+
+
+def test_a_busy_shared_receiver_holds_moves_up_but_never_forces_one_down() -> None:
+    """R14: each fast sender's own send was slack (r = 0.16) and it doubled its message while the
+    other two did, onto a slow member's downlink that then carried 18 s a 12 s round. r_s, that
+    downlink's time for every member's message, holds the raise; it does not lower a rank
+    the sender's own link carries (measured while pushes overlapped there, it counts them twice)."""
+    settings = CompressionSettings({"a": 4}, 8, 100)
+    alone = CONTROLLER.decide(settings, RoundMeasurements({"a": 0.5}, 1.6, 10.0))
+    assert alone.budget == "slack" and alone.settings.ranks["a"] == 8
+    shared = CONTROLLER.decide(settings, RoundMeasurements({"a": 0.5}, 1.6, 10.0, shared_send_seconds=6.0))
+    assert shared.settings.ranks["a"] == 4 and "1.20" in shared.held_back[0]
+    heavy = CONTROLLER.decide(settings, RoundMeasurements({"a": 0.9}, 1.6, 10.0, shared_send_seconds=60.0))
+    assert heavy.budget == "slack" and heavy.settings.ranks["a"] == 4 and not heavy.changes
+    with pytest.raises(ConfigurationError, match="shared_send_seconds"):
+        RoundMeasurements({"a": 0.5}, 1.0, 1.0, shared_send_seconds=-1.0)

@@ -912,6 +912,40 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
     asyncio.run(main())
 
 
+class TransportWithASlowReceiver:
+    """Pushes to "slow" take 0.3 s, to the others 0.01 s (or all 0.3 s: our own uplink)."""
+    uplink_bound = False
+
+    async def push(self, peer, message, timeout):
+        await asyncio.sleep(0.3 if peer == "slow" or self.uplink_bound else 0.01)
+
+
+def test_a_receiver_slower_than_the_others_bounds_the_growth_of_every_senders_message():
+    """R14: a slow member's downlink carries a message from each of its N - 1 members: what our
+    push to it took beyond the fastest receiver, three times over for three senders, is the
+    ratio that holds the controller's moves up. A node whose own uplink is the bottleneck takes
+    as long to every receiver and reads about 0."""
+    import numpy as np
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        transport = TransportWithASlowReceiver()
+        swarm = unit_swarm(loop, [member("a", 0), member("b", 0), member("slow", 0)], transport=transport)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        message = OutgoingMessage.from_arrays(PGRAD, 0, {"w": np.zeros(10_000, np.uint8)})
+        assert ex.shared_ratio() == 0.0  # nothing measured
+        await ex.sender._send_all(0, message)
+        ex.sender._round_durations, ex.sender._handed_bytes = (2.0,), message.total_bytes
+        assert 0.4 < ex.shared_ratio() < 0.5  # 3 × (0.3 − 0.01) s over a 2 s round
+        assert ex.send_ratio() < 0.2          # our own link: 0.3 s of 2
+        transport.uplink_bound = True
+        own = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        await own.sender._send_all(0, message)
+        own.sender._round_durations, own.sender._handed_bytes = (2.0,), message.total_bytes
+        assert own.shared_ratio() < 0.05
+    asyncio.run(main())
+
+
 class TransportThatBreaksFirst:
     """Each peer's first push breaks with `first` (then the peer takes what `then` says)."""
 

@@ -455,6 +455,9 @@ class ScriptedDiLoCoXLink:
     def send_ratio(self) -> float | None:
         return self.ratio
 
+    def shared_ratio(self) -> float:
+        return 0.0
+
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.inbox.pop(round_index, None)
 

@@ -4,7 +4,9 @@ After each round's message is encoded, the controller reads what it kept (ε per
 the sender's encoder, and the bytes each tensor took) and how long that message will take to
 send against a round's compute (the link's `send_ratio`: the worst cost per byte of its last
 few sends over the shortest of its last few rounds; 0 for the simulator's in-memory links,
-which model no bandwidth), and sets the codec's strength (top-k: k per tensor; low-rank: rank)
+which model no bandwidth), and, as a bound on moves up only, the busiest receiver's downlink
+(`shared_ratio`: every member's message of this size, judged from how much longer our push
+to it took than to the fastest receiver), and sets the codec's strength (top-k: k per tensor; low-rank: rank)
 and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
@@ -56,32 +58,38 @@ class CompressionAdapter:
         self.codec, self.inner_steps = codec, config.inner_steps
         self.controller = AdaptiveController(bounds)
 
-    def after_send(self, message: PseudoGradientMessage, send_ratio: float | None) -> dict[str, Any]:
+    def after_send(self, message: PseudoGradientMessage, send_ratio: float | None,
+                   shared_ratio: float = 0.0) -> dict[str, Any]:
         """Decide the next round's settings from this round's message; returns the record.
-        `send_ratio` None: the link has not measured a send yet, and nothing changes."""
+        `send_ratio` None: the link has not measured a send yet, and nothing changes.
+        `shared_ratio`: the busiest receiver's downlink for every member's message (r_s)."""
         energy = {name: min(1.0, max(0.0, e)) for name, e in message.energy_kept.items()}
         bounds = self.controller.config
         settings = settings_of(self.codec, sorted(energy), self.inner_steps)
         if send_ratio is None:
-            return self._record(settings, energy, send_ratio=None, budget="unmeasured", changes=0,
+            return self._record(settings, energy, send_ratio=None, shared_ratio=shared_ratio,
+                                budget="unmeasured", changes=0,
                                 summary="send/compute not measured yet: settings held")
         clamped = {n: min(max(k, bounds.min_rank), bounds.max_rank) for n, k in settings.ranks.items()}
         settings = type(settings)(clamped, settings.bits, settings.inner_steps)
         sizes = {name: message.tensors[name].size_bytes for name in energy}
         measured = RoundMeasurements(energy, send_seconds=send_ratio, compute_seconds=1.0,
-                                     tensor_bytes=sizes, message_bytes=message.size_bytes)
+                                     tensor_bytes=sizes, message_bytes=message.size_bytes,
+                                     shared_send_seconds=shared_ratio)
         decision = self.controller.decide(settings, measured)
         apply_settings(self.codec, decision.settings)
         return self._record(decision.settings, energy, send_ratio=send_ratio,
-                            budget=decision.budget, changes=len(decision.changes),
-                            summary=decision.summary())
+                            shared_ratio=shared_ratio, budget=decision.budget,
+                            changes=len(decision.changes), summary=decision.summary())
 
     def _record(self, settings: CompressionSettings, energy: dict[str, float], *,
-                send_ratio: float | None, budget: str, changes: int, summary: str) -> dict[str, Any]:
+                send_ratio: float | None, shared_ratio: float, budget: str, changes: int,
+                summary: str) -> dict[str, Any]:
         """The round's choice as metrics.jsonl, the status view and telemetry show it."""
         strengths = list(settings.ranks.values()) or [0]
         strength = "k" if isinstance(self.codec, TopKCodec) else "rank"
         return {"codec": self.codec.name, "bits": settings.bits,
                 f"{strength}_min": min(strengths), f"{strength}_max": max(strengths),
                 "energy_kept": sum(energy.values()) / len(energy) if energy else None,
-                "send_ratio": send_ratio, "budget": budget, "changes": changes, "summary": summary}
+                "send_ratio": send_ratio, "shared_ratio": shared_ratio, "budget": budget,
+                "changes": changes, "summary": summary}

@@ -200,6 +200,9 @@ class DiLoCoXExchange:
     def send_ratio(self) -> float | None:
         return self.sender.send_ratio()
 
+    def shared_ratio(self) -> float:
+        return self.sender.shared_ratio()
+
     def replay_failed(self, recipe: dict, start: int | None) -> None:
         self.swarm.bridge.post(self._replay_failed, recipe, start)
 

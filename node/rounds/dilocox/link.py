@@ -95,3 +95,8 @@ class DiLoCoXLink(Protocol):
         """Seconds the message just handed over will take to send, over one round's compute
         (0 for a link that models no bandwidth); None before the link has measured a send (the
         controller then holds its settings)."""
+
+    def shared_ratio(self) -> float:
+        """What the busiest receiver's downlink would take for every member's message of the
+        size just handed over, over one round's compute: it holds the controller's moves up
+        (protocol/controller.py r_s; 0 where it is not measured)."""

@@ -190,7 +190,8 @@ class DiLoCoXRound:
         self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
         self.own_sent[round_index] = own
         self.link.send_round(round_index, payload.encode_message(own))
-        compression = self.adapter.after_send(own, self.link.send_ratio()) if self.adapter else None
+        compression = self.adapter.after_send(own, self.link.send_ratio(), self.link.shared_ratio()) \
+            if self.adapter else None
         early = self.stepped_round == round_index
         step, refused, waited, ahead = self._apply_group(round_index)
         start = self.outer.round_start_weights()  # φ minus our own round still in flight

@@ -44,6 +44,9 @@ class RoundSender:
         self._handed_bytes = 0                      # training thread: the last message handed over
         self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
         self._link_costs: tuple[float, ...] = ()  # loop: seconds per byte of the last sends
+        # loop: of the last sends, the seconds per byte the slowest receiver took beyond the
+        # fastest, times the senders its downlink carries a message from (`shared_ratio`)
+        self._shared_costs: tuple[float, ...] = ()
 
     @property
     def last_round_s(self) -> float:
@@ -78,6 +81,18 @@ class RoundSender:
             return None
         return max(rates) * self._handed_bytes / min(self._round_durations)
 
+    def shared_ratio(self) -> float:
+        """What the busiest receiver's downlink would take for every member's message of the
+        size just handed over, over the shortest of our last rounds (protocol/controller.py's
+        r_s: it holds the controller's moves up, never forces one down). A receiver that took
+        our push longer than the fastest did is slower on its side; every member sends it a
+        message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
+        sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
+        takes about as long to every receiver, and reads about 0 here."""
+        if not self._shared_costs or not self._round_durations:
+            return 0.0
+        return max(self._shared_costs) * self._handed_bytes / min(self._round_durations)
+
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
         group = self.group()
@@ -85,12 +100,14 @@ class RoundSender:
         self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
 
         failed: list[str] = []
+        took: dict[str, float] = {}  # receiver -> seconds its push took, for those that arrived
 
         async def send(peer: str) -> None:
             give_up_at = time.monotonic() + self.deadline_s
             for attempt in range(1, SEND_TRIES + 1):
                 try:
                     await self.swarm.transport.push(peer, message, timeout=give_up_at - time.monotonic())
+                    took[peer] = time.monotonic() - started
                     return
                 except Exception as exc:  # whatever broke it, a failed send is counted and logged once
                     if isinstance(exc, RemoteRefused) and exc.reason in (Reason.REPLAYED, Reason.HELD):
@@ -112,5 +129,8 @@ class RoundSender:
             # slow member's saturated downlink (benchmarks/RESULTS.md, issue 20, one slow node)
             if not failed or not self._link_costs or measured > max(self._link_costs):
                 self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
+            if len(took) >= 2:
+                beyond = (max(took.values()) - min(took.values())) / message.total_bytes
+                self._shared_costs = (*self._shared_costs, beyond * len(group))[-LINK_MEMORY:]
         self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
         self.swarm.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))

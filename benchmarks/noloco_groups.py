@@ -14,6 +14,10 @@ grid's budget (benchmarks/grid_jobs.py). Bytes: a member sends its θ to the n �
 
     .venv/bin/python benchmarks/noloco_groups.py --workers 8 --inner-steps 25 --group 4 --seed 0
 
+`--swaps k` replaces the groups by what the daemon's pairwise swaps could give: each member
+swaps with k partners a round (k random perfect matchings that repeat no pair) and averages
+with them, so neighbourhoods overlap instead of partitioning the swarm; it sends k θ a round.
+
 Writes benchmarks/grid_runs/N<N>-H<H>-noloco-groups<n>[-a<α>-g<β>]-s<seed>.json (the grid's
 format; its `settings` are those of the local-only job whose budget and evaluation it borrows,
 `job.method` names what ran).
@@ -48,9 +52,9 @@ class NoLoCoGroups(Method):
     """Blocking NoLoCo where a shared permutation cuts the replicas into groups of `group`."""
 
     def __init__(self, settings, replicas, exchange, group: int, hyper: NoLoCoHyperParameters,
-                 wire_dtype: str = "fp32") -> None:
+                 wire_dtype: str = "fp32", swaps: int = 0) -> None:
         super().__init__(settings, replicas, exchange)
-        self.group, self.hyper, self.wire_dtype = group, hyper, wire_dtype
+        self.group, self.hyper, self.wire_dtype, self.swaps = group, hyper, wire_dtype, swaps
         self.outer = {r.name: NoLoCo(r.trainer.named_parameters(), hyper) for r in replicas}
         self.permutation = random.Random(settings.seed)
 
@@ -60,14 +64,33 @@ class NoLoCoGroups(Method):
                      for r in self.replicas}
         received = snapshots if self.wire_dtype == "fp32" else \
             {name: self._through_the_wire(s, round_index, name) for name, s in snapshots.items()}
-        names = sorted(snapshots)
-        self.permutation.shuffle(names)
-        groups = [names[i:i + self.group] for i in range(0, len(names), self.group)]
         by_name = {r.name: r for r in self.replicas}
-        for members in groups:
-            for name in members:
-                partners = [received[other] for other in members if other != name]
-                by_name[name].load(self.outer[name].outer_step(snapshots[name], partners))
+        for name, others in self.partners(sorted(snapshots)).items():
+            partners = [received[other] for other in others]
+            by_name[name].load(self.outer[name].outer_step(snapshots[name], partners))
+
+    def partners(self, names: list[str]) -> dict[str, list[str]]:
+        """Each member's partners this round: the others of its group (a shared permutation
+        cut into groups of `group`), or, with `swaps`, the partners of `swaps` random perfect
+        matchings drawn one after another without repeating a pair (what `swaps` pairwise swaps
+        a round would give a node: a neighbourhood, not a group all of whose members average
+        the same snapshots)."""
+        if not self.swaps:
+            self.permutation.shuffle(names)
+            groups = [names[i:i + self.group] for i in range(0, len(names), self.group)]
+            return {name: [o for o in members if o != name] for members in groups for name in members}
+        partners: dict[str, list[str]] = {name: [] for name in names}
+        for _ in range(self.swaps):
+            while True:  # a matching that repeats no pair of this round
+                order = list(names)
+                self.permutation.shuffle(order)
+                pairs = [(order[i], order[i + 1]) for i in range(0, len(order) - 1, 2)]
+                if all(b not in partners[a] for a, b in pairs):
+                    break
+            for a, b in pairs:
+                partners[a].append(b)
+                partners[b].append(a)
+        return partners
 
 
     def _through_the_wire(self, snapshot, round_index: int, sender: str):
@@ -122,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stochastic-rounding", action="store_true",
                    help="an experiment: quantize θ with stochastic rounding (the daemon rounds to "
                    "nearest); replaces protocol/codecs/blockwise.py's quantize_groups for this run")
+    p.add_argument("--swaps", type=int, default=0,
+                   help="instead of groups: this many pairwise swaps a round per member, each "
+                   "averaging with its partners (a neighbourhood of swaps + 1; --group is ignored)")
     p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
     args = p.parse_args(argv)
     if args.stochastic_rounding:
@@ -132,12 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     method = simulation.method
     hyper = NoLoCoHyperParameters(args.alpha, args.beta, args.beta)
     simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group, hyper,
-                                     args.wire_dtype)
+                                     args.wire_dtype, args.swaps)
     result = simulation.run()
     merged = merged_val_loss(simulation.method.replicas)
     tuned = "" if (args.alpha, args.beta) == (0.5, 0.7) else f"-a{args.alpha}-g{args.beta}"
     wire = ("" if args.wire_dtype == "fp32" else f"-{args.wire_dtype}") + ("-sr" if args.stochastic_rounding else "")
-    name = f"noloco-groups{args.group}{tuned}{wire}"
+    name = f"noloco-swaps{args.swaps}{tuned}{wire}" if args.swaps else f"noloco-groups{args.group}{tuned}{wire}"
     key = f"N{args.workers}-H{args.inner_steps}-{name}-s{args.seed}"
     data = {"job": {**job.__dict__, "method": name}, **result.to_dict(), "merged_val_loss": merged}
     (args.jobs_dir / f"{key}.json").write_text(json.dumps(data) + "\n", encoding="utf-8")

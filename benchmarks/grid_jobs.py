@@ -162,3 +162,24 @@ def load_finished(out_dir: Path) -> dict[str, dict]:
 def per_round_bytes(run: dict) -> float:
     last = run["rounds"][-1]
     return last["bytes_sent_per_replica"] / last["round"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs single jobs outside a grid, named N:H:method:seed, e.g.
+    `.venv/bin/python benchmarks/grid_jobs.py 8:25:dilocox-lr16b8-arr-l1-m0.6:0 8:10:diloco-0.6:0`."""
+    import argparse
+    p = argparse.ArgumentParser(description=main.__doc__.split("\n")[0])
+    p.add_argument("jobs", nargs="+", help="N:H:method:seed")
+    p.add_argument("--processes", type=int, default=2)
+    p.add_argument("--out-dir", type=Path, default=HERE / "grid_runs")
+    args = p.parse_args(argv)
+    jobs = []
+    for spec in args.jobs:
+        workers, inner_steps, method, seed = spec.split(":")
+        jobs.append(Job(int(workers), int(inner_steps), method, int(seed)))
+    run_jobs(jobs, args.out_dir, args.processes)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

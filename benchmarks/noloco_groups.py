@@ -43,7 +43,6 @@ from node.simulator.runner import Simulation  # noqa: E402
 import torch  # noqa: E402
 
 from node.rounds.noloco.payload import decode_snapshot, encode_snapshot  # noqa: E402
-from protocol.codecs import blockwise  # noqa: E402
 from node.simulator.exchange import InMemoryMessage  # noqa: E402
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, theta_only_snapshot  # noqa: E402
 
@@ -52,9 +51,12 @@ class NoLoCoGroups(Method):
     """Blocking NoLoCo where a shared permutation cuts the replicas into groups of `group`."""
 
     def __init__(self, settings, replicas, exchange, group: int, hyper: NoLoCoHyperParameters,
-                 wire_dtype: str = "fp32", swaps: int = 0) -> None:
+                 wire_dtype: str = "fp32", swaps: int = 0, stochastic: bool = False) -> None:
         super().__init__(settings, replicas, exchange)
         self.group, self.hyper, self.wire_dtype, self.swaps = group, hyper, wire_dtype, swaps
+        # the daemon's stochastic rounding: each member its own seeded generator
+        self.rounding = {r.name: torch.Generator().manual_seed(settings.seed * 1000 + i)
+                         for i, r in enumerate(replicas)} if stochastic else {}
         self.outer = {r.name: NoLoCo(r.trainer.named_parameters(), hyper) for r in replicas}
         self.permutation = random.Random(settings.seed)
 
@@ -97,7 +99,8 @@ class NoLoCoGroups(Method):
         """What a member receives of `sender`'s snapshot: its θ encoded as the daemon encodes it
         and decoded (node/rounds/noloco/payload.py), applied as the snapshot (θ, 0)."""
         shapes = {name: tuple(t.shape) for name, t in snapshot.slow_weights.items()}
-        message = InMemoryMessage(round_index, encode_snapshot(snapshot, self.wire_dtype, "theta"))
+        message = InMemoryMessage(round_index, encode_snapshot(snapshot, self.wire_dtype, "theta",
+                                                               self.rounding.get(sender)))
         theta = decode_snapshot(message, "theta", sender, self.wire_dtype, shapes)["theta"]
         return theta_only_snapshot(theta, self.hyper)
 
@@ -116,22 +119,6 @@ def merged_val_loss(replicas) -> float:
     return loss
 
 
-def stochastic_quantize_groups(seed: int):
-    """blockwise.quantize_groups with stochastic rounding: q = ⌊x/s·L + u⌋, u uniform in [0, 1),
-    so E[q] = x/s·L and a weight that barely moves is not pulled to the same grid point every
-    round. The same wire format; only the sender's rounding differs."""
-    generator = torch.Generator().manual_seed(seed)
-
-    def quantize(groups: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-        levels = blockwise._LEVELS[bits]
-        scales = groups.abs().amax(dim=1) if groups.shape[1] else torch.zeros(groups.shape[0])
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        scaled = groups / safe[:, None] * levels
-        noise = torch.rand(scaled.shape, generator=generator).to(scaled.device)
-        return scales, torch.floor(scaled + noise).clamp_(-levels, levels).to(torch.int8)
-    return quantize
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workers", type=int, default=8)
@@ -143,22 +130,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--wire-dtype", default="fp32", choices=("fp32", "bf16", "int8", "int4"),
                    help="θ as the daemon sends it (fp32: exact, the partners' own snapshots)")
     p.add_argument("--stochastic-rounding", action="store_true",
-                   help="an experiment: quantize θ with stochastic rounding (the daemon rounds to "
-                   "nearest); replaces protocol/codecs/blockwise.py's quantize_groups for this run")
+                   help="round θ on the wire stochastically, as the daemon's wire_rounding = "
+                   "\"stochastic\" does (each member its own seeded generator); to nearest otherwise")
     p.add_argument("--swaps", type=int, default=0,
                    help="instead of groups: this many pairwise swaps a round per member, each "
                    "averaging with its partners (a neighbourhood of swaps + 1; --group is ignored)")
     p.add_argument("--jobs-dir", type=Path, default=HERE / "grid_runs")
     args = p.parse_args(argv)
-    if args.stochastic_rounding:
-        blockwise.quantize_groups = stochastic_quantize_groups(args.seed)
     job = Job(args.workers, args.inner_steps, "local", args.seed)  # the grid's budget and evaluation
     config = node_config(convergence_args([]))
     simulation = Simulation(job.settings(), config, load_corpus(config.data))
     method = simulation.method
     hyper = NoLoCoHyperParameters(args.alpha, args.beta, args.beta)
     simulation.method = NoLoCoGroups(method.settings, method.replicas, method.exchange, args.group, hyper,
-                                     args.wire_dtype, args.swaps)
+                                     args.wire_dtype, args.swaps, args.stochastic_rounding)
     result = simulation.run()
     merged = merged_val_loss(simulation.method.replicas)
     tuned = "" if (args.alpha, args.beta) == (0.5, 0.7) else f"-a{args.alpha}-g{args.beta}"

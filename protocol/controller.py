@@ -29,7 +29,10 @@ receiver that took our message longer than the others did carries N − 1 such m
 It only holds moves up, never forces one down: measured while the senders' pushes overlapped
 there, it counts their sharing twice. Three fast senders each grew from 197 to 391 KiB on their
 own slack while the others did, 18 s of a 512 kbit/s member's downlink against 12 s rounds, and
-waited for it (benchmarks/RESULTS.md, issue 18, R14).
+waited for it (benchmarks/RESULTS.md, issue 18, R14). And no move up while the last one is still
+being measured (`growth_allowed` False, its caller's count of rounds): a link that lets a burst
+through at once (a token bucket) costs nothing per byte below the burst, and four controllers
+read slack and doubled their messages three rounds running, 53 to 408 KiB, onto it (R19).
 
 with b_i the bytes tensor i took in the measured message, B its total and B_other = B − Σ_i b_i
 (tensors that do not adapt). Without per-tensor bytes, Σ k'_i / Σ k_i stands for the bytes: a
@@ -119,6 +122,7 @@ class RoundMeasurements:
     tensor_bytes: Mapping[str, int] = field(default_factory=dict)
     message_bytes: int = 0
     shared_send_seconds: float = 0.0
+    growth_allowed: bool = True  # False: the last move up has not been measured yet
 
     def __post_init__(self) -> None:
         for name in ("send_seconds", "shared_send_seconds"):
@@ -147,6 +151,11 @@ class SettingChange:
     old: int
     new: int
     reason: str
+
+    @property
+    def upward(self) -> bool:
+        """More bytes a round: a higher rank or more bits, or a smaller H."""
+        return self.new < self.old if self.setting == "inner_steps" else self.new > self.old
 
 
 @dataclass(frozen=True)
@@ -215,6 +224,9 @@ class AdaptiveController:
 
         def try_move(candidate: tuple[dict[str, int], int, int], move: str) -> bool:
             """Upward moves only: allowed while the projected ratio stays within budget."""
+            if not measurements.growth_allowed:
+                held_back.append(f"{move} held back: the last move up is still being measured")
+                return False
             after = projected(*candidate)
             if after <= config.overlap_budget:
                 return True

@@ -156,3 +156,15 @@ def test_a_busy_shared_receiver_holds_moves_up_but_never_forces_one_down() -> No
     assert heavy.budget == "slack" and heavy.settings.ranks["a"] == 4 and not heavy.changes
     with pytest.raises(ConfigurationError, match="shared_send_seconds"):
         RoundMeasurements({"a": 0.5}, 1.0, 1.0, shared_send_seconds=-1.0)
+
+
+def test_no_move_up_while_the_last_is_being_measured() -> None:
+    """R19: under a token bucket's burst a link costs nothing per byte, and four controllers read
+    slack three rounds running and doubled their messages from 53 to 408 KiB onto it. A move down
+    stays free."""
+    settings = CompressionSettings({"a": 4}, 8, 100)
+    held = CONTROLLER.decide(settings, RoundMeasurements({"a": 0.5}, 0.1, 10.0, growth_allowed=False))
+    assert held.settings.ranks["a"] == 4 and "still being measured" in held.held_back[0]
+    over = CONTROLLER.decide(settings, RoundMeasurements({"a": 0.5}, 9.0, 10.0, growth_allowed=False))
+    assert over.settings.ranks["a"] == 2
+    assert [c.upward for c in CONTROLLER.decide(settings, RoundMeasurements({"a": 0.5}, 0.1, 10.0)).changes] == [True]

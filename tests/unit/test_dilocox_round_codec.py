@@ -50,6 +50,23 @@ def test_controller_raises_k_on_a_free_link_and_lowers_it_on_a_slow_one(config, 
         assert policy.end_round(r).compression["k_max"] <= 16
 
 
+def test_after_a_move_up_the_controller_measures_the_new_size_before_the_next(config, corpus):
+    """R19: a link that lets a burst through reads free for small messages, and four nodes doubled
+    theirs three rounds running onto a 512 kbit/s member. After a raise k holds for LINK_MEMORY
+    rounds on a link that still reads free, then grows again; a move down is never held."""
+    policy, link, model = topk_round(config, corpus, "a", 1, controller=True,
+                                     controller_energy_target=0.9)
+    link.ratio = 0.0
+    ks = []
+    for r in range(7):
+        train_round(model, policy, r)
+        ks.append(policy.end_round(r).compression["k_max"])
+    assert ks == [8, 8, 8, 8, 8, 16, 16], ks
+    link.ratio = 2.0
+    train_round(model, policy, 7)
+    assert policy.end_round(7).compression["k_max"] == 8
+
+
 def test_controller_off_reports_nothing(config, corpus):
     policy, _, model = topk_round(config, corpus, "a", 1)
     train_round(model, policy, 0)

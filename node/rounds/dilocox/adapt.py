@@ -10,7 +10,8 @@ to it took than to the fastest receiver), and sets the codec's strength (top-k: 
 and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
-it (benchmarks/RESULTS.md, issue 18, R9).
+it (benchmarks/RESULTS.md, issue 18, R9). After a move up, no other for LINK_MEMORY rounds,
+until the link's cost is that of sends of the new size (`measuring`; R19).
 
 Bounds come from the manifest, so every member can decode every other's messages: top-k's k up
 to `max_density · topk_chunk` (the density a receiver accepts), its bits any of 2, 4, 8; low-rank
@@ -29,6 +30,7 @@ from node.config.manifest import ProtocolSection
 from protocol.codecs import Codec, LowRankCodec, TopKCodec
 from protocol.controller import AdaptiveController, CompressionSettings, ControllerConfig, \
     RoundMeasurements, apply_settings, settings_of
+from node.rounds.dilocox.sending import LINK_MEMORY
 from protocol.dilocox import PseudoGradientMessage
 
 LOWRANK_MAX_RANK = 64
@@ -57,6 +59,9 @@ class CompressionAdapter:
             raise ValueError(f"protocol.controller needs the topk or lowrank codec, not {codec.name!r}")
         self.codec, self.inner_steps = codec, config.inner_steps
         self.controller = AdaptiveController(bounds)
+        # rounds until the last move up is measured: the link's cost is the worst of its last
+        # LINK_MEMORY sends, so only then does it hold sends of the new size alone
+        self.measuring = 0
 
     def after_send(self, message: PseudoGradientMessage, send_ratio: float | None,
                    shared_ratio: float = 0.0) -> dict[str, Any]:
@@ -75,9 +80,12 @@ class CompressionAdapter:
         sizes = {name: message.tensors[name].size_bytes for name in energy}
         measured = RoundMeasurements(energy, send_seconds=send_ratio, compute_seconds=1.0,
                                      tensor_bytes=sizes, message_bytes=message.size_bytes,
-                                     shared_send_seconds=shared_ratio)
+                                     shared_send_seconds=shared_ratio,
+                                     growth_allowed=self.measuring == 0)
         decision = self.controller.decide(settings, measured)
         apply_settings(self.codec, decision.settings)
+        grew = any(change.upward for change in decision.changes)
+        self.measuring = LINK_MEMORY if grew else max(0, self.measuring - 1)
         return self._record(decision.settings, energy, send_ratio=send_ratio,
                             shared_ratio=shared_ratio, budget=decision.budget,
                             changes=len(decision.changes), summary=decision.summary())

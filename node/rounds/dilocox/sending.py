@@ -88,7 +88,8 @@ class RoundSender:
         our push longer than the fastest did is slower on its side; every member sends it a
         message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
         sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
-        takes about as long to every receiver, and reads about 0 here."""
+        reads less: its pushes share that uplink and end closer together (on the slow link the
+        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/RESULTS.md R18-R21)."""
         if not self._shared_costs or not self._round_durations:
             return 0.0
         return max(self._shared_costs) * self._handed_bytes / min(self._round_durations)

@@ -31,8 +31,8 @@ there, it counts their sharing twice. Three fast senders each grew from 197 to 3
 own slack while the others did, 18 s of a 512 kbit/s member's downlink against 12 s rounds, and
 waited for it (benchmarks/RESULTS.md, issue 18, R14). And no move up while the last one is still
 being measured (`growth_allowed` False, its caller's count of rounds): a link that lets a burst
-through at once (a token bucket) costs nothing per byte below the burst, and four controllers
-read slack and doubled their messages three rounds running, 53 to 408 KiB, onto it (R19).
+through at once (a token bucket) costs nothing per byte below the burst, and three fast nodes
+read slack and doubled their messages, 53 to 408 KiB in three rounds, onto it (R19).
 
 with b_i the bytes tensor i took in the measured message, B its total and B_other = B − Σ_i b_i
 (tensors that do not adapt). Without per-tensor bytes, Σ k'_i / Σ k_i stands for the bytes: a

@@ -159,7 +159,7 @@ def test_a_busy_shared_receiver_holds_moves_up_but_never_forces_one_down() -> No
 
 
 def test_no_move_up_while_the_last_is_being_measured() -> None:
-    """R19: under a token bucket's burst a link costs nothing per byte, and four controllers read
+    """R19: under a token bucket's burst a link costs nothing per byte, and three fast nodes read
     slack three rounds running and doubled their messages from 53 to 408 KiB onto it. A move down
     stays free."""
     settings = CompressionSettings({"a": 4}, 8, 100)

@@ -51,9 +51,10 @@ def test_controller_raises_k_on_a_free_link_and_lowers_it_on_a_slow_one(config, 
 
 
 def test_after_a_move_up_the_controller_measures_the_new_size_before_the_next(config, corpus):
-    """R19: a link that lets a burst through reads free for small messages, and four nodes doubled
-    theirs three rounds running onto a 512 kbit/s member. After a raise k holds for LINK_MEMORY
-    rounds on a link that still reads free, then grows again; a move down is never held."""
+    """R19: a link that lets a burst through reads free for small messages, and three nodes
+    doubled theirs, 53 to 408 KiB in three rounds, onto a 512 kbit/s member. After a raise k
+    holds for LINK_MEMORY rounds on a link that still reads free, then grows again; a move down
+    is never held."""
     policy, link, model = topk_round(config, corpus, "a", 1, controller=True,
                                      controller_energy_target=0.9)
     link.ratio = 0.0

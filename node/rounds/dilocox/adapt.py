@@ -6,8 +6,8 @@ send against a round's compute (the link's `send_ratio`: the worst cost per byte
 few sends over the shortest of its last few rounds; 0 for the simulator's in-memory links,
 which model no bandwidth), and, as a bound on moves up only, the busiest receiver's downlink
 (`shared_ratio`: every member's message of this size, judged from how much longer our push
-to it took than to the fastest receiver), and sets the codec's strength (top-k: k per tensor; low-rank: rank)
-and bits for the next round. Before the link has measured anything (None: the daemon's first
+to it took than to the fastest receiver), and sets the codec's strength (top-k: k per tensor;
+low-rank: rank) and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
 it (benchmarks/RESULTS.md, issue 18, R9). After a move up, no other for LINK_MEMORY rounds,
@@ -27,10 +27,10 @@ import math
 from typing import Any
 
 from node.config.manifest import ProtocolSection
+from node.rounds.dilocox.sending import LINK_MEMORY
 from protocol.codecs import Codec, LowRankCodec, TopKCodec
 from protocol.controller import AdaptiveController, CompressionSettings, ControllerConfig, \
     RoundMeasurements, apply_settings, settings_of
-from node.rounds.dilocox.sending import LINK_MEMORY
 from protocol.dilocox import PseudoGradientMessage
 
 LOWRANK_MAX_RANK = 64

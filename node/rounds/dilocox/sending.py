@@ -76,10 +76,7 @@ class RoundSender:
         81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
         now, in_flight = time.monotonic(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
-        rates += self._link_costs
-        if not rates or not self._round_durations:
-            return None
-        return max(rates) * self._handed_bytes / min(self._round_durations)
+        return self._per_round([*rates, *self._link_costs])
 
     def shared_ratio(self) -> float:
         """What the busiest receiver's downlink would take for every member's message of the
@@ -89,10 +86,16 @@ class RoundSender:
         message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
         sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
         reads less: its pushes share that uplink and end closer together (on the slow link the
-        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/RESULTS.md R18-R21)."""
-        if not self._shared_costs or not self._round_durations:
-            return 0.0
-        return max(self._shared_costs) * self._handed_bytes / min(self._round_durations)
+        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/RESULTS.md,
+        R18-R21)."""
+        return self._per_round(self._shared_costs) or 0.0
+
+    def _per_round(self, costs) -> float | None:
+        """The worst of `costs` (seconds per byte) for the message just handed over, over the
+        shortest of our last rounds; None without a cost or a round measured."""
+        if not costs or not self._round_durations:
+            return None
+        return max(costs) * self._handed_bytes / min(self._round_durations)
 
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:

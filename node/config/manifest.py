@@ -112,7 +112,8 @@ class ProtocolSection:
                               "like noise against the others of its round (contributions.noise_ratio)")
     # the adaptive controller (protocol/controller.py, node/rounds/dilocox/adapt.py)
     controller: bool = spec(False, "DiLoCoX: adapt the codec's strength (topk k, lowrank rank) and "
-                            "bits each round to the energy kept and the link's send time")
+                            "bits each round to the energy kept and the link's send time, "
+                            "starting at a quarter of rank or topk_k")
     controller_energy_target: float = spec(0.8, "DiLoCoX controller: energy kept below this "
                                            "raises the strength", min=0.0, max=1.0, min_exclusive=True)
     controller_energy_high: float = spec(0.95, "DiLoCoX controller: energy kept above this lowers "

@@ -15,7 +15,8 @@ from tests.unit.test_rounds import H, ScriptedDiLoCoXLink, config, corpus, recei
 
 
 def topk_round(config, corpus, name: str, stream: int, **protocol):
-    section = ProtocolSection(name="dilocox", inner_steps=H, codec="topk", topk_k=4, topk_chunk=64,
+    protocol = {"topk_k": 4, **protocol}
+    section = ProtocolSection(name="dilocox", inner_steps=H, codec="topk", topk_chunk=64,
                               max_density=0.25, **protocol)
     link = ScriptedDiLoCoXLink()
     model = trainer(config, corpus, stream)
@@ -23,9 +24,9 @@ def topk_round(config, corpus, name: str, stream: int, **protocol):
 
 
 def test_controller_raises_k_on_a_free_link_and_lowers_it_on_a_slow_one(config, corpus):
-    policy, link, model = topk_round(config, corpus, "a", 1, controller=True,
+    policy, link, model = topk_round(config, corpus, "a", 1, controller=True, topk_k=16,
                                      controller_energy_target=0.9)
-    train_round(model, policy, 0)  # no send measured yet (link.ratio None): k held
+    train_round(model, policy, 0)  # no send measured yet (link.ratio None): k held at the start
     unmeasured = policy.end_round(0).compression
     assert unmeasured["budget"] == "unmeasured" and unmeasured["k_max"] == 4
     assert unmeasured["changes"] == 0 and unmeasured["send_ratio"] is None
@@ -55,7 +56,7 @@ def test_after_a_move_up_the_controller_measures_the_new_size_before_the_next(co
     doubled theirs, 53 to 408 KiB in three rounds, onto a 512 kbit/s member. After a raise k
     holds for LINK_MEMORY rounds on a link that still reads free, then grows again; a move down
     is never held."""
-    policy, link, model = topk_round(config, corpus, "a", 1, controller=True,
+    policy, link, model = topk_round(config, corpus, "a", 1, controller=True, topk_k=16,
                                      controller_energy_target=0.9)
     link.ratio = 0.0
     ks = []
@@ -66,6 +67,24 @@ def test_after_a_move_up_the_controller_measures_the_new_size_before_the_next(co
     link.ratio = 2.0
     train_round(model, policy, 7)
     assert policy.end_round(7).compression["k_max"] == 8
+
+
+def test_the_controller_starts_below_the_manifests_strength_until_sends_are_measured(config, corpus):
+    """R22: the first rounds' messages go out before any send is measured, and at the manifest's
+    rank six of them into a 512 kbit/s member were 20 s of its downlink. The controller starts
+    two moves (a quarter) below, every message of those rounds at that size, and grows from
+    there only as sends are measured; without the controller the manifest's k is sent."""
+    policy, link, model = topk_round(config, corpus, "a", 1, controller=True, topk_k=16)
+    for r in range(2):  # link.ratio None: nothing measured
+        train_round(model, policy, r)
+        assert policy.end_round(r).compression["k_max"] == 4
+        sent = dilocox_payload.decode_message("a", r, received(r, link.sent[-1][1]))
+        assert {e.description["k"] for e in sent.tensors.values()} == {4}
+    plain, plain_link, plain_model = topk_round(config, corpus, "a", 1, topk_k=16)
+    train_round(plain_model, plain, 0)
+    plain.end_round(0)
+    sent = dilocox_payload.decode_message("a", 0, received(0, plain_link.sent[-1][1]))
+    assert {e.description["k"] for e in sent.tensors.values()} == {16}
 
 
 def test_controller_off_reports_nothing(config, corpus):

@@ -13,6 +13,12 @@ node's second message from 211 to 390 KiB, the largest of its run, and the other
 it (benchmarks/RESULTS.md, issue 18, R9). After a move up, no other for LINK_MEMORY rounds,
 until the link's cost is that of sends of the new size (`measuring`; R19).
 
+The controller starts START_DOUBLINGS moves below the manifest's strength: the first two
+rounds' messages are encoded before any send is measured, and at the manifest's rank 16
+(211 KiB) six of them into the 512 kbit/s member were 20 s of its downlink, and it and then
+the others waited up to 11 s (R22). A link with room returns to the manifest's strength in
+two measured moves up.
+
 Bounds come from the manifest, so every member can decode every other's messages: top-k's k up
 to `max_density · topk_chunk` (the density a receiver accepts), its bits any of 2, 4, 8; low-rank
 ranks 1-64, bits 4 or 8. H stays the manifest's: the daemon numbers rounds by step // H, so a
@@ -34,6 +40,7 @@ from protocol.controller import AdaptiveController, CompressionSettings, Control
 from protocol.dilocox import PseudoGradientMessage
 
 LOWRANK_MAX_RANK = 64
+START_DOUBLINGS = 2  # the start's strength: the manifest's over rank_factor to this power
 
 
 def controller_config(config: ProtocolSection, codec: Codec) -> ControllerConfig | None:
@@ -59,6 +66,7 @@ class CompressionAdapter:
             raise ValueError(f"protocol.controller needs the topk or lowrank codec, not {codec.name!r}")
         self.codec, self.inner_steps = codec, config.inner_steps
         self.controller = AdaptiveController(bounds)
+        self.start_strength = _start_below_the_manifest(codec, bounds)
         # rounds until the last move up is measured: the link's cost is the worst of its last
         # LINK_MEMORY sends, so only then does it hold sends of the new size alone
         self.measuring = 0
@@ -101,3 +109,13 @@ class CompressionAdapter:
                 "energy_kept": sum(energy.values()) / len(energy) if energy else None,
                 "send_ratio": send_ratio, "shared_ratio": shared_ratio, "budget": budget,
                 "changes": changes, "summary": summary}
+
+
+def _start_below_the_manifest(codec: LowRankCodec | TopKCodec, bounds: ControllerConfig) -> int:
+    """Lower the codec's default strength (rank or k) START_DOUBLINGS moves, within the bounds;
+    returns the strength it starts at."""
+    attribute = "default_rank" if isinstance(codec, LowRankCodec) else "default_k"
+    manifest = getattr(codec, attribute)
+    start = max(bounds.min_rank, math.floor(manifest / bounds.rank_factor ** START_DOUBLINGS))
+    setattr(codec, attribute, min(start, bounds.max_rank))
+    return getattr(codec, attribute)

@@ -83,7 +83,8 @@ from protocol.codecs.base import Codec, Encoded
 from protocol.diloco import DiLoCo, DiLoCoHyperParameters
 from protocol.errors import ConfigurationError, LayoutError, ProtocolError
 from protocol.structure import magnitude_score
-from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_clone, mean, zeros_like
+from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_clone, mean, \
+    squared_norm, zeros_like
 
 
 OVERLAPS = ("half", "eager")
@@ -349,10 +350,10 @@ class DiLoCoX:
                      senders: tuple[str, ...]) -> dict[str, float]:
         """min(1, median ‖D(c_j)‖ / ‖D(c_j)‖) per sender: no message outweighs the median one.
 
-        One decoding at a time (memory stays one message); the norms are Python floats summed in
-        name order, so every node computes the same factors from the same messages."""
-        norms = {s: math.sqrt(sum(float(t.square().sum()) for t in self._decoded(messages[s]).values()))
-                 for s in senders}  # names in the model's order, the same on every node
+        One decoding at a time (memory stays one message); each norm is summed in an order fixed
+        by the shapes alone (`squared_norm`), so every node computes the same factors from the
+        same messages, whatever its hardware."""
+        norms = {s: math.sqrt(squared_norm(self._decoded(messages[s]))) for s in senders}
         median = statistics.median(norms.values())
         return {s: median / n for s, n in norms.items() if n > median}
 

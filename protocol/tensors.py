@@ -107,6 +107,28 @@ def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]]) -> NamedTensors:
     return total
 
 
+def squared_norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """Σ x² over every tensor, rounded alike on every node: for each tensor, the fp32 squares
+    summed pairwise (x[:n/2] + x[n/2:], halving until one is left, a zero padding an odd
+    length), and the tensors' sums added as Python floats in the mapping's order.
+
+    torch's sum() accumulates in an order its kernel picks for the CPU's vector width, so two
+    nodes on different hardware could scale the same message differently and split φ
+    (benchmarks/RESULTS.md, issue 18, median clipping). A square and an elementwise add are
+    each one IEEE operation, rounded the same whatever the vector width or device.
+    """
+    total = 0.0
+    for tensor in tensors.values():
+        values = tensor.detach().reshape(-1).to(torch.float32).square()
+        while values.numel() > 1:
+            if values.numel() % 2:
+                values = torch.cat([values, values.new_zeros(1)])
+            half = values.numel() // 2
+            values = values[:half] + values[half:]
+        total += float(values[0]) if values.numel() else 0.0
+    return total
+
+
 def numel(tensors: Mapping[str, torch.Tensor]) -> int:
     """Total number of elements over all named tensors."""
     return sum(t.numel() for t in tensors.values())

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 
+import numpy
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from protocol.codecs import get_codec
 from protocol.diloco import DiLoCoHyperParameters
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage
 from protocol.errors import ConfigurationError
-from protocol.tensors import difference, weights_digest
+from protocol.tensors import difference, squared_norm, weights_digest
 
 
 def _model() -> dict[str, torch.Tensor]:
@@ -121,3 +123,26 @@ def test_median_clip_bounds_a_scaled_message_and_leaves_equal_ones_alone() -> No
     _round(honest, 0, torch.Generator().manual_seed(4), random.Random(4))
     _round(honest, 1, torch.Generator().manual_seed(4), random.Random(4))
     assert honest[0].counters.clipped <= 2  # only those above the median
+
+
+def _pairwise_by_hand(values: list[float]) -> float:
+    """The order squared_norm promises, in NumPy scalars: fp32 squares, halves added pairwise."""
+    values = [numpy.float32(v) * numpy.float32(v) for v in values]
+    while len(values) > 1:
+        values = values + [numpy.float32(0.0)] * (len(values) % 2)
+        half = len(values) // 2
+        values = [a + b for a, b in zip(values[:half], values[half:])]
+    return float(values[0]) if values else 0.0
+
+
+def test_the_median_clips_norm_is_summed_in_an_order_the_shapes_fix() -> None:
+    """A clip factor from torch's sum() could differ in its last bit between two CPUs (its
+    kernel picks the order for the vector width) and split φ; squared_norm's order depends on
+    the shapes alone, checked here bitwise against the same order by hand."""
+    generator = torch.Generator().manual_seed(5)
+    tensors = {"w": torch.randn(4099, generator=generator) * 3, "b": torch.randn(7, 3, generator=generator),
+               "one": torch.randn(1, generator=generator), "none": torch.zeros(0)}
+    by_hand = sum(_pairwise_by_hand(t.reshape(-1).tolist()) for t in tensors.values())
+    assert squared_norm(tensors) == by_hand
+    assert squared_norm(tensors) == pytest.approx(math.fsum(v * v for t in tensors.values()
+                                                            for v in t.reshape(-1).tolist()), rel=1e-5)

@@ -43,7 +43,9 @@ OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
 def dilocox_settings(method: str) -> dict:
     """SimulationSettings keywords of a "dilocox-..." method string."""
     codec, *options = method.split("-")[1:]
-    values = {}  # manifest [protocol] keys the settings have no field for
+    # manifest [protocol] keys the settings have no field for; the names keep their meaning
+    # when the manifest's default changes
+    values = {"clip_to_median": False}
     if codec.startswith("lr"):
         rank, bits = codec[2:].split("b")
         kwargs = {"codec": "lowrank", "rank": int(rank), "bits": int(bits)}

@@ -116,8 +116,9 @@ def test_dilocox_simulation_defaults_are_the_manifests():
 
 def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):
     diloco, diloco_result = simulate(config, corpus, "diloco", outer_momentum=0.3)
+    # clipping off: DiLoCo's mean scales no one down
     dilocox, dilocox_result = simulate(config, corpus, "dilocox", delay=0, codec="identity",
-                                       outer_momentum=0.3)
+                                       outer_momentum=0.3, protocol_values={"clip_to_median": False})
     for ours, theirs in zip(diloco.method.replica_weights(), dilocox.method.replica_weights()):
         assert weights_digest(ours) == weights_digest(theirs)
     assert [r.val_loss_mean for r in diloco_result.records] == [r.val_loss_mean for r in dilocox_result.records]

@@ -10,8 +10,13 @@ to it took than to the fastest receiver), and sets the codec's strength (top-k: 
 low-rank: rank) and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
-it (benchmarks/RESULTS.md, issue 18, R9). After a move up, no other for LINK_MEMORY rounds,
-until the link's cost is that of sends of the new size (`measuring`; R19).
+it (benchmarks/RESULTS.md, issue 18, R9). After a move up the next decision holds
+(`measuring`): the first message of the new size has just been handed over, and the decision
+after it reads that message's send, finished or still in flight a round later (send_ratio
+counts a send in flight at its seconds so far). R19's fast nodes doubled at three decisions
+running, each before the last size's send was measured, onto a link whose burst made small
+messages look free. A hold of LINK_MEMORY (4) rounds instead (75978fd) climbed from rank 1 to
+32 in 21 rounds on a 20 Mbit/s link, far under budget (issue 18, stop 42's time-to-loss run).
 
 The controller starts START_DOUBLINGS moves below the manifest's strength: the first two
 rounds' messages are encoded before any send is measured, and at the manifest's rank 16
@@ -33,7 +38,6 @@ import math
 from typing import Any
 
 from node.config.manifest import ProtocolSection
-from node.rounds.dilocox.sending import LINK_MEMORY
 from protocol.codecs import Codec, LowRankCodec, TopKCodec
 from protocol.controller import AdaptiveController, CompressionSettings, ControllerConfig, \
     RoundMeasurements, apply_settings, settings_of
@@ -41,6 +45,7 @@ from protocol.dilocox import PseudoGradientMessage
 
 LOWRANK_MAX_RANK = 64
 START_DOUBLINGS = 2  # the start's strength: the manifest's over rank_factor to this power
+MEASURE_ROUNDS = 1   # decisions held after a move up: the new size's send is measured by then
 
 
 def controller_config(config: ProtocolSection, codec: Codec) -> ControllerConfig | None:
@@ -67,9 +72,7 @@ class CompressionAdapter:
         self.codec, self.inner_steps = codec, config.inner_steps
         self.controller = AdaptiveController(bounds)
         self.start_strength = _start_below_the_manifest(codec, bounds)
-        # rounds until the last move up is measured: the link's cost is the worst of its last
-        # LINK_MEMORY sends, so only then does it hold sends of the new size alone
-        self.measuring = 0
+        self.measuring = 0  # decisions until the last move up's new size is measured
 
     def after_send(self, message: PseudoGradientMessage, send_ratio: float | None,
                    shared_ratio: float = 0.0) -> dict[str, Any]:
@@ -93,7 +96,7 @@ class CompressionAdapter:
         decision = self.controller.decide(settings, measured)
         apply_settings(self.codec, decision.settings)
         grew = any(change.upward for change in decision.changes)
-        self.measuring = LINK_MEMORY if grew else max(0, self.measuring - 1)
+        self.measuring = MEASURE_ROUNDS if grew else max(0, self.measuring - 1)
         return self._record(decision.settings, energy, send_ratio=send_ratio,
                             shared_ratio=shared_ratio, budget=decision.budget,
                             changes=len(decision.changes), summary=decision.summary())

@@ -71,7 +71,7 @@ class CompressionAdapter:
             raise ValueError(f"protocol.controller needs the topk or lowrank codec, not {codec.name!r}")
         self.codec, self.inner_steps = codec, config.inner_steps
         self.controller = AdaptiveController(bounds)
-        self.start_strength = _start_below_the_manifest(codec, bounds)
+        _start_below_the_manifest(codec, bounds)
         self.measuring = 0  # decisions until the last move up's new size is measured
 
     def after_send(self, message: PseudoGradientMessage, send_ratio: float | None,
@@ -114,11 +114,9 @@ class CompressionAdapter:
                 "changes": changes, "summary": summary}
 
 
-def _start_below_the_manifest(codec: LowRankCodec | TopKCodec, bounds: ControllerConfig) -> int:
-    """Lower the codec's default strength (rank or k) START_DOUBLINGS moves, within the bounds;
-    returns the strength it starts at."""
+def _start_below_the_manifest(codec: LowRankCodec | TopKCodec, bounds: ControllerConfig) -> None:
+    """Lower the codec's default strength (rank or k) START_DOUBLINGS moves, within the bounds."""
     attribute = "default_rank" if isinstance(codec, LowRankCodec) else "default_k"
     manifest = getattr(codec, attribute)
     start = max(bounds.min_rank, math.floor(manifest / bounds.rank_factor ** START_DOUBLINGS))
     setattr(codec, attribute, min(start, bounds.max_rank))
-    return getattr(codec, attribute)

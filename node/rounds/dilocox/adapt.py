@@ -15,8 +15,9 @@ it (benchmarks/RESULTS.md, issue 18, R9). After a move up the next decision hold
 after it reads that message's send, finished or still in flight a round later (send_ratio
 counts a send in flight at its seconds so far). R19's fast nodes doubled at three decisions
 running, each before the last size's send was measured, onto a link whose burst made small
-messages look free. A hold of LINK_MEMORY (4) rounds instead (75978fd) climbed from rank 1 to
-32 in 21 rounds on a 20 Mbit/s link, far under budget (issue 18, stop 42's time-to-loss run).
+messages look free; with one decision held no node doubled twice running there (R29, R30). A
+hold of LINK_MEMORY (4) rounds instead (75978fd) climbed from rank 1 to 32 in 21 rounds on a
+20 Mbit/s link, far under budget (issue 18, stop 42's time-to-loss runs).
 
 The controller starts START_DOUBLINGS moves below the manifest's strength: the first two
 rounds' messages are encoded before any send is measured, and at the manifest's rank 16

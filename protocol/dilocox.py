@@ -8,8 +8,12 @@ messages still in flight. Round r:
     H inner steps ; Δ^r = s − θ                (`pseudo_gradient`: this round's progress only)
     c^r = C(Δ^r + β·e) ; e ← Δ^r + β·e − D(c^r)  (`compress`; β = 1: nothing is lost, only delayed)
     f[r] = D(c^r) ; send c^r to the group; receive the others' (`receive`)
-    Δ̄ = mean over the senders j of round r − delay of a_j·D(c_j), own included,
-        a_j = min(1, median_k ‖D(c_k)‖ / ‖D(c_j)‖) with `clip_to_median`, else 1;
+      (a node outside round r's committee, protocol/committee.py, sends nothing: k ← β_k·k + Δ^r,
+       `keep`, and its next message is c = C(Δ + β_k·k + β·e): it carries n rounds, of weight
+       w(n) = 1 + β_k + … + β_k^(n−1); with β_k = 0, the default, only its fresh round)
+    Δ̄ = Σ_j a_j·D(c_j) / Σ_j w(n_j) over the senders j of round r − delay, own included
+        (w = 1 when every member sends every round: the mean),
+        a_j = min(1, w(n_j)·median_k(‖D(c_k)‖ / w(n_k)) / ‖D(c_j)‖) with `clip_to_median`, else 1;
         with `noise_ratio` ρ > 0 and at least 3 senders, j is left out when
         s_j = s(D(c_j), Σ_{k≠j} |D(c_k)|) < max(5/√N, ρ · median_k s_k)
         (s: protocol/structure.py; unless that would leave no one)
@@ -17,8 +21,9 @@ messages still in flight. Round r:
 
 λ is ½ (`overlap = "half"`) or, `overlap = "eager"` (arXiv 2502.12996), the weight the node's
 own message will have in φ's step once its round is applied: η·(1 + μ)/n with Nesterov (η/n
-without), n the senders of the last round applied. Own fresh work then counts at once at its
-share, the peers' one round later. β < 1 is SparseLoCo's decaying error buffer (0.95 there):
+without), n the rounds of work the last round applied carried (its senders when all send
+every round). Own fresh work then counts at once at its share, the peers' one round later.
+β < 1 is SparseLoCo's decaying error buffer (0.95 there):
 it forgets what a codec kept back for long, trading the invariant sent + e = ΣΔ for a residual
 that cannot grow without bound. Median clipping (Templar's) bounds what one sender can move φ
 by; every node computes the same factors from the same messages. The noise filter (issue 24)
@@ -88,6 +93,10 @@ from protocol.tensors import NamedTensors, check_same_layout, difference, fp32_c
 
 
 OVERLAPS = ("half", "eager")
+# the most rounds of work one message may say it carries: at a send share of 1/8 a member goes
+# 64 rounds without sending with probability (7/8)^64 = 0.02%; a larger claim would only shrink
+# everyone's step (its weight is in the divisor), and is refused
+MAX_ROUNDS_CARRIED = 64
 
 
 @dataclass(frozen=True)
@@ -95,7 +104,13 @@ class DiLoCoXHyperParameters:
     """The outer optimizer, the delay (0 or 1 round), how far ahead messages may run, λ (the
     weight of the node's own round in flight in the weights it trains: `overlap` "half" is
     `in_flight_weight`, "eager" its share of the outer step, see `in_flight_share`), β (the
-    residual's decay), and whether each message is clipped to the median norm before the mean."""
+    residual's decay), β_k (`kept_decay`: what a round sat out of a committee still weighs in
+    the next message), and whether each message is clipped to the median norm before the mean."""
+
+    def carried_weight(self, rounds: int) -> float:
+        """w(n) = 1 + β_k + … + β_k^(n−1): the rounds of work a message of n rounds holds."""
+        beta = self.kept_decay
+        return float(rounds) if beta == 1 else (1 - beta ** rounds) / (1 - beta)
 
     outer: DiLoCoHyperParameters = field(default_factory=DiLoCoHyperParameters)
     delay: int = 1
@@ -103,6 +118,7 @@ class DiLoCoXHyperParameters:
     in_flight_weight: float = 0.5
     overlap: str = "half"
     residual_decay: float = 1.0
+    kept_decay: float = 0.0
     clip_to_median: bool = False
     noise_ratio: float = 0.0
 
@@ -117,6 +133,10 @@ class DiLoCoXHyperParameters:
                 or not 0 <= self.noise_ratio <= 1:
             raise ConfigurationError(
                 f"DiLoCoX noise_ratio must be a number in [0, 1], got {self.noise_ratio!r}.")
+        if isinstance(self.kept_decay, bool) or not isinstance(self.kept_decay, (int, float)) \
+                or not 0 <= self.kept_decay <= 1:
+            raise ConfigurationError(
+                f"DiLoCoX kept_decay must be a number in [0, 1], got {self.kept_decay!r}.")
         if not isinstance(self.clip_to_median, bool):
             raise ConfigurationError(f"DiLoCoX clip_to_median must be a bool, got {self.clip_to_median!r}.")
         if type(self.delay) is not int or self.delay not in (0, 1):
@@ -137,6 +157,7 @@ class PseudoGradientMessage:
     sender: str
     round_index: int
     tensors: Mapping[str, Encoded]
+    rounds: int = 1  # rounds of the sender's work it carries (more when it sat out committees)
 
     @property
     def size_bytes(self) -> int:
@@ -195,6 +216,7 @@ class DiLoCoX:
         self.node_id = node_id
         self._outer = DiLoCo(initial_weights, self.hyper.outer)
         self._residual = zeros_like(self._outer.slow_weights)
+        self._kept = zeros_like(self._residual)  # k: Δ of the rounds outside the committee
         self._shapes = {name: t.shape for name, t in self._residual.items()}
         self._pending: dict[int, dict[str, PseudoGradientMessage]] = {}
         self._in_flight: dict[int, NamedTensors] = {}  # f: round -> D(c_own)
@@ -203,7 +225,8 @@ class DiLoCoX:
         self.counters = DiLoCoXCounters()
         self.last_step: OuterStepRecord | None = None
         self.last_messages: dict[str, PseudoGradientMessage] = {}  # what the last step applied (`replay`)
-        self._last_group_size = 0  # senders of the last round applied: the eager share's n
+        self._last_group_size = 0  # rounds carried by the last round applied: the eager share's n
+        self._kept_rounds = 0  # rounds kept in e since our last message (`keep`)
 
     # ------------------------------------------------------------------ views (copies)
     @property
@@ -218,26 +241,33 @@ class DiLoCoX:
 
     @property
     def residual(self) -> NamedTensors:
-        """A copy of the error-feedback residual e."""
-        return fp32_clone(self._residual, what="residual")
+        """A copy of e plus the rounds kept outside the committee, k (what the node's next message
+        starts from, k at β_k)."""
+        return {name: e + self._kept[name] for name, e in self._residual.items()}
 
     # ------------------------------------------------------------------ one round
     def round_start_weights(self) -> NamedTensors:
-        """s = φ − e − λ·Σ D(c_own) over the own rounds in flight: where a round starts."""
+        """s = φ − e − σ·k − λ·Σ D(c_own) over the own rounds in flight: where a round starts
+        (k: the rounds kept outside the committee, σ: `own_share`)."""
         start = self._outer.slow_weights_minus(self._residual)
-        share = self.in_flight_share()
-        for decoded in self._in_flight.values():
-            for name, tensor in start.items():
+        share, kept_share = self.in_flight_share(), self.own_share()
+        for name, tensor in start.items():
+            tensor.sub_(self._kept[name], alpha=kept_share)
+            for decoded in self._in_flight.values():
                 tensor.sub_(decoded[name], alpha=share)
         return start
 
     def in_flight_share(self) -> float:
-        """λ. "half": `in_flight_weight`. "eager": the share the node's own message will have in
-        φ's step when its round is applied, η·(1 + μ)/n with Nesterov (η/n without), n the
-        senders of the last round applied (1 before any): own work counts at once, at the
-        weight it will have, and the peers' arrives one round later."""
-        if self.hyper.overlap == "half":
-            return self.hyper.in_flight_weight
+        """λ. "half": `in_flight_weight`. "eager": `own_share`."""
+        return self.hyper.in_flight_weight if self.hyper.overlap == "half" else self.own_share()
+
+    def own_share(self) -> float:
+        """σ: the share the node's own work will have in φ's step when it is applied,
+        η·(1 + μ)/n with Nesterov (η/n without), n the rounds of work the last round applied
+        carried, its senders when all send every round (1 before any). Own work counts at once
+        at the weight it will have, as the peers' counts when it arrives: a node that counted
+        the rounds it kept outside the committee whole would count the swarm's common progress
+        twice, once in φ (the others' messages) and once in its own rounds."""
         outer = self.hyper.outer
         step = outer.outer_lr * ((1 + outer.momentum) if outer.nesterov else 1)
         return step / max(1, self._last_group_size)
@@ -246,29 +276,46 @@ class DiLoCoX:
         """Δ = s − θ at the end of a round: the progress of this round alone."""
         return difference(self.round_start_weights(), fast_weights)
 
+    def keep(self, delta: Mapping[str, torch.Tensor], round_index: int) -> None:
+        """A round outside the committee: k ← β_k·k + Δ, nothing sent; the next message carries it."""
+        self._check_next_round(round_index, delta)
+        beta = self.hyper.kept_decay
+        self._kept = {name: beta * kept + delta[name].detach().to(torch.float32)
+                      for name, kept in self._kept.items()}
+        self._kept_rounds += 1
+        self.last_compressed_round = round_index
+
     def compress(self, delta: Mapping[str, torch.Tensor], round_index: int) -> PseudoGradientMessage:
-        """c = C(Δ + β·e), e ← Δ + β·e − D(c); the message is also kept as this node's own."""
+        """c = C(Δ + β_k·k + β·e), e ← Δ + β_k·k + β·e − D(c), k ← 0; the message is also kept
+        as this node's own."""
+        self._check_next_round(round_index, delta)
+        encoded: dict[str, Encoded] = {}
+        new_residual: NamedTensors = {}
+        decoded: NamedTensors = {}
+        for name, residual in self._residual.items():
+            target = delta[name].detach().to(torch.float32) \
+                + self._kept[name] * self.hyper.kept_decay + residual * self.hyper.residual_decay
+            encoded[name] = self.codec.encode(target, name)
+            decoded[name] = self.codec.decode(encoded[name].description, encoded[name].payload,
+                                              max_elements=max(target.numel(), 1))
+            new_residual[name] = target - decoded[name]
+        self._residual = new_residual  # only once every tensor encoded: no half-updated e
+        self._kept = zeros_like(new_residual)
+        self._in_flight[round_index] = decoded
+        message = PseudoGradientMessage(self.node_id, round_index, encoded,
+                                        min(self._kept_rounds + 1, MAX_ROUNDS_CARRIED))
+        self._kept_rounds = 0
+        self.last_compressed_round = round_index
+        self._store(message)
+        return message
+
+    def _check_next_round(self, round_index: int, delta: Mapping[str, torch.Tensor]) -> None:
         if type(round_index) is not int or round_index <= max(self.last_compressed_round,
                                                                self.last_applied_round):
             raise ProtocolError(
                 f"compress round {round_index!r} must be an int above the last compressed round "
                 f"{self.last_compressed_round} and the last applied round {self.last_applied_round}.")
         check_same_layout(self._residual, delta, what="pseudo-gradient")
-        encoded: dict[str, Encoded] = {}
-        new_residual: NamedTensors = {}
-        decoded: NamedTensors = {}
-        for name, residual in self._residual.items():
-            target = delta[name].detach().to(torch.float32) + residual * self.hyper.residual_decay
-            encoded[name] = self.codec.encode(target, name)
-            decoded[name] = self.codec.decode(encoded[name].description, encoded[name].payload,
-                                              max_elements=max(target.numel(), 1))
-            new_residual[name] = target - decoded[name]
-        self._residual = new_residual  # only once every tensor encoded: no half-updated e
-        self._in_flight[round_index] = decoded
-        message = PseudoGradientMessage(self.node_id, round_index, encoded)
-        self.last_compressed_round = round_index
-        self._store(message)
-        return message
 
     def receive(self, message: PseudoGradientMessage) -> ReceiveOutcome:
         """Validate and hold a peer's message until its round is applied.
@@ -279,6 +326,9 @@ class DiLoCoX:
         if not isinstance(message, PseudoGradientMessage) or not isinstance(message.sender, str) \
                 or not message.sender or type(message.round_index) is not int or message.round_index < 0:
             raise ProtocolError("a DiLoCoX message needs a non-empty sender and a round index >= 0.")
+        if type(message.rounds) is not int or not 1 <= message.rounds <= MAX_ROUNDS_CARRIED:
+            raise ProtocolError(f"a DiLoCoX message carries 1 to {MAX_ROUNDS_CARRIED} rounds of "
+                                f"work, this one says {message.rounds!r}.")
         outcome = self._admission(message)
         if outcome is not ReceiveOutcome.ACCEPTED:
             return outcome
@@ -313,7 +363,7 @@ class DiLoCoX:
             return self.slow_weights
         self.counters.applied_messages += len(senders)
         self.counters.applied_rounds += 1
-        self._last_group_size = len(senders)
+        self._last_group_size = sum(self.hyper.carried_weight(messages[s].rounds) for s in senders)
         return self._outer.apply_mean(mean_update)
 
     def replay(self, before: Mapping[str, Any], messages: Mapping[str, PseudoGradientMessage]
@@ -343,19 +393,23 @@ class DiLoCoX:
         # Sorted sender order: every node sums the same numbers in the same order.
         scales = self._median_clip(messages, senders) if self.hyper.clip_to_median else {}
         return senders, left_out, len(scales), mean(
-            self._scaled(self._decoded(messages[s]), scales.get(s, 1.0)) for s in senders)
+            (self._scaled(self._decoded(messages[s]), scales.get(s, 1.0)) for s in senders),
+            divisor=sum(self.hyper.carried_weight(messages[s].rounds) for s in senders))
 
     # ------------------------------------------------------------------ helpers
     def _median_clip(self, messages: Mapping[str, PseudoGradientMessage],
                      senders: tuple[str, ...]) -> dict[str, float]:
-        """min(1, median ‖D(c_j)‖ / ‖D(c_j)‖) per sender: no message outweighs the median one.
+        """min(1, w_j·median_k(‖D(c_k)‖ / w_k) / ‖D(c_j)‖) per sender: no message outweighs the
+        median one per round of work it carries (w: `carried_weight`; 1 when everyone sends every
+        round, or with β_k = 0).
 
         One decoding at a time (memory stays one message); each norm is summed in an order fixed
         by the shapes alone (`squared_norm`), so every node computes the same factors from the
         same messages, whatever its hardware."""
         norms = {s: math.sqrt(squared_norm(self._decoded(messages[s]))) for s in senders}
-        median = statistics.median(norms.values())
-        return {s: median / n for s, n in norms.items() if n > median}
+        weight = {s: self.hyper.carried_weight(messages[s].rounds) for s in senders}
+        median = statistics.median(n / weight[s] for s, n in norms.items())
+        return {s: median * weight[s] / n for s, n in norms.items() if n > median * weight[s]}
 
     def _noise(self, messages: Mapping[str, PseudoGradientMessage],
                senders: tuple[str, ...]) -> tuple[str, ...]:
@@ -447,10 +501,15 @@ class DiLoCoX:
         pending = {r: {s: {n: {"description": e.description, "payload": e.payload}
                            for n, e in m.tensors.items()} for s, m in msgs.items()}
                    for r, msgs in self._pending.items()}
-        return {"outer": self._outer.state_dict(), "residual": self.residual,
+        return {"outer": self._outer.state_dict(),
+                "residual": fp32_clone(self._residual, what="residual"),
+                "kept": fp32_clone(self._kept, what="kept rounds"),
                 "codec": {"name": self.codec.name, "params": self.codec.params(),
                           "state": self.codec.state_dict()},
                 "pending": pending,
+                "pending_rounds": {r: {s: m.rounds for s, m in msgs.items()}
+                                   for r, msgs in self._pending.items()},
+                "kept_rounds": self._kept_rounds,
                 "in_flight": {r: fp32_clone(d, what="in-flight message")
                               for r, d in self._in_flight.items()},
                 "last_applied_round": self.last_applied_round,
@@ -474,9 +533,17 @@ class DiLoCoX:
         self._outer.load_state_dict(outer)
         self.codec.load_state_dict(codec_state)
         self._residual = fp32_clone(residual, what="checkpoint residual")
+        carried = state.get("pending_rounds", {})  # absent in older checkpoints: 1 round each
         self._pending = {int(r): {s: PseudoGradientMessage(s, int(r), {
-            n: Encoded(t["description"], t["payload"]) for n, t in tensors.items()})
+            n: Encoded(t["description"], t["payload"]) for n, t in tensors.items()},
+            int(carried.get(r, {}).get(s, 1)))
             for s, tensors in msgs.items()} for r, msgs in pending.items()}
+        self._kept_rounds = int(state.get("kept_rounds", 0))
+        kept = state.get("kept")  # absent in older checkpoints: no round kept
+        if kept is not None:
+            check_same_layout(self._residual, kept, what="checkpoint kept rounds")
+        self._kept = fp32_clone(kept, what="checkpoint kept rounds") if kept is not None \
+            else zeros_like(self._residual)
         in_flight = {}
         try:
             for r, decoded in state.get("in_flight", {}).items():  # absent in older checkpoints

@@ -83,8 +83,10 @@ def shift_in_place(tensors: Mapping[str, torch.Tensor], shift: Mapping[str, torc
         tensor.add_(shift[name].to(device=tensor.device, dtype=tensor.dtype))
 
 
-def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]]) -> NamedTensors:
-    """Elementwise mean of several dicts, summed in the order given.
+def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]], divisor: float | None = None
+         ) -> NamedTensors:
+    """Elementwise sum of several dicts, in the order given, over `divisor` (default: their
+    count, the mean).
 
     Summation order is part of the result in floating point: callers that need bitwise equal
     means on several nodes (DiLoCo, DiLoCoX) must pass the dicts in one canonical order. The
@@ -103,7 +105,7 @@ def mean(tensor_dicts: Iterable[Mapping[str, torch.Tensor]]) -> NamedTensors:
     if total is None:
         raise LayoutError("mean of no tensor dicts is undefined; pass at least one.")
     for tensor in total.values():
-        tensor.div_(count)
+        tensor.div_(count if divisor is None else divisor)
     return total
 
 

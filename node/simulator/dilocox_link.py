@@ -16,7 +16,8 @@ Each replica's DiLoCoXRound (node/rounds/dilocox/round.py, the daemon's own) tal
   served by that replica's round (`export_state`, fp32, counted to it), and adopts them before
   its next outer step (`take_resync`). Without losses all digests agree.
 Bytes: each message counts its encoded size once per recipient (N−1 copies: a compressed
-message cannot be summed on the way as a ring all-reduce sums fp32).
+message cannot be summed on the way as a ring all-reduce sums fp32). With a committee
+(`senders`, protocol/committee.py) only the round's committee sends.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 
 from node.rounds.dilocox.link import GroupMessage
+from protocol.committee import send_share
 from node.rounds.dilocox.round import DiLoCoXRound
 from node.simulator.exchange import InMemoryExchange, InMemoryMessage
 from node.simulator.lockstep import Lockstep
@@ -37,8 +39,11 @@ FP32_BYTES = 4
 
 class DiLoCoXMemoryNetwork:
     def __init__(self, names: list[str], exchange: InMemoryExchange, lockstep: Lockstep,
-                 delay: int):
+                 delay: int, senders: int = 0):
         self.names, self.exchange, self.lockstep, self.delay = names, exchange, lockstep, delay
+        self.share = send_share(senders, len(names))  # the committee's (protocol/committee.py)
+        self.sent: dict[int, set[str]] = {}  # round -> the replicas that sent its message
+        self.distinct_digests = 0  # of φ at the last round's end: 1 when every replica agrees
         self.rounds: dict[str, DiLoCoXRound] = {}  # who serves a resync: each replica's round
         self.outbox: dict[str, InMemoryMessage] = {}  # this round's messages, not sent yet
         self.digests: dict[str, str] = {}  # this round's φ digests
@@ -57,6 +62,7 @@ class DiLoCoXMemoryNetwork:
 
     def _send(self) -> None:
         for sender, message in sorted(self.outbox.items()):
+            self.sent.setdefault(message.round, set()).add(sender)
             for recipient in self.names:
                 if recipient != sender:
                     self.exchange.send(sender, recipient, TOPIC, message.round, message,
@@ -70,6 +76,8 @@ class DiLoCoXMemoryNetwork:
         `last`)."""
         self._send()
         self.late += self.exchange.expire(TOPIC, up_to_round=round_index - self.delay)
+        self.sent = {r: s for r, s in self.sent.items() if r > round_index - self.delay}
+        self.distinct_digests = len(set(self.digests.values()))
         for name in self.names:
             self.exchange.count_bytes(name, DIGEST_BYTES * (len(self.names) - 1))
         majority = winning_digest(Counter(self.digests.values()))
@@ -88,6 +96,9 @@ class DiLoCoXMemoryLink:
 
     def __init__(self, network: DiLoCoXMemoryNetwork, name: str):
         self.network, self.name = network, name
+
+    def send_share(self) -> float:
+        return self.network.share
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.network.outbox[self.name] = InMemoryMessage(round_index, tensors)
@@ -134,12 +145,13 @@ class DiLoCoXMemoryLink:
         raise AssertionError("no replica catches up: catch_up never offers a state")
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
-        """Every other replica's message of `round_index` has arrived by this replica's step:
-        taken now, without the rendezvous (the replicas train one after another, not together);
-        the round's end still meets the others in `collect`, which then finds nothing new."""
+        """The message of every other replica that sent one in `round_index` (all of them, or the
+        round's committee) has arrived by this replica's step: taken now, without the rendezvous
+        (the replicas train one after another, not together); the round's end still meets the
+        others in `collect`, which then finds nothing new."""
         exchange = self.network.exchange
-        if len({e.sender for e in exchange.arrived(self.name, TOPIC, round_index)}) \
-                < len(self.network.names) - 1:
+        expected = self.network.sent.get(round_index, set()) - {self.name}
+        if not expected <= {e.sender for e in exchange.arrived(self.name, TOPIC, round_index)}:
             return None
         return [GroupMessage(e.sender, round_index, e.payload)
                 for e in exchange.collect(self.name, TOPIC, round_index)]

@@ -43,6 +43,7 @@ class RoundRecord:
     local_updates: int
     resyncs: int
     energy_kept: float | None = None  # DiLoCoX low-rank: mean energy kept ε of this round's messages
+    phi_digests: int = 0             # DiLoCoX: distinct φ digests among the replicas (1: agreed)
     pairs: list[list[str]] = field(default_factory=list)  # NoLoCo: this round's pairs
     wall_seconds: float = 0.0
 
@@ -144,6 +145,7 @@ def measure(method: Method, rounds_done: int, tokens_per_step: int, evaluate: bo
         messages_dropped=exchange.counters.messages_dropped,
         messages_late=counters.late_messages, local_updates=counters.local_updates,
         resyncs=counters.resyncs, energy_kept=counters.energy_kept,
+        phi_digests=counters.phi_digests,
         pairs=[list(p) for p in counters.pairs_last_round],
         wall_seconds=wall_seconds)
 

@@ -29,6 +29,7 @@ from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.origin import ORIGIN, sign_origin
 from p2p.records import MemberRecord
 from protocol.vote import split_winner
+from protocol.committee import sends
 from tests.p2p_helpers import MANIFEST, SWARM, as_received, make_header
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
@@ -76,6 +77,34 @@ def exchange(loop, records: list[MemberRecord]) -> DiLoCoXExchange:
 def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
     ex.inbox.setdefault(round_index, {})[peer] = f"message of {peer}"
     ex.arrived.set()
+
+
+def test_with_a_committee_a_round_waits_only_for_the_members_drawn_to_send_in_it():
+    """15 members and us, about 4 senders a round (protocol/committee.py): every member finished
+    round 3, the messages of those drawn for it came, and the round is complete at once; with
+    no committee the same round still lacks the others'."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        names = [f"member-{i}" for i in range(15)]
+
+        def exchange_with(senders: int) -> DiLoCoXExchange:
+            config = ProtocolSection(name="dilocox", fan_out=32, message_deadline_s=30.0,
+                                     senders=senders)
+            return DiLoCoXExchange(config, unit_swarm(loop, [member(n, 4) for n in names],
+                                                      transport=HoldingTransport({})),
+                                   random.Random(0))
+        ex, everyone = exchange_with(4), exchange_with(0)
+        assert ex._share() == 4 / 16 and everyone._share() == 1.0
+        drawn = {n for n in names if sends(n, 3, 4 / 16)}
+        assert 0 < len(drawn) < len(names)
+        for n in drawn:
+            deliver(ex, 3, n)
+            deliver(everyone, 3, n)
+        assert ex._complete(3) and not everyone._complete(3)
+        began = loop.time()
+        assert {g.peer for g in await ex._collect(3, 30.0)} == drawn
+        assert loop.time() - began < 0.5
+    asyncio.run(main())
 
 
 def test_a_member_still_joining_is_sent_nothing():

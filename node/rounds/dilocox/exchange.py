@@ -19,6 +19,9 @@ Invariants:
   stale and split φ each round; a member more than a round behind is a straggler
   whose messages may miss the round, unless such members are the majority (`_unfinished`: then
   we are the one ahead, and wait for them as for members still in the round);
+- with a committee (`senders`, protocol/committee.py) a round waits and asks only for the
+  messages of members drawn to send in it, by our view of the swarm's size; a message from
+  another member that comes is applied all the same (views that differ may draw differently);
 - a member's round is the later of its record's and the one after its last message that came
   (`_rounds`): records come through the DHT and lag on a slow link;
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
@@ -60,6 +63,7 @@ from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import agreed_round, settled
 from node.rounds.swarm import Swarm, peer_name
+from protocol.committee import send_share, sends
 from p2p.errors import Reason, Refusal
 from p2p.messages import ReceivedMessage
 
@@ -84,6 +88,7 @@ class DiLoCoXExchange:
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
+        self.senders = config.senders  # the committee's size, about (protocol/committee.py)
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
         self.heard: dict[str, int] = {}  # member -> the latest round whose message came from it
         self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
@@ -132,6 +137,16 @@ class DiLoCoXExchange:
         # not a member still joining: its exchange is not listening yet, and a push to it was
         # refused UNSUPPORTED (a refusal on both nodes' status) while it waited for its peers
         return sorted(r.peer_id for r in settled(self.members.eligible()))
+
+    def _share(self) -> float:
+        """The committee's p from our view of the swarm (its members and us)."""
+        return send_share(self.senders, len(self._members()) + 1)
+
+    def _in_committee(self, round_index: int, peers: set[str]) -> set[str]:
+        """Of `peers`, those drawn to send in `round_index`: the only ones whose message a round
+        waits or asks for (all of them without a committee)."""
+        share = self._share()
+        return {peer for peer in peers if sends(peer, round_index, share)}
 
     def group(self) -> list[str]:
         peers = self._members()
@@ -197,6 +212,9 @@ class DiLoCoXExchange:
     def rejoin(self, from_round: int, state: SwarmState) -> None:
         self.swarm.bridge.call("the swarm's round", self._rejoin, from_round, state)
 
+    def send_share(self) -> float:
+        return self.swarm.bridge.call("the committee's share", self._share)
+
     def send_ratio(self) -> float | None:
         return self.sender.send_ratio()
 
@@ -252,7 +270,8 @@ class DiLoCoXExchange:
             for round_index in range(max(self.oldest_wanted, self.first_round, self.collected + 1),
                                      self.collected + 3):
                 box = self.inbox.get(round_index, {})
-                self._ask_for(round_index, self._finished(round_index) - set(box))
+                self._ask_for(round_index, self._in_committee(
+                    round_index, self._finished(round_index)) - set(box))
 
     def _ask_for(self, round_index: int, authors: set[str]) -> None:
         if authors:
@@ -323,7 +342,8 @@ class DiLoCoXExchange:
         if round_index < self.first_round or round_index <= self.collected or self.consensus.checks:
             return False
         box = self.inbox.get(round_index, {})
-        return not (self._finished(round_index) | self._unfinished(round_index)) - set(box)
+        return not self._in_committee(round_index, self._finished(round_index)
+                                      | self._unfinished(round_index)) - set(box)
 
     async def _collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         self.ran_ahead_s = 0.0
@@ -361,7 +381,8 @@ class DiLoCoXExchange:
             at = self.loop.time()
             for peer in self._arriving(round_index) | self.relay.fetching(round_index):
                 on_its_way[peer] = at
-            unsent = (self._finished(round_index) | set(on_its_way)) - set(box)
+            unsent = (self._in_committee(round_index, self._finished(round_index))
+                      | set(on_its_way)) - set(box)
             if at < asking_deadline:
                 # a member that finished the round and whose message has not come: another
                 # member may hold it (its push to us broke, or went to a subset beyond the fan-out)
@@ -370,7 +391,8 @@ class DiLoCoXExchange:
                 quiet = {peer for peer in unsent if at - on_its_way.get(peer, -math.inf) > ON_ITS_WAY_S}
                 given_up |= quiet
                 unsent -= quiet
-            laggards = self._unfinished(round_index) - set(box) if at < laggard_deadline else set()
+            laggards = self._in_committee(round_index, self._unfinished(round_index)) - set(box) \
+                if at < laggard_deadline else set()
             missing = unsent | laggards
             if not missing or at >= deadline:
                 break

@@ -39,6 +39,10 @@ class DiLoCoXLink(Protocol):
     def send_round(self, round_index: int, tensors: list) -> None:
         """Sends this node's compressed message of the round to the group (in the background)."""
 
+    def send_share(self) -> float:
+        """p: the share of the members that send in a round (protocol/committee.py), from the
+        manifest's `senders` and this link's view of the swarm's size; 1 with no committee."""
+
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         """The group's messages of `round_index` that arrived, waiting at most `wait_s`; nothing,
         at once, for a round already collected."""

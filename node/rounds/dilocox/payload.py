@@ -1,8 +1,10 @@
 """What a DiLoCoX round sends and receives: its compressed pseudo-gradient on the wire, in one place.
 
 A message travels as one msgpack blob of the codec's descriptions ("descriptions": [[name,
-description], ...]) and each tensor's codec payload as raw bytes ("c/<name>"). Decoding bounds
-the blob before unpacking it; any malformation is a ValueError naming the sender.
+description], ...]), the rounds of work it carries as one int32 ("rounds", absent: 1; more when
+its sender sat out committees, protocol/committee.py) and each tensor's codec payload as raw
+bytes ("c/<name>"). Decoding bounds the blob before unpacking it; any malformation is a
+ValueError naming the sender.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import numpy as np
 from node.rounds.contributions import ContributionRefused
 from p2p.messages import OutgoingTensor
 from protocol.codecs.base import Encoded
-from protocol.dilocox import PseudoGradientMessage
+from protocol.dilocox import MAX_ROUNDS_CARRIED, PseudoGradientMessage
 
 DESCRIPTIONS = "descriptions"
+ROUNDS = "rounds"
 PAYLOAD = "c/"
 MAX_DESCRIPTIONS_BYTES = 1 << 20
 
@@ -28,6 +31,8 @@ def encode_message(message: PseudoGradientMessage) -> list[OutgoingTensor]:
     descriptions = msgpack.packb([[n, message.tensors[n].description] for n in names])
     out = [OutgoingTensor(DESCRIPTIONS, "uint8", (len(descriptions),),
                           np.frombuffer(descriptions, dtype=np.uint8))]
+    if message.rounds != 1:  # the common case costs no bytes
+        out.append(OutgoingTensor(ROUNDS, "int32", (1,), np.array([message.rounds], dtype=np.int32)))
     for n in names:
         payload = bytes(message.tensors[n].payload)
         out.append(OutgoingTensor(PAYLOAD + n, "uint8", (len(payload),),
@@ -50,7 +55,17 @@ def decode_message(peer: str, round_index: int, received: Any) -> PseudoGradient
     except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:
         raise ValueError(f"DiLoCoX message from {peer} is malformed ({exc.__class__.__name__})") \
             from None
-    return PseudoGradientMessage(peer, round_index, tensors)
+    rounds = 1
+    if ROUNDS in views:
+        entry, view = views[ROUNDS]
+        if entry.dtype != "int32" or tuple(entry.shape) != (1,) or len(view) != 4:
+            raise ValueError(f"DiLoCoX message from {peer} says the rounds it carries in a "
+                             f"{entry.dtype} of shape {tuple(entry.shape)}, not one int32")
+        rounds = int(np.frombuffer(view, dtype=np.int32)[0])
+    if not 1 <= rounds <= MAX_ROUNDS_CARRIED:
+        raise ValueError(f"DiLoCoX message from {peer} says it carries {rounds} rounds of work, "
+                         f"outside 1 to {MAX_ROUNDS_CARRIED}")
+    return PseudoGradientMessage(peer, round_index, tensors, rounds)
 
 
 def check_density(message: PseudoGradientMessage, max_density: float) -> None:

@@ -2,9 +2,11 @@
 math is protocol/dilocox.py (PROTOCOLS.md §3).
 
 At the end of round r: Δ = (round start) − θ, c = C(Δ + e) (error feedback inside
-protocol/dilocox.py), hand c to the link, which sends it to the round's group in the background;
-then take the group's messages of round r − delay (with delay = 1 they travelled during round r,
-so this rarely waits), check each, apply the outer step, and publish the digest of the new φ.
+protocol/dilocox.py), hand c to the link, which sends it to the round's group in the background
+(with a committee, protocol/committee.py, only in the rounds this node is drawn for: in the
+others Δ waits in e, `keep`); then take the group's messages of round r − delay (with delay = 1
+they travelled during round r, so this rarely waits), check each, apply the outer step, and
+publish the digest of the new φ.
 Every node applies the same messages in the same order, so φ stays identical; a node whose
 digest disagrees with the majority replays its steps since its last agreed state over the
 majority's messages (`_replayed`: the link hands it the majority's senders of each step and the
@@ -41,6 +43,7 @@ from node.rounds.dilocox.link import REPLAY_ROUNDS, DiLoCoXLink, GroupMessage, S
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
+from protocol.committee import sends
 from protocol.diloco import DiLoCoHyperParameters
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
 from protocol.errors import ProtocolError
@@ -96,6 +99,7 @@ class DiLoCoXRound:
                              self.codec, node_id, DiLoCoXHyperParameters(
                                  outer=outer, delay=config.delay, overlap=config.overlap,
                                  residual_decay=config.residual_decay,
+                                 kept_decay=config.kept_decay,
                                  clip_to_median=config.clip_to_median,
                                  noise_ratio=contributions.noise_ratio if config.noise_filter else 0.0))
         # the parameters' names and shapes (meta tensors, no memory): what a peer's message is
@@ -185,13 +189,17 @@ class DiLoCoXRound:
         node fell behind it; returns (outcome, where θ starts the next round, the swarm's round
         if caught up). The trainer is not touched."""
         delta = self.outer.pseudo_gradient(fast_weights)
-        own = self.outer.compress(delta, round_index)
         self.own_norm = global_norm(delta)
         self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
-        self.own_sent[round_index] = own
-        self.link.send_round(round_index, payload.encode_message(own))
-        compression = self.adapter.after_send(own, self.link.send_ratio(), self.link.shared_ratio()) \
-            if self.adapter else None
+        own, compression = None, None
+        if sends(self.outer.node_id, round_index, self.link.send_share()):
+            own = self.outer.compress(delta, round_index)
+            self.own_sent[round_index] = own
+            self.link.send_round(round_index, payload.encode_message(own))
+            compression = self.adapter.after_send(own, self.link.send_ratio(),
+                                                  self.link.shared_ratio()) if self.adapter else None
+        else:  # not in this round's committee: the work waits in e for our next message
+            self.outer.keep(delta, round_index)
         early = self.stepped_round == round_index
         step, refused, waited, ahead = self._apply_group(round_index)
         start = self.outer.round_start_weights()  # φ minus our own round still in flight
@@ -206,8 +214,9 @@ class DiLoCoXRound:
         outcome = DiLoCoXOutcome(
             phi_digest=digest, refused=refused, network_wait_seconds=waited,
             applied_round=step.applied_round if step else None,
-            group=list(step.senders) if step else [], sent_bytes=own.size_bytes,
-            resyncs=self.resyncs, energy_kept=own.energy_kept, late=self.outer.counters.late,
+            group=list(step.senders) if step else [], sent_bytes=own.size_bytes if own else 0,
+            resyncs=self.resyncs, energy_kept=own.energy_kept if own else {},
+            late=self.outer.counters.late,
             compression=compression, stepped_mid_round=early, caught_up_to=next_round,
             ran_ahead_seconds=ahead, replays=self.replays)
         return outcome, start, next_round
@@ -421,7 +430,8 @@ class DiLoCoXRound:
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))
                        for n, e in message.tensors.items() if n in params}
-            check_contribution(item.peer, decoded, params, self.own_norm,
+            # a message carrying n rounds of its sender's work may be n rounds' size
+            check_contribution(item.peer, decoded, params, self.own_norm * message.rounds,
                                self.contributions.max_norm_ratio, "DiLoCoX pseudo-gradient")
             return message
         except (ContributionRefused, ProtocolError, ValueError) as exc:

@@ -19,6 +19,7 @@ class MethodCounters:
     late_messages: int = 0       # arrived after the round they were needed in: not applied
     resyncs: int = 0             # DiLoCoX nodes that re-downloaded φ and m from the majority
     energy_kept: float | None = None  # DiLoCoX low-rank: mean ε of the last round's messages
+    phi_digests: int = 0         # DiLoCoX: distinct φ digests at the last round's end (1: agreed)
     pairs_last_round: list[tuple[str, str]] = field(default_factory=list)
 
 

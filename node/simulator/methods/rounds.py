@@ -44,7 +44,8 @@ class RoundSwarm(Method):
                                                rounding_seed(settings.seed, r.name))
                            for r in replicas}
         else:
-            self.network = DiLoCoXMemoryNetwork(names, exchange, self.lockstep, settings.delay)
+            self.network = DiLoCoXMemoryNetwork(names, exchange, self.lockstep, settings.delay,
+                                                protocol.senders)
             self.rounds = {r.name: DiLoCoXRound(protocol, contributions, r.trainer, r.name,
                                                 self.network.link(r.name),
                                                 SharedDecoding(codec_for(protocol), self.decodings))
@@ -76,6 +77,7 @@ class RoundSwarm(Method):
         elif self.settings.protocol == "dilocox" and self.settings.delay == 1:
             self.lockstep.run([partial(self.rounds[r.name].finish, rounds) for r in self.replicas])
             self.network.round_ended(rounds, last=True)
+            self.counters.phi_digests = self.network.distinct_digests
         self.counters.late_messages = self.network.late
         self.lockstep.close()
 
@@ -87,5 +89,6 @@ class RoundSwarm(Method):
             counters.pairs_last_round = self.network.pair_history[-1]
             return
         counters.resyncs = sum(o.resyncs for o in outcomes)
+        counters.phi_digests = self.network.distinct_digests
         energies = [e for o in outcomes for e in o.energy_kept.values()]
         counters.energy_kept = sum(energies) / len(energies) if energies else None

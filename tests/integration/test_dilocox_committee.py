@@ -1,0 +1,40 @@
+"""Issue 18 on real daemons: a DiLoCoX committee of senders (protocol/committee.py). Four nodes,
+about two senders a round: a member not drawn for a round sends nothing and keeps its work for
+its next message, the others wait only for the drawn members, and φ stays one. Separate
+processes, real p2pd, loopback."""
+
+import pytest
+
+from protocol.committee import send_share, sends
+from tests.swarm_harness import left, small_manifest
+
+pytestmark = pytest.mark.integration
+BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
+
+
+def test_a_committee_sends_in_its_rounds_only_and_the_swarm_holds_one_phi(harness_factory):
+    m = small_manifest("t-dilocox-committee", "dilocox", rank=4, senders=2)
+    harness = harness_factory(m)
+    nodes = harness.start(4, extra=["--max-steps", "200"])
+    for node in nodes:
+        node.wait_for(left, 300, "the node to finish and leave")
+    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
+    common = sorted(set.intersection(*(set(d) for d in digests)))
+    split = [r for r in common if len({d[r] for d in digests}) > 1]
+    print(f"rounds all four ended: {common}, split: {split}")
+    assert len(common) >= 6, common
+    # the first round may split: a late joiner waits for its first round at most one round
+    assert not [r for r in split if r > common[0]], f"φ split in rounds {split} of {common}"
+    share = send_share(2, 4)
+    for node in nodes:
+        rounds = node.events("round")
+        sent = {r["round"] for r in rounds if r["sent_bytes"] > 0}
+        drawn = {r["round"] for r in rounds if sends(node.peer_id, r["round"], share)}
+        assert sent == drawn, (node.index, sorted(sent), sorted(drawn))
+        assert 0 < len(sent) < len(rounds), (node.index, len(sent), len(rounds))
+        # each outer step applied the messages of members drawn for its round, and no others
+        for r in rounds:
+            if r["applied_round"] is not None:
+                assert all(sends(p, r["applied_round"], share) for p in r["group"]), r
+        counters = node.events("transport")[-1]
+        assert set(counters["refused_incoming"]) <= BENIGN, counters["refused_incoming"]

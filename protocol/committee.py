@@ -10,11 +10,11 @@ u: the first 8 bytes of BLAKE2b(id ‖ r) read as a number in [0, 1); k: the sen
 round (the manifest's `senders`); N: the swarm's size, rounded up to a power of two so that
 members whose views of the swarm differ a little draw the same committee. About k members send
 a round, each about once every N / k rounds, whatever N: a node's bytes per round, averaged
-over rounds, are about k·(N − 1)/N messages. A member that does not send keeps its round's
-work in its error-feedback residual (protocol/dilocox.py `keep`), and its next message carries
-it, with the number of rounds it holds: the outer step divides the sum of the messages by the
-rounds they carry, so each round of each member's work weighs what it would in a mean over
-every member.
+over rounds, are about k·(N − 1)/N messages. A member that does not send keeps its round
+(protocol/dilocox.py `keep`) and its next message says how many rounds it waited; how much of
+them it carries is `kept_decay` (by default none: work that stale cost more than it gave,
+measured in protocol/dilocox.py's docstring), and the outer step divides the sum of the
+messages by the rounds of work they carry.
 """
 
 from __future__ import annotations

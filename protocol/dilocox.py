@@ -52,6 +52,15 @@ Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from
   compression made DiLoCoX end worse than training alone (rank 2, delay 0: 2.49 against
   local-only 1.93). Keeping e in the node's own weights means a node trains on all of its own
   work plus the swarm's consensus: with a codec that sends nothing it is local training.
+- §3 lists "a committee of senders, error feedback keeping the work of nodes that do not send
+  this round". The committee is built (protocol/committee.py); keeping the others' work is
+  `kept_decay` = 1, and it lost to sending the fresh round alone: at 32 replicas, 8 senders a
+  round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.2018,
+  the fresh round alone 2.0883, against local-only 2.2552 and DiLoCo (everyone, every round)
+  2.0813 (benchmarks/RESULTS.md, issue 18). A round kept waits N/k rounds on average before
+  it is sent, and φ stepping on work that stale costs more than the work gives. So by default
+  (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size, more
+  senders' rounds add little (DiLoCo at 8 replicas 2.1055, at 32 2.0813).
 φ stays bitwise identical on every node and every message is still applied exactly once; a
 node's weights differ from φ by its own e and its share of its rounds in flight.
 

@@ -43,15 +43,21 @@ def small_manifest(swarm: str, protocol: str, inner_steps: int = 20, **protocol_
     return m
 
 
+def phi_rounds(nodes) -> tuple[list[int], list[int], list[dict[int, str]]]:
+    """DiLoCoX nodes' φ by round: (the rounds all of them ended, those of them whose φ was not
+    the same on every node, each node's {round: φ digest})."""
+    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
+    common = sorted(set.intersection(*(set(d) for d in digests)))
+    return common, [r for r in common if len({d[r] for d in digests}) > 1], digests
+
+
 def assert_phi_heals(nodes, min_rounds: int = 3) -> list[int]:
     """DiLoCoX's consistency, as the daemon promises it: the nodes' φ may split for a round (a
     message that reached some of them before a deadline) but the consensus check resyncs the
     minority, so every split is over two rounds later. The last two rounds before the nodes
     left had no time to heal and are not judged. Returns the rounds all nodes ended."""
-    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
-    common = sorted(set.intersection(*(set(d) for d in digests)))
+    common, split, digests = phi_rounds(nodes)
     assert len(common) >= min_rounds, common
-    split = [r for r in common if len({d[r] for d in digests}) > 1]
     judged = [r for r in split if r + 2 <= common[-1]]
     unhealed = [r for r in judged if r + 2 in common and len({d[r + 2] for d in digests}) > 1]
     assert not unhealed, f"φ still split two rounds after rounds {unhealed}: {digests}"

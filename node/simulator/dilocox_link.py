@@ -25,10 +25,10 @@ from __future__ import annotations
 from collections import Counter
 
 from node.rounds.dilocox.link import GroupMessage
-from protocol.committee import send_share
 from node.rounds.dilocox.round import DiLoCoXRound
 from node.simulator.exchange import InMemoryExchange, InMemoryMessage
 from node.simulator.lockstep import Lockstep
+from protocol.committee import send_share
 from protocol.tensors import fp32_clone, numel
 from protocol.vote import winning_digest
 

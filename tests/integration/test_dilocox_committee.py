@@ -6,7 +6,7 @@ processes, real p2pd, loopback."""
 import pytest
 
 from protocol.committee import send_share, sends
-from tests.swarm_harness import left, small_manifest
+from tests.swarm_harness import left, phi_rounds, small_manifest
 
 pytestmark = pytest.mark.integration
 BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
@@ -18,9 +18,7 @@ def test_a_committee_sends_in_its_rounds_only_and_the_swarm_holds_one_phi(harnes
     nodes = harness.start(4, extra=["--max-steps", "200"])
     for node in nodes:
         node.wait_for(left, 300, "the node to finish and leave")
-    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
-    common = sorted(set.intersection(*(set(d) for d in digests)))
-    split = [r for r in common if len({d[r] for d in digests}) > 1]
+    common, split, _ = phi_rounds(nodes)
     print(f"rounds all four ended: {common}, split: {split}")
     assert len(common) >= 6, common
     # the first round may split: a late joiner waits for its first round at most one round

@@ -5,7 +5,7 @@ one, where it split every round by design before. Separate processes, real p2pd,
 
 import pytest
 
-from tests.swarm_harness import left, small_manifest
+from tests.swarm_harness import left, phi_rounds, small_manifest
 
 pytestmark = pytest.mark.integration
 BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
@@ -17,9 +17,7 @@ def test_a_swarm_beyond_its_fan_out_fetches_what_was_not_sent_to_it_and_holds_on
     nodes = harness.start(4, extra=["--max-steps", "160"])
     for node in nodes:
         node.wait_for(left, 300, "the node to finish and leave")
-    digests = [{r["round"]: r["phi_digest"] for r in node.events("round")} for node in nodes]
-    common = sorted(set.intersection(*(set(d) for d in digests)))
-    split = [r for r in common if len({d[r] for d in digests}) > 1]
+    common, split, _ = phi_rounds(nodes)
     relayed = [node.events("relayed") for node in nodes]
     print(f"rounds all four ended: {common}, split: {split}, "
           f"copies fetched per node: {[len(r) for r in relayed]}")

@@ -1043,3 +1043,23 @@ def test_a_resync_that_came_after_its_step_is_handed_over_at_the_next():
         assert ex.replay.applied[3] == (2, ("a", "b"))  # its step is ours now: served so
         assert ex.consensus.pop_resync(4) is None
     asyncio.run(main())
+
+
+def test_a_committee_members_round_is_timed_per_round_not_per_send(monkeypatch):
+    """A committee member sends every few rounds: one of its rounds is the time between two
+    sends over the rounds between them, what the controller's send ratio compares a send with
+    (timed per send, a member sending every 4th round read its link 4 times as fast)."""
+    import numpy as np
+    from types import SimpleNamespace
+
+    from node.rounds.dilocox import sending
+    from p2p.messages import OutgoingTensor
+
+    clock = iter([100.0, 112.0])
+    monkeypatch.setattr(sending.time, "monotonic", lambda: next(clock))
+    swarm = SimpleNamespace(bridge=SimpleNamespace(spawn=lambda *args, **kwargs: None))
+    sender = sending.RoundSender(swarm, 30.0, lambda: [], lambda message: None)
+    tensors = [OutgoingTensor("w", "uint8", (4,), np.zeros(4, np.uint8))]
+    sender.send_round(2, tensors)
+    sender.send_round(6, tensors)
+    assert sender.last_round_s == 3.0

@@ -63,9 +63,9 @@ from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import agreed_round, settled
 from node.rounds.swarm import Swarm, peer_name
-from protocol.committee import send_share, sends
 from p2p.errors import Reason, Refusal
 from p2p.messages import ReceivedMessage
+from protocol.committee import send_share, sends
 
 log = logging.getLogger("lowcomm.dilocox")
 WATCH_S = 0.25  # how often the messages that did not come are looked for (relay.py)

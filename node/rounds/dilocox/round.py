@@ -4,7 +4,7 @@ math is protocol/dilocox.py (PROTOCOLS.md §3).
 At the end of round r: Δ = (round start) − θ, c = C(Δ + e) (error feedback inside
 protocol/dilocox.py), hand c to the link, which sends it to the round's group in the background
 (with a committee, protocol/committee.py, only in the rounds this node is drawn for: in the
-others Δ waits in e, `keep`); then take the group's messages of round r − delay (with delay = 1
+others Δ is kept, `keep`, and the next message carries it as `kept_decay` says); then take the group's messages of round r − delay (with delay = 1
 they travelled during round r, so this rarely waits), check each, apply the outer step, and
 publish the digest of the new φ.
 Every node applies the same messages in the same order, so φ stays identical; a node whose
@@ -198,7 +198,7 @@ class DiLoCoXRound:
             self.link.send_round(round_index, payload.encode_message(own))
             compression = self.adapter.after_send(own, self.link.send_ratio(),
                                                   self.link.shared_ratio()) if self.adapter else None
-        else:  # not in this round's committee: the work waits in e for our next message
+        else:  # not in this round's committee: our next message carries what kept_decay keeps
             self.outer.keep(delta, round_index)
         early = self.stepped_round == round_index
         step, refused, waited, ahead = self._apply_group(round_index)
@@ -430,8 +430,9 @@ class DiLoCoXRound:
             decoded = {n: self.codec.decode(e.description, e.payload,
                                             max_elements=max(params[n].numel(), 1))
                        for n, e in message.tensors.items() if n in params}
-            # a message carrying n rounds of its sender's work may be n rounds' size
-            check_contribution(item.peer, decoded, params, self.own_norm * message.rounds,
+            # a message carrying n rounds of its sender's work may be as large as they weigh
+            weight = self.outer.hyper.carried_weight(message.rounds)
+            check_contribution(item.peer, decoded, params, self.own_norm * weight,
                                self.contributions.max_norm_ratio, "DiLoCoX pseudo-gradient")
             return message
         except (ContributionRefused, ProtocolError, ValueError) as exc:

@@ -40,7 +40,8 @@ class RoundSender:
         """`group()`: whom a round's message goes to; `sign(message)`: our origin signature."""
         self.swarm, self.deadline_s, self.group, self.sign = swarm, deadline_s, group, sign
         self._send_called_at: float | None = None  # training thread: the last send_round
-        self._round_durations: tuple[float, ...] = ()  # between send_round calls, the last few
+        self._send_called_round = -1  # ... and its round (a committee skips rounds between them)
+        self._round_durations: tuple[float, ...] = ()  # one round, from the last send_round calls
         self._handed_bytes = 0                      # training thread: the last message handed over
         self._sends_in_flight: dict[int, tuple[float, int]] = {}  # loop: round -> (started, bytes)
         self._link_costs: tuple[float, ...] = ()  # loop: seconds per byte of the last sends
@@ -57,8 +58,10 @@ class RoundSender:
     def send_round(self, round_index: int, tensors: list) -> None:
         now = time.monotonic()
         if self._send_called_at is not None:
-            self._round_durations = (*self._round_durations, now - self._send_called_at)[-LINK_MEMORY:]
-        self._send_called_at = now
+            rounds = max(1, round_index - self._send_called_round)
+            self._round_durations = (*self._round_durations,
+                                     (now - self._send_called_at) / rounds)[-LINK_MEMORY:]
+        self._send_called_at, self._send_called_round = now, round_index
         message = OutgoingMessage(PGRAD, round_index, tensors)
         self.sign(message)
         self._handed_bytes = message.total_bytes

@@ -55,8 +55,8 @@ Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from
 - §3 lists "a committee of senders, error feedback keeping the work of nodes that do not send
   this round". The committee is built (protocol/committee.py); keeping the others' work is
   `kept_decay` = 1, and it lost to sending the fresh round alone: at 32 replicas, 8 senders a
-  round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.2018,
-  the fresh round alone 2.0883, against local-only 2.2552 and DiLoCo (everyone, every round)
+  round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.1891,
+  the fresh round alone 2.1000, against local-only 2.2528 and DiLoCo (everyone, every round)
   2.0813 (benchmarks/RESULTS.md, issue 18). A round kept waits N/k rounds on average before
   it is sent, and φ stepping on work that stale costs more than the work gives. So by default
   (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size, more

@@ -136,8 +136,8 @@ class ProtocolSection:
                         "others' rounds wait for their next message as kept_decay says",
                         min=0, max=4096)
     # 0: a round's work that waited outside the committee was stale by the time it was sent, and
-    # at 32 replicas and 8 senders it cost more than it gave: 2.0883 fresh only, 2.2018 at 0.5,
-    # 2.4415 at 1, local-only 2.2552 (identity code; benchmarks/RESULTS.md, issue 18)
+    # at 32 replicas and 8 senders it cost more than it gave: 2.1000 fresh only, 2.1891 at 0.5,
+    # 2.4415 at 1, local-only 2.2528 (identity code; benchmarks/RESULTS.md, issue 18)
     kept_decay: float = spec(0.0, "DiLoCoX with a committee (senders > 0): what a round kept "
                              "outside the committee still weighs in the member's next message, "
                              "per round waited (0: only the fresh round is sent; 1: all of it)",

@@ -37,7 +37,7 @@ from node.config.schema import load_config  # noqa: E402
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator import SimulationSettings, run_simulation  # noqa: E402
 from node.simulator.exchange import ring_allreduce_bytes  # noqa: E402
-from node.simulator.report import markdown_table, write_json  # noqa: E402
+from node.simulator.report import markdown_table  # noqa: E402
 
 
 
@@ -136,7 +136,8 @@ def run_one(key: str, settings: SimulationSettings, args: argparse.Namespace) ->
     data = result.to_dict()
     data["wall_seconds"] = time.perf_counter() - started
     if not args.no_results:
-        write_json(result, path)  # without the wall time: what the simulation measured
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     return data
 
 
@@ -162,7 +163,8 @@ def summary(args: argparse.Namespace, results: dict[str, dict]) -> list[dict]:
                 "sent per node per round": per_round, "fp32 ring per node per round": ring,
                 "ring / sent": ring / per_round,
                 "rounds with more than one φ": split, "resyncs": last["resyncs"],
-                "wall min": run.get("wall_seconds", 0) / 60})
+                # runs written before the wall time was kept have none
+                "wall min": run["wall_seconds"] / 60 if "wall_seconds" in run else None})
     return rows
 
 
@@ -206,7 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                             encoding="utf-8")
         write_block(args.results, f"dilocox-scale{variant}", "\n".join([
             f"### DiLoCoX at {' and '.join(map(str, args.workers))} replicas with a committee of "
-            f"about {args.senders} senders a round (issue 18)", "", table(rows), "", "Command:",
+            f"about {args.senders} senders a round (issue 18)"
+            + (f": {args.codec} code, {variant.lstrip('-')}" if variant else ""),
+            "", table(rows), "", "Command:",
             "", f"    {command}"]))
     return 0
 

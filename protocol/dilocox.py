@@ -116,11 +116,6 @@ class DiLoCoXHyperParameters:
     residual's decay), β_k (`kept_decay`: what a round sat out of a committee still weighs in
     the next message), and whether each message is clipped to the median norm before the mean."""
 
-    def carried_weight(self, rounds: int) -> float:
-        """w(n) = 1 + β_k + … + β_k^(n−1): the rounds of work a message of n rounds holds."""
-        beta = self.kept_decay
-        return float(rounds) if beta == 1 else (1 - beta ** rounds) / (1 - beta)
-
     outer: DiLoCoHyperParameters = field(default_factory=DiLoCoHyperParameters)
     delay: int = 1
     max_rounds_ahead: int = 8
@@ -157,6 +152,11 @@ class DiLoCoXHyperParameters:
                 or not 0 <= self.in_flight_weight <= 1:
             raise ConfigurationError(
                 f"DiLoCoX in_flight_weight must be a number in [0, 1], got {self.in_flight_weight!r}.")
+
+    def carried_weight(self, rounds: int) -> float:
+        """w(n) = 1 + β_k + … + β_k^(n−1): the rounds of work a message of n rounds holds."""
+        beta = self.kept_decay
+        return float(rounds) if beta == 1 else (1 - beta ** rounds) / (1 - beta)
 
 
 @dataclass(frozen=True)
@@ -235,7 +235,7 @@ class DiLoCoX:
         self.last_step: OuterStepRecord | None = None
         self.last_messages: dict[str, PseudoGradientMessage] = {}  # what the last step applied (`replay`)
         self._last_group_size = 0  # rounds carried by the last round applied: the eager share's n
-        self._kept_rounds = 0  # rounds kept in e since our last message (`keep`)
+        self._kept_rounds = 0  # rounds kept in k since our last message (`keep`)
 
     # ------------------------------------------------------------------ views (copies)
     @property
@@ -250,9 +250,10 @@ class DiLoCoX:
 
     @property
     def residual(self) -> NamedTensors:
-        """A copy of e plus the rounds kept outside the committee, k (what the node's next message
-        starts from, k at β_k)."""
-        return {name: e + self._kept[name] for name, e in self._residual.items()}
+        """A copy of e plus what the next message carries of the rounds kept outside the
+        committee, β_k·k: what the node's work has not sent yet and will."""
+        return {name: e + self.hyper.kept_decay * self._kept[name]
+                for name, e in self._residual.items()}
 
     # ------------------------------------------------------------------ one round
     def round_start_weights(self) -> NamedTensors:

@@ -43,6 +43,14 @@ def small_manifest(swarm: str, protocol: str, inner_steps: int = 20, **protocol_
     return m
 
 
+def run_to_the_end(harness, count: int, max_steps: int, timeout: float = 300) -> list:
+    """`count` nodes started together, each trained `max_steps` steps and left."""
+    nodes = harness.start(count, extra=["--max-steps", str(max_steps)])
+    for node in nodes:
+        node.wait_for(left, timeout, "the node to finish and leave")
+    return nodes
+
+
 def phi_rounds(nodes) -> tuple[list[int], list[int], list[dict[int, str]]]:
     """DiLoCoX nodes' φ by round: (the rounds all of them ended, those of them whose φ was not
     the same on every node, each node's {round: φ digest})."""

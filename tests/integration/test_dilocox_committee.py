@@ -6,7 +6,7 @@ processes, real p2pd, loopback."""
 import pytest
 
 from protocol.committee import send_share, sends
-from tests.swarm_harness import left, phi_rounds, small_manifest
+from tests.swarm_harness import phi_rounds, run_to_the_end, small_manifest
 
 pytestmark = pytest.mark.integration
 BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
@@ -14,10 +14,7 @@ BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
 
 def test_a_committee_sends_in_its_rounds_only_and_the_swarm_holds_one_phi(harness_factory):
     m = small_manifest("t-dilocox-committee", "dilocox", rank=4, senders=2)
-    harness = harness_factory(m)
-    nodes = harness.start(4, extra=["--max-steps", "200"])
-    for node in nodes:
-        node.wait_for(left, 300, "the node to finish and leave")
+    nodes = run_to_the_end(harness_factory(m), 4, 200)
     common, split, _ = phi_rounds(nodes)
     print(f"rounds all four ended: {common}, split: {split}")
     assert len(common) >= 6, common

@@ -5,7 +5,7 @@ one, where it split every round by design before. Separate processes, real p2pd,
 
 import pytest
 
-from tests.swarm_harness import left, phi_rounds, small_manifest
+from tests.swarm_harness import phi_rounds, run_to_the_end, small_manifest
 
 pytestmark = pytest.mark.integration
 BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
@@ -13,10 +13,7 @@ BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
 
 def test_a_swarm_beyond_its_fan_out_fetches_what_was_not_sent_to_it_and_holds_one_phi(harness_factory):
     m = small_manifest("t-dilocox-relay", "dilocox", rank=4, fan_out=2)
-    harness = harness_factory(m)
-    nodes = harness.start(4, extra=["--max-steps", "160"])
-    for node in nodes:
-        node.wait_for(left, 300, "the node to finish and leave")
+    nodes = run_to_the_end(harness_factory(m), 4, 160)
     common, split, _ = phi_rounds(nodes)
     relayed = [node.events("relayed") for node in nodes]
     print(f"rounds all four ended: {common}, split: {split}, "

@@ -32,13 +32,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from convergence import write_block  # noqa: E402
-from node.config.schema import load_config  # noqa: E402
+from convergence import node_config as convergence_config, parse_args as convergence_args, \
+    write_block  # noqa: E402
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator import SimulationSettings, run_simulation  # noqa: E402
 from node.simulator.exchange import ring_allreduce_bytes  # noqa: E402
 from node.simulator.report import markdown_table  # noqa: E402
-
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -86,11 +85,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def node_config(args: argparse.Namespace):
-    """The convergence table's budget per step: the tiny model, 3×64 tokens."""
-    return load_config(None, ["data.seq_len=64", f"train.micro_batch_size={args.micro_batch}",
-                              f"train.tokens_per_step={64 * args.micro_batch}", f"train.lr={args.lr}",
-                              "train.warmup_steps=40", "train.eval_batches=16", "train.threads=1",
-                              'train.device="cpu"', 'model.preset="tiny"', *args.overrides])
+    """The convergence table's node config (the tiny model, 64-token sequences, its warm-up and
+    evaluation), with this run's sequences a step, lr and overrides."""
+    return convergence_config(convergence_args(
+        ["--micro-batch", str(args.micro_batch), "--lr", str(args.lr),
+         *(arg for override in args.overrides for arg in ("--set", override))]))
 
 
 def runs(args: argparse.Namespace) -> dict[str, SimulationSettings]:

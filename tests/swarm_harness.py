@@ -43,6 +43,10 @@ def small_manifest(swarm: str, protocol: str, inner_steps: int = 20, **protocol_
     return m
 
 
+# the refusals the 4-node DiLoCoX tests accept from an honest swarm (the relay test's set)
+DILOCOX_BENIGN = {"REFUSED", "STALE_ROUND", "TIMEOUT", "REPLAYED"}
+
+
 def run_to_the_end(harness, count: int, max_steps: int, timeout: float = 300) -> list:
     """`count` nodes started together, each trained `max_steps` steps and left."""
     nodes = harness.start(count, extra=["--max-steps", str(max_steps)])

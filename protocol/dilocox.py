@@ -287,11 +287,17 @@ class DiLoCoX:
         return difference(self.round_start_weights(), fast_weights)
 
     def keep(self, delta: Mapping[str, torch.Tensor], round_index: int) -> None:
-        """A round outside the committee: k ← β_k·k + Δ, nothing sent; the next message carries it."""
+        """A round outside the committee: k ← β_k·k + Δ, nothing sent; the next message carries it.
+        The encoder still follows what it would have sent, Δ + β_k·k + β·e (`Codec.track`)."""
         self._check_next_round(round_index, delta)
         beta = self.hyper.kept_decay
-        self._kept = {name: beta * kept + delta[name].detach().to(torch.float32)
-                      for name, kept in self._kept.items()}
+        kept_now: NamedTensors = {}
+        for name, kept in self._kept.items():
+            fresh = delta[name].detach().to(torch.float32)
+            self.codec.track(fresh + beta * kept + self.hyper.residual_decay * self._residual[name],
+                             name)
+            kept_now[name] = beta * kept + fresh
+        self._kept = kept_now
         self._kept_rounds += 1
         self.last_compressed_round = round_index
 

@@ -42,6 +42,9 @@ class SharedDecoding(Codec):
             decoded = self.cache.put(key, self.inner.decode(description, payload, max_elements))
         return decoded.clone() if device is None else decoded.to(device, copy=True)
 
+    def track(self, tensor: torch.Tensor, name: str = "") -> None:
+        self.inner.track(tensor, name)
+
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:  # encode() is delegated whole
         return self.inner.encode(values, name)
 

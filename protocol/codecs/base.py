@@ -205,6 +205,10 @@ class Codec(ABC):
         """`_decode` onto `device`: on the host, then moved, unless a codec does better."""
         return self._decode(description, payload, max_elements).to(device)
 
+    def track(self, tensor: torch.Tensor, name: str = "") -> None:
+        """Move the encoder's state as if `tensor` had been encoded, producing nothing: for a
+        round whose message is not sent (a committee's). Stateless codecs have nothing to move."""
+
     def params(self) -> dict[str, Any]:
         """The keyword arguments that rebuild this codec with `get_codec(name, **params)`."""
         return {}

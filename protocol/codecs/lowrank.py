@@ -121,21 +121,35 @@ class LowRankCodec(Codec):
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:
         if not self.uses_low_rank(values.shape, name):
             return self._fallback.encode(values, name)
-        rows, cols = matrix_view_shape(tuple(values.shape))
-        rank = min(self.rank_of(name), rows, cols)
-        matrix = values.reshape(rows, cols)
-        left = torch.linalg.qr(matrix @ self._start(name, cols, rank)).Q  # P, orthonormal columns
-        right = matrix.T @ left                                          # Q = Mᵀ·P
-        self._warm_start[name] = right.clone()
+        matrix, left, right = self._power_iteration(values, name)
         total = float(matrix.square().sum())
         energy = min(1.0, float(right.square().sum()) / total) if total > 0 else 1.0
         left_scales, left_codes = quantize_groups(left.T.contiguous(), self.bits)
         right_scales, right_codes = quantize_groups(right.T.contiguous(), self.bits)
         payload = (tensor_to_bytes(left_scales) + tensor_to_bytes(right_scales)
                    + pack_codes(left_codes, self.bits) + pack_codes(right_codes, self.bits))
-        description = {"codec": self.name, "shape": list(values.shape), "rank": rank,
+        description = {"codec": self.name, "shape": list(values.shape), "rank": left.shape[1],
                        "bits": self.bits}
         return Encoded(description, payload, energy_kept=energy)
+
+    def track(self, tensor: torch.Tensor, name: str = "") -> None:
+        """A round not sent still turns the warm start: Q ← Mᵀ·orth(M·Q). A node that sends one
+        round in many (a committee) otherwise starts from the subspace of its last send, rounds
+        old, and keeps less of each message than a node that sends every round."""
+        values = tensor.detach().to(dtype=torch.float32).contiguous()
+        if self.uses_low_rank(values.shape, name) and bool(torch.isfinite(values).all()):
+            self._power_iteration(values, name)
+
+    def _power_iteration(self, values: torch.Tensor, name: str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(M, P, Q) of one warm-started power iteration; Q becomes the next warm start."""
+        rows, cols = matrix_view_shape(tuple(values.shape))
+        rank = min(self.rank_of(name), rows, cols)
+        matrix = values.reshape(rows, cols)
+        left = torch.linalg.qr(matrix @ self._start(name, cols, rank)).Q  # P, orthonormal columns
+        right = matrix.T @ left                                          # Q = Mᵀ·P
+        self._warm_start[name] = right.clone()
+        return matrix, left, right
 
     def _start(self, name: str, cols: int, rank: int) -> torch.Tensor:
         """Last round's Q for `name`, resized to `rank` columns; fresh seeded columns if needed."""

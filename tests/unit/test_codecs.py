@@ -119,6 +119,27 @@ def test_lowrank_warm_start_converges_to_the_best_rank_k_energy() -> None:
     assert energies[-1] > 0.999 * best
 
 
+def test_lowrank_track_turns_the_warm_start_as_an_encode_does_and_sends_nothing() -> None:
+    """A committee member's rounds sat out (`Codec.track`): the next encode starts where it
+    would had those rounds been sent, and keeps more than from its last send's subspace."""
+    generator = torch.Generator().manual_seed(5)
+    left = torch.linalg.qr(torch.randn(200, 6, generator=generator)).Q
+    right = torch.linalg.qr(torch.randn(150, 6, generator=generator)).Q
+    matrix = left @ torch.diag(torch.tensor([10.0, 9.0, 8.0, 2.0, 1.0, 0.5])) @ right.T
+    sending, tracking, idle = (LowRankCodec(rank=2, bits=8) for _ in range(3))
+    for codec in (sending, tracking, idle):
+        codec.encode(matrix, "w")
+    for _ in range(5):
+        sending.encode(matrix, "w")
+        tracking.track(matrix, "w")
+    assert torch.equal(sending.state_dict()["warm_start"]["w"], tracking.state_dict()["warm_start"]["w"])
+    assert tracking.encode(matrix, "w").payload == sending.encode(matrix, "w").payload
+    assert tracking.encode(matrix, "w").energy_kept > idle.encode(matrix, "w").energy_kept + 0.01
+    stateless = get_codec("blockwise", bits=8)
+    stateless.track(matrix, "w")
+    assert stateless.state_dict() == {}
+
+
 def test_lowrank_is_accurate_on_an_exactly_low_rank_matrix() -> None:
     generator = torch.Generator().manual_seed(4)
     matrix = torch.randn(200, 4, generator=generator) @ torch.randn(4, 150, generator=generator)

@@ -144,6 +144,24 @@ def test_with_kept_decay_1_and_a_lossy_codec_what_sat_out_is_sent_later_and_noth
         assert torch.allclose(sent[name] + node.residual[name], inputs[name], atol=1e-5)
 
 
+def test_a_round_sat_out_turns_the_encoders_warm_start_on_what_it_would_have_sent() -> None:
+    """keep() tracks Δ + β_k·k + β·e: after rounds sat out, the encoder stands where a member
+    that sent every round would (its residual aside), not at its last send's subspace."""
+    lowrank = dict(rank=1, bits=8, min_elements=64)
+    hyper = DiLoCoXHyperParameters(PLAIN, delay=0)
+    member = DiLoCoX(_model(), get_codec("lowrank", **lowrank), "a", hyper)
+    reference = get_codec("lowrank", **lowrank)
+    message = member.compress(_delta(0), 0)
+    reference.encode(_delta(0)["w"], "w")
+    residual = member.residual["w"]
+    member.outer_step(0)
+    member.keep(_delta(1), 1)
+    reference.encode(_delta(1)["w"] + residual, "w")
+    assert torch.equal(member.codec.state_dict()["warm_start"]["w"],
+                       reference.state_dict()["warm_start"]["w"])
+    assert message.rounds == 1 and member.residual["w"].equal(residual)  # e waits for the next send
+
+
 def test_median_clipping_compares_norms_per_round_carried() -> None:
     """A message carrying 4 rounds may be 4 times the median one-round message's norm, not more."""
     hyper = DiLoCoXHyperParameters(PLAIN, delay=0, clip_to_median=True, kept_decay=1.0)

@@ -320,6 +320,20 @@ def test_shared_decoding_gives_the_codecs_numbers_and_a_private_copy_each():
     assert cache.get(next(iter(cache.previous), None)) is None and not cache.current
 
 
+def test_shared_decoding_hands_every_codec_method_to_the_node_codec():
+    """A method of Codec the wrapper does not override would run the base class's on the
+    wrapper (track: a no-op) instead of the node's codec, and the simulator would measure a
+    protocol the daemon does not run."""
+    import inspect
+
+    from node.simulator.decoding import SharedDecoding
+    from protocol.codecs.base import Codec
+
+    public = {name for name, member in inspect.getmembers(Codec, inspect.isfunction)
+              if not name.startswith("_")}
+    assert public <= set(vars(SharedDecoding)), sorted(public - set(vars(SharedDecoding)))
+
+
 def test_human_bytes_keeps_three_digits_without_exponents():
     from node.simulator.report import human_bytes
 

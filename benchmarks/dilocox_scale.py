@@ -50,6 +50,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DiLoCoX codec (default lowrank; identity: the committee alone)")
     p.add_argument("--rank", type=int, default=4, help="low-rank rank (default 4)")
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="bits (default 4)")
+    p.add_argument("--power-iterations", type=int, default=1, help="low-rank power iterations "
+                   "an encode takes (default 1)")
     p.add_argument("--kept-decay", help="β_k, what a round sat out still weighs in the next "
                    "message: comma-separated values, one DiLoCoX run each (default: the "
                    "manifest's, 0)")
@@ -112,6 +114,9 @@ def runs(args: argparse.Namespace) -> dict[str, SimulationSettings]:
             values = {"apply_on_arrival": True, "clip_to_median": True, "overlap": "eager",
                       "senders": args.senders}
             name = f"lr{args.rank}b{args.bits}" if args.codec == "lowrank" else args.codec
+            if args.codec == "lowrank":
+                values["power_iterations"] = args.power_iterations
+                name += f"-i{args.power_iterations}" if args.power_iterations != 1 else ""
             if kept_decay is not None:
                 values["kept_decay"] = kept_decay
                 name += f"-kd{kept_decay:g}"

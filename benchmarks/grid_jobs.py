@@ -15,7 +15,8 @@ Method strings:
   "d0" waits for the round's messages (delay 0); "m<μ>" and "e<η>" the outer momentum and
   learning rate (the manifest's 0.3 and 0.7 otherwise); "r<decay>" the error feedback's decay
   (1 otherwise); "l<steps>" a message's travel time in inner steps (0 otherwise); "c" scales
-  each message down to the median sender's norm (clip_to_median).
+  each message down to the median sender's norm (clip_to_median); "i<n>" the low-rank encoder's
+  power iterations a round (power_iterations; 1 otherwise).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def dilocox_settings(method: str) -> dict:
     codec, *options = method.split("-")[1:]
     # manifest [protocol] keys the settings have no field for; the names keep their meaning
     # when the manifest's default changes
-    values = {"clip_to_median": False}
+    values = {"clip_to_median": False, "power_iterations": 1}
     if codec.startswith("lr"):
         rank, bits = codec[2:].split("b")
         kwargs = {"codec": "lowrank", "rank": int(rank), "bits": int(bits)}
@@ -70,9 +71,11 @@ def dilocox_settings(method: str) -> dict:
             values["residual_decay"] = float(option[1:])
         elif option == "c":
             values["clip_to_median"] = True
+        elif option.startswith("i"):
+            values["power_iterations"] = int(option[1:])
         else:
             raise ValueError(f"DiLoCoX option {option!r} of {method!r} is unknown: use arr, d0, "
-                             "m<μ>, e<η>, r<decay>, l<steps> or c.")
+                             "m<μ>, e<η>, r<decay>, l<steps>, c or i<n>.")
     return {**kwargs, "protocol_values": values}
 
 

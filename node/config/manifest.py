@@ -86,6 +86,10 @@ class ProtocolSection:
                       choices=("lowrank", "topk", "blockwise", "bf16", "fp16", "identity"))
     rank: int = spec(4, "DiLoCoX starting rank of the low-rank codec", min=1, max=4096)
     bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
+    # the sender's compute alone: a receiver decodes P·Qᵀ whatever the iterations that found it
+    power_iterations: int = spec(1, "DiLoCoX low-rank codec: power iterations an encode takes "
+                                 "from last round's subspace (more keep more of each message "
+                                 "at the same bytes)", min=1, max=16)
     # topk: SparseLoCo's production point, 64 of every 4096 (1.6%), 2-bit values (protocol/codecs/topk.py)
     topk_k: int = spec(64, "DiLoCoX topk codec: entries sent per chunk (starting value)",
                        min=1, max=65536)

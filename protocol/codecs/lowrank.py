@@ -1,12 +1,16 @@
 """Low-rank codec, PowerSGD style (PROTOCOLS.md §3 "Compression"), with quantized factors.
 
 A tensor of shape (rows, …) is viewed as a matrix M of rows × cols (cols = the product of the
-other dimensions) and sent as M ≈ P·Qᵀ of rank k, by ONE warm-started power iteration a round:
+other dimensions) and sent as M ≈ P·Qᵀ of rank k, by `iterations` warm-started power
+iterations a round (1 by default, as PowerSGD):
 
-    P = M·Q_prev ;  P ← orthonormal basis of P (torch.linalg.qr) ;  Q = Mᵀ·P
+    P = M·Q_prev ;  P ← orthonormal basis of P (torch.linalg.qr) ;  Q = Mᵀ·P   (then Q_prev ← Q)
 
 Q is kept per tensor name as the next round's warm start (encoder state, `state_dict`), so the
-subspace keeps improving across rounds. Since P is orthonormal, the energy kept is
+subspace keeps improving across rounds. PowerSGD takes one iteration because each costs it an
+all-reduce; here a node compresses its own message, so more iterations cost only its compute
+(2·iterations products of M with a k-column matrix) and bring P·Qᵀ nearer the best rank-k
+approximation (the truncated SVD), at the same bytes. Since P is orthonormal, the energy kept is
 ε = ‖P·Qᵀ‖²/‖M‖² = ‖Q‖²/‖M‖², reported in `Encoded.energy_kept` for the controller.
 P and Q are quantized to `bits` (8 or 4) with one absmax scale per column.
 
@@ -34,6 +38,7 @@ from protocol.codecs.blockwise import SUPPORTED_BITS, BlockwiseCodec, dequantize
 from protocol.errors import CodecError
 
 MAX_RANK = 4096
+MAX_ITERATIONS = 16
 _KEYS = frozenset({"codec", "shape", "rank", "bits"})
 ROW_BLOCK = 32  # rows of P·Qᵀ a decoding pass keeps in cache (outer_sum)
 
@@ -71,8 +76,9 @@ class LowRankCodec(Codec):
     decodes = ("lowrank", "blockwise")
 
     def __init__(self, rank: int = 4, bits: int = 8, min_elements: int = 4096,
-                 fallback_block_size: int = 64, seed: int = 0) -> None:
+                 fallback_block_size: int = 64, seed: int = 0, iterations: int = 1) -> None:
         self.default_rank = integer_parameter(rank, "lowrank rank", 1, MAX_RANK)
+        self.iterations = integer_parameter(iterations, "lowrank iterations", 1, MAX_ITERATIONS)
         self.bits = bits  # validated by the property setter
         self.min_elements = integer_parameter(min_elements, "lowrank min_elements", 0, 1 << 40)
         self.seed = integer_parameter(seed, "lowrank seed", 0, (1 << 32) - 1)
@@ -115,13 +121,14 @@ class LowRankCodec(Codec):
 
     def params(self) -> dict[str, Any]:
         return {"rank": self.default_rank, "bits": self.bits, "min_elements": self.min_elements,
-                "fallback_block_size": self._fallback.block_size, "seed": self.seed}
+                "fallback_block_size": self._fallback.block_size, "seed": self.seed,
+                "iterations": self.iterations}
 
     # ------------------------------------------------------------------ encode
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:
         if not self.uses_low_rank(values.shape, name):
             return self._fallback.encode(values, name)
-        matrix, left, right = self._power_iteration(values, name)
+        matrix, left, right = self._power_iterations(values, name)
         total = float(matrix.square().sum())
         energy = min(1.0, float(right.square().sum()) / total) if total > 0 else 1.0
         left_scales, left_codes = quantize_groups(left.T.contiguous(), self.bits)
@@ -138,16 +145,19 @@ class LowRankCodec(Codec):
         old, and keeps less of each message than a node that sends every round."""
         values = tensor.detach().to(dtype=torch.float32).contiguous()
         if self.uses_low_rank(values.shape, name) and bool(torch.isfinite(values).all()):
-            self._power_iteration(values, name)
+            self._power_iterations(values, name)
 
-    def _power_iteration(self, values: torch.Tensor, name: str
+    def _power_iterations(self, values: torch.Tensor, name: str
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(M, P, Q) of one warm-started power iteration; Q becomes the next warm start."""
+        """(M, P, Q) after `iterations` warm-started power iterations; Q becomes the next warm
+        start."""
         rows, cols = matrix_view_shape(tuple(values.shape))
         rank = min(self.rank_of(name), rows, cols)
         matrix = values.reshape(rows, cols)
-        left = torch.linalg.qr(matrix @ self._start(name, cols, rank)).Q  # P, orthonormal columns
-        right = matrix.T @ left                                          # Q = Mᵀ·P
+        right = self._start(name, cols, rank)
+        for _ in range(self.iterations):
+            left = torch.linalg.qr(matrix @ right).Q  # P, orthonormal columns
+            right = matrix.T @ left                   # Q = Mᵀ·P
         self._warm_start[name] = right.clone()
         return matrix, left, right
 

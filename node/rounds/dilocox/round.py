@@ -75,7 +75,8 @@ class DiLoCoXOutcome(RoundOutcome):
 
 def codec_for(config: ProtocolSection) -> Codec:
     """The manifest's pseudo-gradient codec, with the parameters it takes."""
-    parameters = {"lowrank": {"rank": config.rank, "bits": config.bits},
+    parameters = {"lowrank": {"rank": config.rank, "bits": config.bits,
+                              "iterations": config.power_iterations},
                   "topk": {"k": config.topk_k, "chunk": config.topk_chunk, "bits": config.topk_bits},
                   "blockwise": {"bits": config.bits}}.get(config.codec, {})
     return get_codec(config.codec, **parameters)

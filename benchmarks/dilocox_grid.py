@@ -41,17 +41,22 @@ SPARSELOCO = ("dilocox-topk40-arr-l1-m0-e1-r0.95",)
 # robust aggregation's honest cost: the candidate with each message clipped to the median
 # sender's norm (Templar's rule), both seeds
 ROBUST = ("dilocox-lr4b4-arr-l1-m0.6-c",)
+# the encoder's compute for bytes: the clipped candidate with 4 power iterations a round,
+# both seeds
+POWER = ("dilocox-lr4b4-arr-l1-m0.6-c-i4",)
 MAIN_CELL = (8, 25)
 OTHER_CELLS = [(8, 50), (4, 25), (4, 50)]
 
 
 def all_jobs(best: str) -> list[Job]:
     """In the order they run: the candidates, the overlap alone, SparseLoCo's recipe, the other
-    diagnostics, the second seed of `best`, the median clipping, the other cells."""
+    diagnostics, the second seed of `best`, the median clipping, the other cells, the power
+    iterations."""
     jobs = [Job(*MAIN_CELL, m, 0) for m in CANDIDATES + DIAGNOSTICS[:1] + SPARSELOCO + DIAGNOSTICS[1:]]
     jobs.append(Job(*MAIN_CELL, best, 1))
     jobs += [Job(*MAIN_CELL, m, s) for m in ROBUST for s in (0, 1)]
     jobs += [Job(n, h, best, 0) for n, h in OTHER_CELLS]
+    jobs += [Job(*MAIN_CELL, m, s) for m in POWER for s in (0, 1)]
     return jobs
 
 
@@ -65,7 +70,7 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
         return None if None in runs else statistics.fmean(r["final_val_loss"] for r in runs)
 
     rows, summary = [], {}
-    methods = list(dict.fromkeys([*CANDIDATES, *DIAGNOSTICS, *SPARSELOCO, *ROBUST]))
+    methods = list(dict.fromkeys([*CANDIDATES, *DIAGNOSTICS, *SPARSELOCO, *ROBUST, *POWER]))
     for n, h in [MAIN_CELL, *OTHER_CELLS]:
         for method in methods:
             seeds = [s for s in (0, 1) if Job(n, h, method, s).key in finished]
@@ -100,7 +105,8 @@ def report(finished: dict[str, dict], command: str) -> tuple[str, dict]:
             "the outer step taken as the group's messages arrive (apply_on_arrival), otherwise "
             "today's overlap (delay 1, own round counted at ½); `d0` no delay (waits for the "
             "messages); `m0.6` outer momentum 0.6 (0.3 otherwise); `l1` a message takes one inner "
-            "step to arrive (0 otherwise); `c` each message clipped to the median sender's norm. Bytes per node per round: every "
+            "step to arrive (0 otherwise); `c` each message clipped to the median sender's norm; `i4` the low-rank encoder's 4 power "
+            "iterations a round (1 otherwise). Bytes per node per round: every "
             "encoded message to the N − 1 others and the φ digests, against DiLoCo's fp32 ring.\n\n"
             "| N | H | method | seeds | final val loss (per seed) | DiLoCo (best μ) | local | "
             "vs DiLoCo | vs local | sent per round (DiLoCo's / these) |\n"

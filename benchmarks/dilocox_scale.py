@@ -4,13 +4,14 @@ Each swarm size runs DiLoCoX whose members send in a round only when drawn for i
 (protocol/committee.py: about `--senders` a round; the others' rounds are not sent unless
 `--kept-decay` > 0), on the convergence table's model and budget per step (tiny, 3×64 tokens,
 inner lr 1e-3), with the N x H grid's best settings (apply on arrival, a step's latency,
-μ = 0.6, median clipping) and the eager overlap; and local-only training on `--local-workers`
-replicas of the same budget (each trains alone, so its loss does not depend on the swarm's
-size). Reported per size: the final validation loss, DiLoCoX's bytes sent per node per round
-(every encoded message to the N − 1 others and the φ digests, as the simulator counts them)
-against an fp32 ring all-reduce of the model, and the rounds whose φ was not the same on every
-replica. Each run is written to grid_runs/ as it ends (a rerun takes what is there); the table
-goes to benchmarks/dilocox_scale.json and its block of RESULTS.md.
+μ = 0.6, median clipping), the eager overlap and `--power-iterations` (the manifest's 4); and
+local-only training on `--local-workers` replicas of the same budget (each trains alone, so
+its loss does not depend on the swarm's size). Reported per size: the final validation loss,
+DiLoCoX's bytes sent per node per round (every encoded message to the N − 1 others and the φ
+digests, as the simulator counts them) against an fp32 ring all-reduce of the model, and the
+rounds whose φ was not the same on every replica. Each run is written to grid_runs/ as it ends
+(a rerun takes what is there); the table goes to benchmarks/dilocox_scale.json and its block of
+RESULTS.md.
 
     .venv/bin/python benchmarks/dilocox_scale.py                   # N = 32 and 64, both methods
     .venv/bin/python benchmarks/dilocox_scale.py --workers 32 --rounds 3 --no-results  # a pilot
@@ -50,8 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DiLoCoX codec (default lowrank; identity: the committee alone)")
     p.add_argument("--rank", type=int, default=4, help="low-rank rank (default 4)")
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="bits (default 4)")
-    p.add_argument("--power-iterations", type=int, default=1, help="low-rank power iterations "
-                   "an encode takes (default 1)")
+    p.add_argument("--power-iterations", type=int, default=4, help="low-rank power iterations "
+                   "an encode takes (default 4, the manifest's)")
     p.add_argument("--kept-decay", help="β_k, what a round sat out still weighs in the next "
                    "message: comma-separated values, one DiLoCoX run each (default: the "
                    "manifest's, 0)")

@@ -86,8 +86,10 @@ class ProtocolSection:
                       choices=("lowrank", "topk", "blockwise", "bf16", "fp16", "identity"))
     rank: int = spec(4, "DiLoCoX starting rank of the low-rank codec", min=1, max=4096)
     bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
-    # the sender's compute alone: a receiver decodes P·Qᵀ whatever the iterations that found it
-    power_iterations: int = spec(1, "DiLoCoX low-rank codec: power iterations an encode takes "
+    # the sender's compute alone: a receiver decodes P·Qᵀ whatever the iterations that found it.
+    # 4, not PowerSGD's 1: at the same bytes 1.8071 against 1.8534 at 8 replicas (two seeds),
+    # 2.0629 against 2.0843 in a committee at 32 (benchmarks/RESULTS.md, issue 18)
+    power_iterations: int = spec(4, "DiLoCoX low-rank codec: power iterations an encode takes "
                                  "from last round's subspace (more keep more of each message "
                                  "at the same bytes)", min=1, max=16)
     # topk: SparseLoCo's production point, 64 of every 4096 (1.6%), 2-bit values (protocol/codecs/topk.py)

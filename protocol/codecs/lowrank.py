@@ -147,8 +147,8 @@ class LowRankCodec(Codec):
         if self.uses_low_rank(values.shape, name) and bool(torch.isfinite(values).all()):
             self._power_iterations(values, name)
 
-    def _power_iterations(self, values: torch.Tensor, name: str
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _power_iterations(self, values: torch.Tensor,
+                          name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(M, P, Q) after `iterations` warm-started power iterations; Q becomes the next warm
         start."""
         rows, cols = matrix_view_shape(tuple(values.shape))

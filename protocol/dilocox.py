@@ -293,10 +293,8 @@ class DiLoCoX:
         beta = self.hyper.kept_decay
         kept_now: NamedTensors = {}
         for name, kept in self._kept.items():
-            fresh = delta[name].detach().to(torch.float32)
-            self.codec.track(fresh + beta * kept + self.hyper.residual_decay * self._residual[name],
-                             name)
-            kept_now[name] = beta * kept + fresh
+            self.codec.track(self._target(delta, name), name)
+            kept_now[name] = beta * kept + delta[name].detach().to(torch.float32)
         self._kept = kept_now
         self._kept_rounds += 1
         self.last_compressed_round = round_index
@@ -308,9 +306,8 @@ class DiLoCoX:
         encoded: dict[str, Encoded] = {}
         new_residual: NamedTensors = {}
         decoded: NamedTensors = {}
-        for name, residual in self._residual.items():
-            target = delta[name].detach().to(torch.float32) \
-                + self._kept[name] * self.hyper.kept_decay + residual * self.hyper.residual_decay
+        for name in self._residual:
+            target = self._target(delta, name)
             encoded[name] = self.codec.encode(target, name)
             decoded[name] = self.codec.decode(encoded[name].description, encoded[name].payload,
                                               max_elements=max(target.numel(), 1))
@@ -324,6 +321,11 @@ class DiLoCoX:
         self.last_compressed_round = round_index
         self._store(message)
         return message
+
+    def _target(self, delta: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
+        """x = Δ + β_k·k + β·e for tensor `name`: what this round's message encodes."""
+        return delta[name].detach().to(torch.float32) \
+            + self._kept[name] * self.hyper.kept_decay + self._residual[name] * self.hyper.residual_decay
 
     def _check_next_round(self, round_index: int, delta: Mapping[str, torch.Tensor]) -> None:
         if type(round_index) is not int or round_index <= max(self.last_compressed_round,

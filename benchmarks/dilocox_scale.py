@@ -47,6 +47,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--inner-steps", type=int, default=25, help="H (default 25)")
     p.add_argument("--rounds", type=int, default=24, help="outer rounds (default 24)")
     p.add_argument("--senders", type=int, default=8, help="committee: senders a round (default 8)")
+    p.add_argument("--tenure", type=int, default=1, help="committee: rounds in a row a member "
+                   "drawn sends (default 1, the manifest's)")
     p.add_argument("--codec", default="lowrank", choices=("lowrank", "identity"),
                    help="DiLoCoX codec (default lowrank; identity: the committee alone)")
     p.add_argument("--rank", type=int, default=4, help="low-rank rank (default 4)")
@@ -113,7 +115,7 @@ def runs(args: argparse.Namespace) -> dict[str, SimulationSettings]:
             if args.codec == "lowrank" else {"codec": args.codec}
         for kept_decay in args.kept_decays:
             values = {"apply_on_arrival": True, "clip_to_median": True, "overlap": "eager",
-                      "senders": args.senders}
+                      "senders": args.senders, "senders_tenure": args.tenure}
             name = f"lr{args.rank}b{args.bits}" if args.codec == "lowrank" else args.codec
             if args.codec == "lowrank":
                 values["power_iterations"] = args.power_iterations
@@ -121,7 +123,8 @@ def runs(args: argparse.Namespace) -> dict[str, SimulationSettings]:
             if kept_decay is not None:
                 values["kept_decay"] = kept_decay
                 name += f"-kd{kept_decay:g}"
-            out[f"scale{args.tag}-N{n}-dilocox-k{args.senders}-{name}-s{args.seed}"] = \
+            tenure = f"t{args.tenure}" if args.tenure != 1 else ""
+            out[f"scale{args.tag}-N{n}-dilocox-k{args.senders}{tenure}-{name}-s{args.seed}"] = \
                 SimulationSettings("dilocox", **codec, outer_momentum=args.outer_momentum,
                                    latency_steps=1, protocol_values=values, **common)
     # the longest first: two at a time, the 64 replicas' run sets the wall time

@@ -4,9 +4,11 @@
 When every member sends to every other, a node's bytes per round grow with the swarm: N − 1
 copies of its message. With a committee, a member sends in round r only when
 
-    u(id, r) < p,   p = min(1, k / 2^⌈log₂ N⌉)
+    u(id, ⌊r / T⌋) < p,   p = min(1, k / 2^⌈log₂ N⌉)
 
-u: the first 8 bytes of BLAKE2b(id ‖ r) read as a number in [0, 1); k: the senders wanted per
+u: the first 8 bytes of BLAKE2b(id ‖ r) read as a number in [0, 1); T: the tenure, rounds a
+member drawn serves in a row (the manifest's `senders_tenure`, 1 by default), so that its error
+feedback acts in consecutive rounds rather than once in N / k; k: the senders wanted per
 round (the manifest's `senders`); N: the swarm's size, rounded up to a power of two so that
 members whose views of the swarm differ a little draw the same committee. About k members send
 a round, each about once every N / k rounds, whatever N: a node's bytes per round, averaged
@@ -40,6 +42,7 @@ def draw(node_id: str, round_index: int) -> float:
     return int.from_bytes(digest, "big") / 2.0 ** 64
 
 
-def sends(node_id: str, round_index: int, share: float) -> bool:
-    """Whether `node_id` is in round `round_index`'s committee at send share p."""
-    return share >= 1.0 or draw(node_id, round_index) < share
+def sends(node_id: str, round_index: int, share: float, tenure: int = 1) -> bool:
+    """Whether `node_id` is in round `round_index`'s committee at send share p, members serving
+    `tenure` rounds in a row."""
+    return share >= 1.0 or draw(node_id, round_index // tenure) < share

@@ -141,6 +141,10 @@ class ProtocolSection:
                         "drawn from peer id and round (0: every member, every round); the "
                         "others' rounds wait for their next message as kept_decay says",
                         min=0, max=4096)
+    # 1: a pilot at 32 replicas with 4 (a script around the simulator) ended 2.0280 against
+    # 2.0629, local-only 2.0175; not yet measured at 64 (benchmarks/RESULTS.md, issue 18)
+    senders_tenure: int = spec(1, "DiLoCoX with a committee (senders > 0): rounds in a row a "
+                               "member drawn sends, from one draw", min=1, max=64)
     # 0: a round's work that waited outside the committee was stale by the time it was sent, and
     # at 32 replicas and 8 senders it cost more than it gave: 2.1000 fresh only, 2.1891 at 0.5,
     # 2.4415 at 1, local-only 2.2528 (identity code; benchmarks/RESULTS.md, issue 18)

@@ -47,6 +47,16 @@ def test_the_committee_is_the_same_everywhere_and_about_k_members_send_a_round()
     assert max(gaps) < MAX_ROUNDS_CARRIED, max(gaps)
 
 
+def test_with_a_tenure_a_member_drawn_sends_that_many_rounds_in_a_row() -> None:
+    members = [f"peer-{i}" for i in range(64)]
+    for member in members:
+        turns = [sends(member, r, 1 / 8, tenure=4) for r in range(400)]
+        assert all(turns[r] == turns[r - r % 4] for r in range(400))
+        assert turns == [sends(member, r // 4, 1 / 8) for r in range(400)]
+    counts = [sum(sends(m, r, 1 / 8, tenure=4) for m in members) for r in range(400)]
+    assert 7.5 < np.mean(counts) < 8.5, np.mean(counts)
+
+
 def test_with_kept_decay_1_a_member_sat_out_sends_all_its_rounds_later() -> None:
     """Delay 0, identity codec, φ ← φ − Δ̄, β_k = 1: member a sits rounds 0 and 1 out and sends
     in round 2 a message of its three rounds; b sends every round. Round 2's step is

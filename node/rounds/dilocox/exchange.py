@@ -89,6 +89,7 @@ class DiLoCoXExchange:
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
         self.senders = config.senders  # the committee's size, about (protocol/committee.py)
+        self.tenure = config.senders_tenure
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
         self.heard: dict[str, int] = {}  # member -> the latest round whose message came from it
         self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
@@ -146,7 +147,7 @@ class DiLoCoXExchange:
         """Of `peers`, those drawn to send in `round_index`: the only ones whose message a round
         waits or asks for (all of them without a committee)."""
         share = self._share()
-        return {peer for peer in peers if sends(peer, round_index, share)}
+        return {peer for peer in peers if sends(peer, round_index, share, self.tenure)}
 
     def group(self) -> list[str]:
         peers = self._members()

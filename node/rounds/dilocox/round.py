@@ -193,7 +193,7 @@ class DiLoCoXRound:
         self.own_norm = global_norm(delta)
         self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
         own, compression = None, None
-        if sends(self.outer.node_id, round_index, self.link.send_share()):
+        if sends(self.outer.node_id, round_index, self.link.send_share(), self.config.senders_tenure):
             own = self.outer.compress(delta, round_index)
             self.own_sent[round_index] = own
             self.link.send_round(round_index, payload.encode_message(own))

@@ -1,8 +1,8 @@
 """DiLoCoX at 32 and 64 replicas with a committee of senders (issue 18, "Scale").
 
 Each swarm size runs DiLoCoX whose members send in a round only when drawn for its committee
-(protocol/committee.py: about `--senders` a round; the others' rounds are not sent unless
-`--kept-decay` > 0), on the convergence table's model and budget per step (tiny, 3×64 tokens,
+(protocol/committee.py: about `--senders` a round, each serving `--tenure` rounds in a row;
+the others' rounds are not sent unless `--kept-decay` > 0), on the convergence table's model and budget per step (tiny, 3×64 tokens,
 inner lr 1e-3), with the N x H grid's best settings (apply on arrival, a step's latency,
 μ = 0.6, median clipping), the eager overlap and `--power-iterations` (the manifest's 4); and
 local-only training on `--local-workers` replicas of the same budget (each trains alone, so
@@ -35,10 +35,13 @@ sys.path.insert(0, str(HERE))
 
 from convergence import node_config as convergence_config, parse_args as convergence_args, \
     write_block  # noqa: E402
+from node.config.manifest import ProtocolSection  # noqa: E402
 from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator import SimulationSettings, run_simulation  # noqa: E402
 from node.simulator.exchange import ring_allreduce_bytes  # noqa: E402
 from node.simulator.report import markdown_table  # noqa: E402
+
+MANIFEST = ProtocolSection()  # the committee's and the encoder's defaults are the manifest's
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,15 +49,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workers", default="32,64", help="comma-separated swarm sizes (default 32,64)")
     p.add_argument("--inner-steps", type=int, default=25, help="H (default 25)")
     p.add_argument("--rounds", type=int, default=24, help="outer rounds (default 24)")
-    p.add_argument("--senders", type=int, default=8, help="committee: senders a round (default 8)")
-    p.add_argument("--tenure", type=int, default=1, help="committee: rounds in a row a member "
-                   "drawn sends (default 1, the manifest's)")
+    p.add_argument("--senders", type=int, default=MANIFEST.senders, help="committee: senders a "
+                   f"round (default {MANIFEST.senders}, the manifest's)")
+    p.add_argument("--tenure", type=int, default=MANIFEST.senders_tenure, help="committee: rounds "
+                   f"in a row a member drawn sends (default {MANIFEST.senders_tenure}, the manifest's)")
     p.add_argument("--codec", default="lowrank", choices=("lowrank", "identity"),
                    help="DiLoCoX codec (default lowrank; identity: the committee alone)")
     p.add_argument("--rank", type=int, default=4, help="low-rank rank (default 4)")
     p.add_argument("--bits", type=int, default=4, choices=(4, 8), help="bits (default 4)")
-    p.add_argument("--power-iterations", type=int, default=4, help="low-rank power iterations "
-                   "an encode takes (default 4, the manifest's)")
+    p.add_argument("--power-iterations", type=int, default=MANIFEST.power_iterations,
+                   help="low-rank power iterations an encode takes (default "
+                   f"{MANIFEST.power_iterations}, the manifest's)")
     p.add_argument("--kept-decay", help="β_k, what a round sat out still weighs in the next "
                    "message: comma-separated values, one DiLoCoX run each (default: the "
                    "manifest's, 0)")

@@ -136,14 +136,18 @@ class ProtocolSection:
                               min_exclusive=True)
     fan_out: int = spec(32, "DiLoCoX: most peers a message is sent to", min=1, max=4096)
     # a committee per round (protocol/committee.py): a node's bytes per round stay about this
-    # many messages whatever the swarm's size, where every member sending sends N − 1 copies
-    senders: int = spec(0, "DiLoCoX: about this many members send their message in a round, "
+    # many messages whatever the swarm's size, where every member sending sends N − 1 copies;
+    # swarms of up to 8 all send. With a tenure of 8, rank 4 at 4 bits: 1.9896 at 32 replicas
+    # (2 seeds) and 1.9813 at 64, below local-only, 60-98x fewer bytes than an fp32 ring
+    # (benchmarks/RESULTS.md, issue 18)
+    senders: int = spec(8, "DiLoCoX: about this many members send their message in a round, "
                         "drawn from peer id and round (0: every member, every round); the "
                         "others' rounds wait for their next message as kept_decay says",
                         min=0, max=4096)
-    # 1: a pilot at 32 replicas with 4 (a script around the simulator) ended 2.0280 against
-    # 2.0629, local-only 2.0175; not yet measured at 64 (benchmarks/RESULTS.md, issue 18)
-    senders_tenure: int = spec(1, "DiLoCoX with a committee (senders > 0): rounds in a row a "
+    # 8: a member's error feedback acts in consecutive rounds; at 32 / 64 replicas a fresh draw
+    # each round ended 2.0629 / 2.1140, a tenure of 4 2.0280 / 2.0384, of 8 2.0024 / 1.9813,
+    # local-only 2.0175 (benchmarks/RESULTS.md, issue 18)
+    senders_tenure: int = spec(8, "DiLoCoX with a committee (senders > 0): rounds in a row a "
                                "member drawn sends, from one draw", min=1, max=64)
     # 0: a round's work that waited outside the committee was stale by the time it was sent, and
     # at 32 replicas and 8 senders it cost more than it gave: 2.1000 fresh only, 2.1891 at 0.5,

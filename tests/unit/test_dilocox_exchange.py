@@ -95,7 +95,7 @@ def test_with_a_committee_a_round_waits_only_for_the_members_drawn_to_send_in_it
                                    random.Random(0))
         ex, everyone = exchange_with(4), exchange_with(0)
         assert ex._share() == 4 / 16 and everyone._share() == 1.0
-        drawn = {n for n in names if sends(n, 3, 4 / 16)}
+        drawn = {n for n in names if sends(n, 3, 4 / 16, ex.tenure)}
         assert 0 < len(drawn) < len(names)
         for n in drawn:
             deliver(ex, 3, n)

@@ -2,9 +2,10 @@
 
 Each swarm size runs DiLoCoX whose members send in a round only when drawn for its committee
 (protocol/committee.py: about `--senders` a round, each serving `--tenure` rounds in a row;
-the others' rounds are not sent unless `--kept-decay` > 0), on the convergence table's model and budget per step (tiny, 3×64 tokens,
-inner lr 1e-3), with the N x H grid's best settings (apply on arrival, a step's latency,
-μ = 0.6, median clipping), the eager overlap and `--power-iterations` (the manifest's 4); and
+the others' rounds are not sent unless `--kept-decay` > 0), on the convergence table's model
+and budget per step (tiny, 3×64 tokens, inner lr 1e-3), with the N x H grid's best settings
+(apply on arrival, a step's latency, μ = 0.6, median clipping), the eager overlap and
+`--power-iterations` (the committee's and the encoder's defaults are the manifest's); and
 local-only training on `--local-workers` replicas of the same budget (each trains alone, so
 its loss does not depend on the swarm's size). Reported per size: the final validation loss,
 DiLoCoX's bytes sent per node per round (every encoded message to the N − 1 others and the φ
@@ -52,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--senders", type=int, default=MANIFEST.senders, help="committee: senders a "
                    f"round (default {MANIFEST.senders}, the manifest's)")
     p.add_argument("--tenure", type=int, default=MANIFEST.senders_tenure, help="committee: rounds "
-                   f"in a row a member drawn sends (default {MANIFEST.senders_tenure}, the manifest's)")
+                   f"in a row a member drawn sends (default {MANIFEST.senders_tenure}, the "
+                   "manifest's)")
     p.add_argument("--codec", default="lowrank", choices=("lowrank", "identity"),
                    help="DiLoCoX codec (default lowrank; identity: the committee alone)")
     p.add_argument("--rank", type=int, default=4, help="low-rank rank (default 4)")

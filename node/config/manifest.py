@@ -138,7 +138,7 @@ class ProtocolSection:
     # a committee per round (protocol/committee.py): a node's bytes per round stay about this
     # many messages whatever the swarm's size, where every member sending sends N − 1 copies;
     # swarms of up to 8 all send. With a tenure of 8, rank 4 at 4 bits: 1.9896 at 32 replicas
-    # (2 seeds) and 1.9813 at 64, below local-only, at 56-60x fewer bytes than an fp32 ring
+    # and 1.9816 at 64 (2 seeds each), below local-only, at 56-60x fewer bytes than an fp32 ring
     # averaged over draws (benchmarks/RESULTS.md, issue 18)
     senders: int = spec(8, "DiLoCoX: about this many members send their message in a round, "
                         "drawn from peer id and round (0: every member, every round); the "

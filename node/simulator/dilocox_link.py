@@ -28,7 +28,7 @@ from node.rounds.dilocox.link import GroupMessage
 from node.rounds.dilocox.round import DiLoCoXRound
 from node.simulator.exchange import InMemoryExchange, InMemoryMessage
 from node.simulator.lockstep import Lockstep
-from protocol.committee import send_share
+from protocol.committee import send_share, sends
 from protocol.tensors import fp32_clone, numel
 from protocol.vote import winning_digest
 
@@ -39,9 +39,10 @@ FP32_BYTES = 4
 
 class DiLoCoXMemoryNetwork:
     def __init__(self, names: list[str], exchange: InMemoryExchange, lockstep: Lockstep,
-                 delay: int, senders: int = 0):
+                 delay: int, senders: int = 0, tenure: int = 1):
         self.names, self.exchange, self.lockstep, self.delay = names, exchange, lockstep, delay
-        self.share = send_share(senders, len(names))  # the committee's (protocol/committee.py)
+        # the committee's (protocol/committee.py)
+        self.share, self.tenure = send_share(senders, len(names)), tenure
         self.sent: dict[int, set[str]] = {}  # round -> the replicas that sent its message
         self.distinct_digests = 0  # of φ at the last round's end: 1 when every replica agrees
         self.rounds: dict[str, DiLoCoXRound] = {}  # who serves a resync: each replica's round
@@ -97,8 +98,8 @@ class DiLoCoXMemoryLink:
     def __init__(self, network: DiLoCoXMemoryNetwork, name: str):
         self.network, self.name = network, name
 
-    def send_share(self) -> float:
-        return self.network.share
+    def in_committee(self, round_index: int) -> bool:
+        return sends(self.name, round_index, self.network.share, self.network.tenure)
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.network.outbox[self.name] = InMemoryMessage(round_index, tensors)

@@ -419,10 +419,10 @@ class ScriptedDiLoCoXLink:
         self.applied: dict[int, tuple | None] = {}  # round -> what its step applied (a replay's record)
         self.agreed = -1  # what last_agreed reports: the last round a consensus check agreed
         self.failed: list[tuple[int, int, int | None]] = []  # replays failed: (since, round, start)
-        self.share = 1.0  # what send_share reports: everyone sends
+        self.drawn = True  # what in_committee reports: everyone sends
 
-    def send_share(self) -> float:
-        return self.share
+    def in_committee(self, round_index: int) -> bool:
+        return self.drawn
 
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))

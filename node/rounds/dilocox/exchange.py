@@ -213,8 +213,9 @@ class DiLoCoXExchange:
     def rejoin(self, from_round: int, state: SwarmState) -> None:
         self.swarm.bridge.call("the swarm's round", self._rejoin, from_round, state)
 
-    def send_share(self) -> float:
-        return self.swarm.bridge.call("the committee's share", self._share)
+    def in_committee(self, round_index: int) -> bool:
+        return self.swarm.bridge.call("the committee's draw", lambda: bool(
+            self._in_committee(round_index, {self.peer_id})))
 
     def send_ratio(self) -> float | None:
         return self.sender.send_ratio()

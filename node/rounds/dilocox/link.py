@@ -39,9 +39,10 @@ class DiLoCoXLink(Protocol):
     def send_round(self, round_index: int, tensors: list) -> None:
         """Sends this node's compressed message of the round to the group (in the background)."""
 
-    def send_share(self) -> float:
-        """p: the share of the members that send in a round (protocol/committee.py), from the
-        manifest's `senders` and this link's view of the swarm's size; 1 with no committee."""
+    def in_committee(self, round_index: int) -> bool:
+        """Whether this node is drawn to send its message of `round_index` (protocol/committee.py:
+        the manifest's `senders` and `senders_tenure`, and this link's view of the swarm's size;
+        always without a committee). The same draw decides whose messages a round waits for."""
 
     def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
         """The group's messages of `round_index` that arrived, waiting at most `wait_s`; nothing,

@@ -43,7 +43,6 @@ from node.rounds.dilocox.link import REPLAY_ROUNDS, DiLoCoXLink, GroupMessage, S
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
-from protocol.committee import sends
 from protocol.diloco import DiLoCoHyperParameters
 from protocol.dilocox import DiLoCoX, DiLoCoXHyperParameters, PseudoGradientMessage, ReceiveOutcome
 from protocol.errors import ProtocolError
@@ -193,7 +192,7 @@ class DiLoCoXRound:
         self.own_norm = global_norm(delta)
         self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
         own, compression = None, None
-        if sends(self.outer.node_id, round_index, self.link.send_share(), self.config.senders_tenure):
+        if self.link.in_committee(round_index):
             own = self.outer.compress(delta, round_index)
             self.own_sent[round_index] = own
             self.link.send_round(round_index, payload.encode_message(own))

@@ -45,7 +45,7 @@ class RoundSwarm(Method):
                            for r in replicas}
         else:
             self.network = DiLoCoXMemoryNetwork(names, exchange, self.lockstep, settings.delay,
-                                                protocol.senders)
+                                                protocol.senders, protocol.senders_tenure)
             self.rounds = {r.name: DiLoCoXRound(protocol, contributions, r.trainer, r.name,
                                                 self.network.link(r.name),
                                                 SharedDecoding(codec_for(protocol), self.decodings))

@@ -4,8 +4,8 @@ Run as a module, this file is the node that integration tests SIGKILL:
 
     python -m tests.p2p_helpers member DATA_DIR SWARM TTL INITIAL_PEER
 
-It prints one JSON line (peer id, p2pd pid, p2pd unix sockets) once its membership record is
-stored, then serves until killed.
+It prints one JSON line (peer id, p2pd pid, p2pd's unix socket, and its own: the client socket
+hivemind listens on for p2pd) once its membership record is stored, then serves until killed.
 """
 
 from __future__ import annotations
@@ -92,8 +92,10 @@ async def _member_main(data_dir: str, swarm: str, ttl_s: float, initial_peer: st
     membership = Membership(host, swarm, protocol="noloco", manifest=MANIFEST, ttl_s=ttl_s,
                             heartbeat_s=ttl_s / 4)
     await membership.start()
+    own = [str(host.p2p._client_listen_maddr["unix"])]
     print(json.dumps({"peer_id": host.peer_id.to_base58(), "p2pd_pid": host.p2p._child.pid,
-                      "sockets": p2pd_socket_paths(host.p2p)}), flush=True)
+                      "p2pd_sockets": [p for p in p2pd_socket_paths(host.p2p) if p not in own],
+                      "own_sockets": own}), flush=True)
     try:
         await asyncio.Event().wait()
     finally:

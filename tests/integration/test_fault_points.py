@@ -22,15 +22,6 @@ from tests.swarm_harness import assert_phi_heals
 pytestmark = [pytest.mark.integration, pytest.mark.host_network, pytest.mark.timeout(900)]
 
 
-# Known defect, not hidden: in two full-suite runs after the issue 24 merge (2026-11-26) the
-# restarted node late-joined at a state 5 rounds behind the survivors and stayed there, its
-# messages refused STALE_ROUND. A DiLoCoX node that far behind now catches up (caught_up,
-# tests/integration/test_dilocox_catch_up.py), but this test still failed 1 of 2 runs alone
-# afterwards, another way: a survivor diverged and resynced four rounds running (rounds 24-27)
-# while the other held the majority's φ. To be found, and this mark removed.
-@pytest.mark.xfail(strict=False, reason="known defect: after the restart a survivor may diverge "
-                   "and resync round after round (and before the catch-up the restarted node "
-                   "stayed behind, STALE_ROUND)")
 def test_sigkill_mid_dilocox_send_survivors_agree_and_the_node_rejoins(harness_factory):
     harness = harness_factory(adversary_manifest("t-push-kill", "dilocox"), harness_class=FaultHarness)
     survivors, victim, killed_at = two_nodes_and_a_killed_adversary(

@@ -262,7 +262,7 @@ def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_o
     """The consensus check of a diverged DiLoCoX node (node/rounds/dilocox/exchange.py): the
     liar announces the majority's digest and is asked first, serves poison over a real stream,
     is banned, and the honest holder's state is the resync; the training thread then checks it
-    as a contribution (tests/unit/test_rounds.py)."""
+    as a contribution (tests/unit/test_dilocox_round.py)."""
     manifest = small_manifest("t-resync-liar", "dilocox")
     shared = tensors(1)
 

@@ -1,6 +1,6 @@
 """DiLoCoXRound with the top-k codec: the controller's choice each round, the density bound.
 
-Real trainers over the scripted link of test_rounds.py (a fake, named as such there).
+Real trainers over the scripted link of tests/round_parts.py (a fake, named as such there).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from node.rounds.dilocox import payload as dilocox_payload
 from node.rounds.dilocox.link import GroupMessage
 from node.rounds.dilocox.round import DiLoCoXRound
 from protocol.codecs import Encoded
-from tests.unit.test_rounds import H, ScriptedDiLoCoXLink, config, corpus, received, trainer, \
-    train_round  # noqa: F401 (config and corpus are fixtures)
+from tests.round_parts import config, corpus  # noqa: F401 (fixtures)
+from tests.round_parts import H, ScriptedDiLoCoXLink, received, train_round, trainer
 
 
 def topk_round(config, corpus, name: str, stream: int, **protocol):

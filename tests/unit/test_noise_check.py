@@ -13,7 +13,8 @@ from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload as noloco_payload
 from node.rounds.noloco.round import PartnerSnapshot
 from protocol.structure import magnitude_score
-from tests.unit.test_rounds import config, corpus, noloco, partner_of, received, train_round  # noqa: F401
+from tests.round_parts import config, corpus  # noqa: F401 (fixtures)
+from tests.round_parts import noloco, partner_of, received, train_round
 
 
 def structured(generator: torch.Generator) -> dict[str, torch.Tensor]:

@@ -5,7 +5,8 @@ Who reports what:
   (carrying the round class's outcome, node/rounds/<protocol>/round.py), PairCorrected,
   Evaluated, Checkpointed, Stopping, Trained, Failed;
 - the exchanges (node/rounds/<protocol>/exchange.py): Paired, Swapped, ... and Sent, Diverged, ...;
-- the daemon (node/daemon/): Joined, Started, Resumed, LateJoined, TransportSummary, Left;
+- the daemon (node/daemon/): Joined, WaitingForPeers, MinPeersTimeout, Started, Resumed,
+  LateJoined, TransportSummary, Left;
 - background tasks (node/loop.py): TaskFailed.
 Who listens, each to what it needs (wired in node/daemon/daemon.py): the metrics log (every
 event: `record()` is its JSON line in <data_dir>/metrics.jsonl), the status feed
@@ -249,7 +250,18 @@ class RoundShortened(Event, kind="round_shortened", logged=True):
 
 
 @dataclass(frozen=True)
-class MinPeersTimeout(Event, kind="min_peers_timeout"):
+class WaitingForPeers(Event, kind="waiting_for_peers", logged=True):
+    """Before round 0 (--min-peers): the members seen, each time their numbers change. Only
+    eligible ones count (node/daemon/members.py eligible): a banned member, one on another
+    manifest or one the newcomer gate holds back is seen but never counted."""
+    wanted: int
+    eligible: int
+    alive: int   # live records in the member cache, eligible or not
+    known: int   # records in the member cache
+
+
+@dataclass(frozen=True)
+class MinPeersTimeout(Event, kind="min_peers_timeout", logged=True):
     wanted: int
     found: int
 

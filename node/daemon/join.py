@@ -24,7 +24,8 @@ from node.daemon.admission import publish_manifest
 from node.daemon.members import MemberCache
 from node.daemon.newcomers import NewcomerGate
 from node.daemon.state_quorum import StateAdoption, agreed_round
-from node.events import CheckpointSkipped, LateJoined, MinPeersTimeout, ReachabilityFound, Resumed
+from node.events import (CheckpointSkipped, LateJoined, MinPeersTimeout, ReachabilityFound, Resumed,
+                         WaitingForPeers)
 from node.rounds.contributions import BanList
 from node.rounds.policy import RoundPolicy
 from node.rounds.swarm import Swarm
@@ -138,11 +139,20 @@ async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolic
 
 
 async def wait_min_peers(node: Daemon, cache: MemberCache) -> None:
-    """A swarm that starts together trains together: wait (bounded) for the others."""
+    """A swarm that starts together trains together: wait (bounded) for the others. Each change
+    in what the cache shows is reported (the status view's peers, one log line), so a node kept
+    waiting by members it does not count (banned ones) says so."""
     wanted = node.settings.min_peers
     deadline = node.loop.time() + node.settings.min_peers_timeout_s
-    while len(cache.eligible()) < wanted and node.loop.time() < deadline \
-            and not node.stop_event.is_set():
+    shown = None
+    while node.loop.time() < deadline and not node.stop_event.is_set():
+        seen = WaitingForPeers(wanted=wanted, eligible=len(cache.eligible()), alive=len(cache.peers()),
+                               known=len(cache.records))
+        if seen.fields() != shown and (shown is not None or seen.eligible < wanted):
+            node.events.publish(seen)
+            shown = seen.fields()
+        if seen.eligible >= wanted:
+            break
         cache.refreshed.clear()
         try:
             await asyncio.wait_for(cache.refreshed.wait(), timeout=deadline - node.loop.time())

@@ -10,6 +10,7 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
                                                    round applied a partner's or group's work
     partners, peers_alive                          RoundEnded (its outcome; the worker's count)
     peers_known                                    RoundEnded: the member cache's records
+    peers_alive, peers_known before round 0        WaitingForPeers (the --min-peers wait)
     rounds_per_minute                              RoundEnded: rounds ended since Started, per
                                                    minute (counted: a node's round index
                                                    jumps when it moves to its swarm's round)
@@ -41,7 +42,7 @@ import time
 from collections.abc import Callable
 
 from node.events import (Checkpointed, EventBus, PairingPaced, ReachabilityFound, RoundEnded,
-                         Sent, Started, StepDone, Stopping, Swapped)
+                         Sent, Started, StepDone, Stopping, Swapped, WaitingForPeers)
 from node.ops.status import NodeStatus
 
 
@@ -67,9 +68,13 @@ class StatusFeed:
         bus.subscribe(self._stopping, Stopping)
         bus.subscribe(self._paced, PairingPaced)
         bus.subscribe(self._reachability, ReachabilityFound)
+        bus.subscribe(self._waiting, WaitingForPeers)
 
     def _reachability(self, event: ReachabilityFound) -> None:
         self.status.update(reachability=event.line)
+
+    def _waiting(self, event: WaitingForPeers) -> None:
+        self.status.update(peers_alive=event.alive, peers_known=event.known)
 
     def transport_paths(self, direct: int, relayed: int, forwarded: int = 0, for_others: int = 0) -> None:
         """Streams opened over direct connections, through relays and forwarded by a member

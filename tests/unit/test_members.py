@@ -1,6 +1,6 @@
-"""The member cache's view when the DHT stops answering (the real DHT path is covered by
-tests/integration/test_fault_points.py's cut link; this stand-in lets a unit test choose
-exactly when lookups fail)."""
+"""The member cache's view when the DHT stops answering, and the --min-peers wait it feeds (the
+real DHT path is covered by tests/integration/test_fault_points.py's cut link; these stand-ins
+let a unit test choose exactly what each lookup answers)."""
 
 import asyncio
 import time
@@ -128,3 +128,59 @@ def test_a_member_seen_only_before_the_first_check_is_still_redialled():
         await reconnector.stop()
         assert host.redialled == [["/ip4/127.0.0.1/tcp/4001/p2p/b"]]
     asyncio.run(scenario())
+
+
+class LookupThatGrows:
+    """Stands in for p2p.membership.Membership: each lookup answers one more of `records`."""
+
+    left: frozenset[str] = frozenset()
+
+    def __init__(self, records: list[MemberRecord]):
+        self.records, self.calls = records, 0
+
+    async def peers(self) -> dict[str, MemberRecord]:
+        self.calls += 1
+        return {r.peer_id: r for r in self.records[:self.calls]}
+
+
+def test_the_min_peers_wait_reports_members_it_sees_but_does_not_count():
+    """A member banned before round 0 is seen but never counted: the wait says so (one event a
+    change, which the status view's peer counts follow) and ends at its timeout; once enough
+    eligible members come it ends at once."""
+    from types import SimpleNamespace
+
+    from node.daemon.join import wait_min_peers
+    from node.events import EventBus, MinPeersTimeout, WaitingForPeers
+    from node.ops.status import NodeStatus
+    from node.ops.status_feed import StatusFeed
+
+    async def wait(records: list[MemberRecord], banned: str | None, timeout_s: float):
+        bus, seen = EventBus(), []
+        bus.subscribe(seen.append, WaitingForPeers, MinPeersTimeout)
+        feed = StatusFeed(NodeStatus(), param_bytes=4, snapshot_sets=1, traffic=lambda: (0, 0),
+                          peers_known=lambda: 0)
+        feed.subscribe(bus)
+        bans = BanList(1, 60.0)
+        if banned:
+            bans.refuse(banned, "BUSY", "held too many streams", lambda peer, seconds: None)
+        cache = MemberCache(LookupThatGrows(records), BackgroundTasks(), manifest="m", bans=bans,
+                            refresh_s=0.05)
+        await cache.start()
+        node = SimpleNamespace(settings=SimpleNamespace(min_peers=2, min_peers_timeout_s=timeout_s),
+                               loop=asyncio.get_running_loop(), stop_event=asyncio.Event(),
+                               events=bus)
+        began = time.monotonic()
+        await wait_min_peers(node, cache)
+        await cache.stop(1.0)
+        return [e.record() for e in seen], feed.status, time.monotonic() - began
+
+    later = time.time() + 60
+    members = [record(p, later) for p in ("a", "bad", "c")]
+    events, status, waited = asyncio.run(wait(members[:2], "bad", 0.5))
+    assert [{k: e[k] for k in ("event", "eligible", "alive", "known")} for e in events[:2]] == [
+        {"event": "waiting_for_peers", "eligible": 1, "alive": 1, "known": 1},
+        {"event": "waiting_for_peers", "eligible": 1, "alive": 2, "known": 2}]
+    assert events[-1]["event"] == "min_peers_timeout" and events[-1]["found"] == 1
+    assert (status.peers_alive, status.peers_known) == (2, 2) and waited >= 0.5
+    events, _, waited = asyncio.run(wait(members, None, 30.0))
+    assert [e["eligible"] for e in events] == [1, 2] and waited < 5.0

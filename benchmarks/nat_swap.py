@@ -97,19 +97,19 @@ async def run_peer(args) -> None:
             said["redialled"] = await host.reconnect([a for a in args.redial.split(",") if a])
             print(json.dumps(said), flush=True)
             return
-        await transport.swap(target, small, timeout=60)  # connect before timing
+        await transport.swap(target, small)  # connect before timing
         if args.settle_s:  # the homes learn their public address; then a fresh relayed connection,
             await asyncio.sleep(args.settle_s)  # on which DCUtR punches, and the hole at the recheck
-            await transport.swap(target, small, timeout=60)
+            await transport.swap(target, small)
             await asyncio.sleep(2 * args.recheck_s)
         times: dict[str, list[float]] = {"push": [], "swap": []}
         for _ in range(args.repeats):
             for mode in times:
                 start = time.perf_counter()
                 if mode == "push":
-                    await transport.push(target, message(), timeout=600)
+                    await transport.push(target, message())
                 else:
-                    await transport.swap(target, message(), timeout=600)
+                    await transport.swap(target, message())
                 times[mode].append(time.perf_counter() - start)
         paths = transport.counters.paths
         print(json.dumps({"times": times, "bytes": payload.nbytes,
@@ -126,8 +126,8 @@ async def _refusals(transport, target, large, small) -> dict:
     """What the sender and the replier say when a transfer over a relay exceeds its limit."""
     from p2p.errors import P2PError
     said = {}
-    for name, call in (("push", transport.push(target, large, timeout=120)),
-                       ("reply", transport.swap(target, small, timeout=120))):
+    for name, call in (("push", transport.push(target, large)),
+                       ("reply", transport.swap(target, small))):
         try:
             await call
             said[name] = None

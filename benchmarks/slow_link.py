@@ -49,7 +49,7 @@ def swarm_manifest(name: str, args) -> Manifest:
     p = manifest.protocol
     p.inner_steps = args.inner_steps
     if args.protocol == "noloco":
-        p.max_swap_rounds, p.pair_deadline_s = args.max_swap_rounds, args.swap_timeout
+        p.max_swap_rounds = args.max_swap_rounds
     else:  # the time-to-loss settings (benchmarks/time_to_loss.py method_manifest), a weak start
         p.codec, p.rank, p.bits, p.apply_on_arrival, p.outer_momentum = "lowrank", args.rank, 8, True, 0.6
         p.controller = True
@@ -165,7 +165,6 @@ def main() -> None:
     p.add_argument("--inner-steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-swap-rounds", type=int, default=4)
-    p.add_argument("--swap-timeout", type=float, default=180.0)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "slow_link.json")
     p.add_argument("--work-dir", type=Path)
     args = p.parse_args()

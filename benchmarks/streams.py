@@ -108,8 +108,8 @@ def sender_paths(host: P2PHost, transport: Transport, peer, tcp_address: tuple[s
         await asyncio.gather(*(one(bounds[i], bounds[i + 1]) for i in range(n)))
 
     return {"tcp": tcp, "raw-1": lambda: raw(1), f"raw-{streams}": lambda: raw(streams),
-            "signed-1": lambda: transport.push(peer, message(), streams=1, timeout=600),
-            f"signed-{streams}": lambda: transport.push(peer, message(), streams=streams, timeout=600)}
+            "signed-1": lambda: transport.push(peer, message(), streams=1),
+            f"signed-{streams}": lambda: transport.push(peer, message(), streams=streams)}
 
 
 async def time_paths(paths: dict, repeats: int, warmup: bool = True) -> dict[str, float]:

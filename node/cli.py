@@ -10,6 +10,7 @@ from pathlib import Path
 
 from p2p.errors import P2PError
 from node.config.schema import CONFIG_DIR, ConfigError, describe, load_config, to_toml
+from node.config.settings import NODE_PREFIX
 
 EXIT_USAGE = 2
 
@@ -56,7 +57,8 @@ def _load_manifest(args: argparse.Namespace):
                           "--manifest PATH")
     path = args.manifest if args.manifest else find_manifest(args.swarm)
     from node.config.schema import nest_overrides, parse_override
-    return load_manifest(path, nest_overrides([parse_override(o) for o in args.overrides]))
+    return load_manifest(path, nest_overrides([parse_override(o) for o in args.overrides
+                                               if not o.startswith(NODE_PREFIX)]))
 
 
 def _multiaddr(text: str, option: str) -> str:
@@ -72,7 +74,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     manifest = _load_manifest(args)
     import logging
 
-    from node.config.settings import NodeSettings
+    from node.config.settings import NodeSettings, apply_node_settings
     from node.daemon.daemon import Daemon
     from p2p.host import check_peer_maddrs, run_event_loop
 
@@ -94,6 +96,8 @@ def cmd_join(args: argparse.Namespace) -> int:
                          f"{manifest.protocol.name}: leave it out (NoLoCo's round end runs on the "
                          f"training device)")
     settings.timeouts.p2pd_start_s = args.p2pd_timeout
+    from node.config.schema import parse_override
+    apply_node_settings(settings, [parse_override(o) for o in args.overrides if o.startswith(NODE_PREFIX)])
     return run_event_loop(Daemon(manifest, settings).run())
 
 
@@ -148,6 +152,25 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# the swarm-wide bounds of its exchanges, in the manifest's protocol section (node/config/manifest.py)
+SWARM_TIMING = ("pair_deadline_s", "max_swap_rounds", "message_deadline_s", "min_link_mbit_s")
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    from dataclasses import fields
+
+    from node.config.manifest import ProtocolSection
+    from node.config.settings import node_settings
+    print("This node's settings (lowcomm-node join --set node.<name>=<value>):")
+    for key, type_name, default, meaning in node_settings():
+        print(f"  {key:34} {type_name:6} default {default!r:12} {meaning}")
+    print("Swarm-wide, in the manifest (every member must agree):")
+    for f in fields(ProtocolSection):
+        if f.name in SWARM_TIMING:
+            print(f"  {'protocol.' + f.name:34} {f.type:6} default {f.default!r:12} {f.metadata['help']}")
+    return 0
+
+
 def _swarm_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swarm", metavar="ID", help="the swarm's id: its manifest is "
                         "configs/swarms/<ID>.toml")
@@ -155,7 +178,9 @@ def _swarm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a manifest file instead (private swarms)")
     parser.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append",
                         default=[], help="override a manifest value (agreed values change the "
-                        "digest: peers then refuse you), e.g. --set train.threads=2")
+                        "digest: peers then refuse you), e.g. --set train.threads=2; or, with "
+                        "join, one of this node's settings, e.g. --set node.stall_s=60 "
+                        "(`lowcomm-node settings` lists them)")
     parser.add_argument("--max-steps", type=int, default=0,
                         help="stop after this many inner steps (default: the schedule's end)")
     parser.add_argument("--grace", type=float, default=25.0,
@@ -260,6 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
     _config_arguments(config)
     config.add_argument("--keys", action="store_true", help="list every key, type and default")
     config.set_defaults(func=cmd_config)
+    settings = sub.add_parser(
+        "settings", help="list this node's settings (join --set node.<name>=<value>) and the "
+        "swarm-wide timing in the manifest, with units and meanings",
+        description="List every wait and transport knob of a node that `lowcomm-node join --set "
+                    "node.<name>=<value>` changes, and the swarm-wide bounds of exchanges that the "
+                    "manifest holds, each with its unit, default and meaning.")
+    settings.set_defaults(func=cmd_settings)
     add_simulate_command(sub)
     add_ops_commands(sub)
     from node.ops.model_cli import add_model_commands

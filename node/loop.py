@@ -8,10 +8,12 @@ training thread's calls into the loop.
   serving: cut mid-stream, the peer would see a truncated message from an orderly leave.
 - `LoopBridge`: the training thread's only way into the loop. `call` runs a function on the loop
   and waits for its answer, at most the network wait the caller asks for plus a named timeout
-  (NodeTimeouts.loop_call_s); `post` and `spawn` hand work over without waiting.
+  (NodeTimeouts.loop_call_s), or, for a wait the loop bounds itself (a swap that ends by its
+  progress, p2p/progress.py), as long as the loop answers a no-op within that timeout; `post`
+  and `spawn` hand work over without waiting.
 
-Invariant: the training thread never touches loop objects directly, and never waits on the loop
-without a bound.
+Invariant: the training thread never touches loop objects directly, and never waits on a loop
+that has stopped answering.
 """
 
 from __future__ import annotations
@@ -76,23 +78,38 @@ class LoopBridge:
     def __init__(self, loop: asyncio.AbstractEventLoop, tasks: BackgroundTasks, timeout_s: float):
         self.loop, self.tasks, self.timeout_s = loop, tasks, timeout_s
 
-    def call(self, what: str, function: Callable[..., Any], *args: Any, wait_s: float = 0.0) -> Any:
+    def call(self, what: str, function: Callable[..., Any], *args: Any, wait_s: float | None = 0.0) -> Any:
         """`function(*args)` on the loop (a coroutine function is awaited there); its result.
 
         Raises RuntimeError naming `what` when the loop has not answered after `wait_s` (the
-        network wait the caller asked for) plus the bridge's timeout.
+        network wait the caller asked for) plus the bridge's timeout. `wait_s` None: the wait is
+        bounded on the loop's side (a transfer that ends by its progress, p2p/progress.py); the
+        bridge then only checks, every timeout, that the loop still answers.
         """
         async def run() -> Any:
             result = function(*args)
             return await result if inspect.isawaitable(result) else result
         future = asyncio.run_coroutine_threadsafe(run(), self.loop)
-        limit = wait_s + self.timeout_s
+        limit = self.timeout_s if wait_s is None else wait_s + self.timeout_s
+        while True:
+            try:
+                return future.result(timeout=limit)
+            except concurrent.futures.TimeoutError:
+                if wait_s is None and self._answers():
+                    continue
+                future.cancel()
+                raise RuntimeError(f"the event loop did not answer {what} within {limit:.0f} s: it "
+                                   f"is stalled or stopping") from None
+
+    def _answers(self) -> bool:
+        """Whether the loop runs a no-op within the bridge's timeout."""
+        ping = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop)
         try:
-            return future.result(timeout=limit)
+            ping.result(timeout=self.timeout_s)
+            return True
         except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise RuntimeError(f"the event loop did not answer {what} within {limit:.0f} s: it is "
-                               f"stalled or stopping") from None
+            ping.cancel()
+            return False
 
     def post(self, function: Callable[..., Any], *args: Any) -> None:
         """`function(*args)` on the loop, soon; the caller does not wait."""

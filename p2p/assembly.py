@@ -5,7 +5,9 @@ complete or has failed. It owns the receive buffer (allocated once, after the he
 every bound and the bytes were reserved in the `InflightLedger`), checks that every frame
 belongs to the message and arrives on its stream in order, and fails as a whole: a bad frame
 on one stream cancels the readers of the others, drops the buffer and releases the
-reservation. A deadline timer does the same for a message whose streams never all arrive.
+reservation. A timer on its `Progress` (p2p/progress.py) does the same for a message that stalls
+or cannot finish in time, whose streams may not all have an operation pending (one that never
+opens); a message that keeps moving at the swarm's minimum link rate is never cut.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from hivemind.p2p import PeerID
 
 from p2p.errors import Reason, Refusal
 from p2p.messages import ReceivedMessage
+from p2p.progress import Progress
 from p2p.wire import MessageHeader
 
 
 class Assembly:
     """Frames of one message (sender, nonce) being received."""
 
-    def __init__(self, sender: PeerID, first: MessageHeader, deadline_s: float, release: Callable[[], None],
+    def __init__(self, sender: PeerID, first: MessageHeader, progress: Progress, release: Callable[[], None],
                  on_expired: Callable[[Refusal], None] | None = None):
-        """`on_expired(refusal)`: told when the deadline, not a stream, failed the message (no
-        stream's handler sees that failure first, so the receiver counts it there)."""
+        """`progress`: of the exchange the message belongs to; `on_expired(refusal)`: told when
+        its verdict, not a stream, failed the message (no stream's handler sees that failure
+        first, so the receiver counts it there)."""
         self.sender = sender
         self.first = first
         self.key = first.message_key()
@@ -48,8 +52,9 @@ class Assembly:
         self.reply.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.failure: Refusal | None = None
         self.on_expired = on_expired
-        self._timer = asyncio.get_running_loop().call_later(
-            deadline_s, self._expire, Refusal(Reason.TIMEOUT, f"message not complete within {deadline_s:.0f} s"))
+        self.progress = progress
+        self._timer: asyncio.TimerHandle | None = None
+        self._arm()
 
     @property
     def done(self) -> bool:
@@ -111,8 +116,17 @@ class Assembly:
         self._release()
         return True
 
-    def _expire(self, refusal: Refusal) -> None:
-        if self.fail(refusal) and self.on_expired is not None:
+    def _arm(self) -> None:
+        now = self.progress.clock()
+        self._timer = asyncio.get_running_loop().call_later(self.progress.next_check(now) - now, self._check)
+
+    def _check(self) -> None:
+        if self.done:
+            return
+        refusal = self.progress.verdict(self.progress.clock())
+        if refusal is None:
+            self._arm()
+        elif self.fail(refusal) and self.on_expired is not None:
             self.on_expired(refusal)
 
     def _check_same_message(self, header: MessageHeader) -> None:

@@ -69,7 +69,8 @@ class Refusal(P2PError):
 
     def __init__(self, reason: Reason, detail: str = "", *, congested: bool = False):
         """`congested`: our own link, not the peer, most likely caused it (a stream idle while
-        others filled our downlink): counted, but it strikes no one (p2p/framing.py)."""
+        others filled our downlink, or our own half of a swap too slow): counted, but it strikes
+        no one (p2p/progress.py)."""
         self.reason = Reason(reason)
         self.detail = detail
         self.congested = congested

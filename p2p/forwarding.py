@@ -33,7 +33,9 @@ from hivemind.p2p import PeerID
 
 from p2p.errors import Reason, Refusal
 from p2p.framing import StreamIO
+from p2p.limits import TransferLimits
 from p2p.paths import is_relayed
+from p2p.progress import Progress
 
 logger = logging.getLogger("lowcomm.p2p.forwarding")
 FORWARD_PROTOCOL = "/lowcomm/forward/1"      # origin -> forwarder: "open this stream to <peer>"
@@ -81,20 +83,23 @@ def blamed(reason: Reason, origin: PeerID, forwarder: PeerID | None, head_verifi
 
 
 async def pipe(a: tuple[asyncio.StreamReader, asyncio.StreamWriter],
-               b: tuple[asyncio.StreamReader, asyncio.StreamWriter], *, chunk_bytes: int, idle_timeout_s: float,
+               b: tuple[asyncio.StreamReader, asyncio.StreamWriter], *, chunk_bytes: int, stall_s: float,
                max_bytes: int) -> tuple[int, int]:
-    """Copy a -> b and b -> a until either side ends, stalls past `idle_timeout_s` or sends more
-    than `max_bytes`; then close both. Returns the bytes copied each way."""
+    """Copy a -> b and b -> a until either side ends, no byte moved either way for `stall_s`
+    (a push's status comes back only once the message is through: one direction idles while
+    the other moves), or one side sends more than `max_bytes`; then close both. Returns the
+    bytes copied each way."""
     copied = [0, 0]
+    progress = Progress(TransferLimits(stall_s=stall_s), rate_bound=False)
 
     async def copy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, index: int) -> None:
         while copied[index] < max_bytes:
-            async with asyncio.timeout(idle_timeout_s):
-                chunk = await reader.read(min(chunk_bytes, max_bytes - copied[index]))
-                if not chunk:
-                    return
-                writer.write(chunk)
-                await writer.drain()
+            chunk = await progress.wait(lambda: reader.read(min(chunk_bytes, max_bytes - copied[index])))
+            if not chunk:
+                return
+            writer.write(chunk)
+            progress.moved(received=len(chunk))
+            await progress.wait(writer.drain)
             copied[index] += len(chunk)
 
     tasks = [asyncio.create_task(copy(a[0], b[1], 0)), asyncio.create_task(copy(b[0], a[1], 1))]
@@ -134,7 +139,7 @@ class Forwarder:
         opened = False
         try:
             self._check_member(origin, "you")
-            target = await read_preamble(reader, t.limits.idle_timeout_s)
+            target = await read_preamble(reader, t.limits.stall_s)
             if target == t.p2p.peer_id or target == origin:
                 raise Refusal(Reason.MALFORMED, "a forwarding stream must name a third peer")
             self._check_member(target, f"peer {target}")
@@ -144,7 +149,7 @@ class Forwarder:
             self.active += 1
             onward = await self._open_onward(target, origin)
             sent, returned = await pipe((reader, writer), onward, chunk_bytes=t.limits.chunk_bytes,
-                                        idle_timeout_s=t.limits.idle_timeout_s,
+                                        stall_s=t.limits.stall_s,
                                         max_bytes=t.wire_limits.max_message_bytes + t.wire_limits.max_frame_bytes)
             t.counters.forwarded_streams += 1
             t.counters.forwarded_bytes += sent + returned

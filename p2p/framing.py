@@ -1,7 +1,9 @@
 """Reading and writing frames and statuses on one hivemind binary stream.
 
 `StreamIO` wraps the (reader, writer) pair that hivemind gives for a binary stream. Every read
-and every drain has an idle timeout, every byte is counted, a header's declared length is
+and every drain waits through the `Progress` of the exchange the stream carries (p2p/progress.py:
+it ends when the exchange stalls or cannot finish in time, never at a fixed time; a stream not
+yet part of an exchange has a progress of its own), every byte is counted, a header's declared length is
 checked before a byte of it is read, and a frame's payload is read straight into a buffer the
 caller allocated (after its bounds were checked) while a worker thread hashes what has arrived,
 so hashing overlaps the network instead of following it.
@@ -18,17 +20,14 @@ from p2p import wire
 from p2p.counters import TransportCounters
 from p2p.errors import Reason, Refusal
 from p2p.identity import SIGNATURE_BYTES
+from p2p.limits import TransferLimits
+from p2p.progress import Progress
 from p2p.wire import (FRAME_PREFIX, MAX_STATUS_DETAIL_BYTES, STATUS_PREFIX, TAG_FRAME, TAG_STATUS,
                       decode_status_body, encode_status)
 
 READ_BYTES = 1 << 20          # largest single read request
 HASH_BATCH_BYTES = 1 << 20    # hand the hashing thread at least this much at a time
 READER_BUFFER_LIMIT = 1 << 20 # asyncio pauses the socket at 2x this; 64 KiB (the default) costs CPU
-# A stream idle for its whole timeout while at least this much came on our other streams: our
-# downlink was full, not the peer silent. Measured: a node on 512 kbit/s saw honest members'
-# pushes idle 30 s behind a state download, struck them TIMEOUT and banned all three for 600 s
-# (benchmarks/RESULTS.md, "The same slow-link DiLoCoX run with relayed messages", run C).
-CONGESTED_BYTES = 64 << 10
 
 
 class PeerStatus(Exception):
@@ -40,13 +39,15 @@ class PeerStatus(Exception):
 
 
 class StreamIO:
-    """One binary stream with counted, time-bounded reads and writes."""
+    """One binary stream with counted reads and writes, bounded by its exchange's progress."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, counters: TransportCounters,
-                 idle_timeout_s: float, executor: Executor | None = None):
+                 stall_s: float, executor: Executor | None = None):
+        """`stall_s`: the stall bound of the stream's own progress, until `progress` is set to
+        its exchange's (shared by all the exchange's streams, both ways)."""
         self.reader, self.writer = reader, writer
         self.counters = counters
-        self.idle_timeout_s = idle_timeout_s
+        self.progress = Progress(TransferLimits(stall_s=stall_s), counters=counters, rate_bound=False)
         self.executor = executor
         self.frame_open = False  # True while a frame is half written: no status may be sent then
         self.relayed = False     # the stream goes through a circuit relay (p2p/paths.py)
@@ -59,26 +60,14 @@ class StreamIO:
 
     # ------------------------------------------------------------------ reading
 
-    def _idle(self, what: str, received_before: int) -> Refusal:
-        """The TIMEOUT of a read that waited `idle_timeout_s`; `congested` when our other
-        streams received CONGESTED_BYTES meanwhile (a stalling peer is cut all the same)."""
-        others = self.counters.bytes_received - received_before
-        if others >= CONGESTED_BYTES:
-            return Refusal(Reason.TIMEOUT, f"no {what} for {self.idle_timeout_s:.0f} s while {others} "
-                           f"bytes came on other streams (our link is saturated)", congested=True)
-        return Refusal(Reason.TIMEOUT, f"no {what} for {self.idle_timeout_s:.0f} s")
-
     async def read_exactly(self, n: int) -> bytes:
-        received_before = self.counters.bytes_received
         try:
-            async with asyncio.timeout(self.idle_timeout_s):
-                data = await self.reader.readexactly(n)
+            data = await self.progress.wait(lambda: self.reader.readexactly(n))
         except asyncio.IncompleteReadError as error:
             self.counters.bytes_received += len(error.partial)
             raise Refusal(Reason.TRUNCATED, f"stream ended after {len(error.partial)} of {n} bytes") from None
-        except TimeoutError:
-            raise self._idle("data", received_before) from None
         self.counters.bytes_received += n
+        self.progress.moved(received=n)
         return data
 
     async def read_frame_head(self, max_header_bytes: int) -> tuple[bytes, bytes]:
@@ -124,17 +113,13 @@ class StreamIO:
         pending: asyncio.Future | None = None
         try:
             while filled < size:
-                received_before = self.counters.bytes_received
-                try:
-                    async with asyncio.timeout(self.idle_timeout_s):
-                        chunk = await self.reader.read(min(size - filled, READ_BYTES))
-                except TimeoutError:
-                    raise self._idle("payload data", received_before) from None
+                chunk = await self.progress.wait(lambda: self.reader.read(min(size - filled, READ_BYTES)))
                 if not chunk:
                     raise Refusal(Reason.TRUNCATED, f"stream ended after {filled} of {size} payload bytes")
                 destination[filled:filled + len(chunk)] = chunk
                 filled += len(chunk)
                 self.counters.bytes_received += len(chunk)
+                self.progress.moved(received=len(chunk))
                 # One hashing job at a time keeps update() calls in order; while it runs we keep
                 # reading, and the next job takes everything that arrived meanwhile.
                 if filled - hashed >= HASH_BATCH_BYTES and (pending is None or pending.done()):
@@ -166,6 +151,7 @@ class StreamIO:
     async def write(self, data: bytes | memoryview) -> None:
         self.writer.write(data)
         self.counters.bytes_sent += len(data)
+        self.progress.moved(sent=len(data))
         await self._drain()
 
     async def write_views(self, views: Iterable[memoryview], chunk_bytes: int) -> None:
@@ -177,6 +163,7 @@ class StreamIO:
                 self.writer.write(piece)
                 pending += len(piece)
                 self.counters.bytes_sent += len(piece)
+                self.progress.moved(sent=len(piece))
                 if pending >= chunk_bytes:
                     await self._drain()
                     pending = 0
@@ -187,11 +174,7 @@ class StreamIO:
         await self.write(encode_status(reason, detail))
 
     async def _drain(self) -> None:
-        try:
-            async with asyncio.timeout(self.idle_timeout_s):
-                await self.writer.drain()
-        except TimeoutError:
-            raise Refusal(Reason.TIMEOUT, f"peer read nothing for {self.idle_timeout_s:.0f} s") from None
+        await self.progress.wait(self.writer.drain)
 
     async def linger(self, timeout_s: float = 2.0, max_bytes: int = 8 << 20) -> None:
         """Read and drop what the peer still sends, until it closes (bounded in time and bytes).

@@ -2,7 +2,7 @@
 
 `WireLimits` are the static bounds every header is checked against *before* anything is
 allocated. `TransferLimits` are the run-time knobs of the transport (parallel streams, frame
-size, timeouts, per-peer concurrency). `InflightLedger` reserves streams and bytes per peer and
+size, the stall bound, per-peer concurrency). `InflightLedger` reserves streams and bytes per peer and
 globally, so that no peer, and no crowd of peers, can make this node hold more than the
 configured memory for incoming payloads.
 """
@@ -10,9 +10,14 @@ configured memory for incoming payloads.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+
+def _knob(default, meaning: str):
+    """A TransferLimits field with its unit and meaning (listed by `lowcomm-node settings`)."""
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass(frozen=True)
@@ -42,30 +47,44 @@ class WireLimits:
 
 @dataclass(frozen=True)
 class TransferLimits:
-    """Run-time knobs of the transport; defaults suit a home uplink and a model of a few GB."""
+    """Run-time knobs of the transport; defaults suit a home uplink and a model of a few GB.
 
-    parallel_streams: int = 4                # streams per large message: one yamux stream is window-limited
-    frame_bytes: int = 8 * MiB               # payload per signed frame; frames pipeline hashing and sending
-    chunk_bytes: int = 1 * MiB               # write granularity (drain between chunks)
-    max_streams_per_peer: int = 16           # concurrent incoming streams from one peer
-    max_inflight_bytes_per_peer: int = 4 * GiB   # incoming payload bytes held for one peer
-    max_inflight_bytes: int = 16 * GiB       # incoming payload bytes held for all peers together
-    open_timeout_s: float = 10.0             # opening a stream to a peer
-    idle_timeout_s: float = 30.0             # no byte moved on a stream for this long: give up
-    # deadline = base + size / min_rate: a slow but live link, 1 Mbit/s (a home uplink; a NoLoCo
-    # node on it paces its pairing, node/rounds/noloco/pacing.py)
-    min_rate_bytes_per_s: float = 128 * KiB
-    base_timeout_s: float = 30.0
-    reply_timeout_s: float = 30.0            # a handler's reply(header) and deliver(message) must return in time
+    No transfer that keeps moving is cut by a fixed time (p2p/progress.py): an exchange ends when
+    done, when none of its streams moved a byte either way for `stall_s`, or when even at
+    `min_rate_bytes_per_s` its remaining bytes could not arrive by its need-by (the caller's, or
+    by default `need_by_s` of its bytes). Every field but `min_rate_bytes_per_s` is this node's
+    to choose (`lowcomm-node join --set node.<name>=<value>`); `min_rate_bytes_per_s` is the
+    swarm's declared minimum link rate, which the node sets from its manifest
+    (protocol.min_link_mbit_s), so that every member bounds a transfer alike.
+    """
+
+    parallel_streams: int = _knob(4, "streams per large message (one yamux stream is window-limited)")
+    frame_bytes: int = _knob(8 * MiB, "bytes: payload per signed frame (frames pipeline hashing and sending)")
+    chunk_bytes: int = _knob(1 * MiB, "bytes: write granularity (drain between chunks)")
+    max_streams_per_peer: int = _knob(16, "concurrent incoming streams from one peer")
+    max_inflight_bytes_per_peer: int = _knob(4 * GiB, "bytes: incoming payload held for one peer "
+                                             "(raised to two of the swarm's largest message)")
+    max_inflight_bytes: int = _knob(16 * GiB, "bytes: incoming payload held for all peers together")
+    open_timeout_s: float = _knob(10.0, "seconds: opening a stream to a peer")
+    stall_s: float = _knob(30.0, "seconds: an exchange none of whose streams moved a byte, either "
+                           "way, for this long is given up")
+    min_rate_bytes_per_s: float = _knob(125_000.0, "bytes/s: the swarm's minimum link rate (from "
+                                        "the manifest's protocol.min_link_mbit_s, not a node setting)")
+    reply_timeout_s: float = _knob(30.0, "seconds: a handler's reply(header) and deliver(message) "
+                                   "must return within this (local work, no bytes moved)")
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not value > 0:
                 raise ValueError(f"TransferLimits.{name} must be positive, got {value!r}.")
 
-    def deadline_s(self, payload_bytes: int) -> float:
-        """How long a whole exchange of `payload_bytes` may take before it is abandoned."""
-        return self.base_timeout_s + payload_bytes / self.min_rate_bytes_per_s
+    def need_by_s(self, payload_bytes: int) -> float:
+        """The default need-by of an exchange whose larger direction carries `payload_bytes`:
+        what they take at the swarm's minimum link rate, plus one stall's worth of setup."""
+        return self.stall_s + payload_bytes / self.min_rate_bytes_per_s
+
+
+NODE_SWARM_FIELDS = ("min_rate_bytes_per_s",)  # set from the manifest, never by one node
 
 
 class InflightLedger:

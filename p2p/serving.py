@@ -25,6 +25,7 @@ from p2p.errors import LimitsError, Reason, Refusal
 from p2p.forwarding import blamed, read_preamble
 from p2p.framing import PeerStatus, StreamIO
 from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.progress import Progress
 from p2p.sending import SendPlan, send_stream_frames
 from p2p.wire import MessageHeader, Mode, check_head
 
@@ -76,7 +77,7 @@ class IncomingStreams:
         self._tasks.add(task)
         peer: PeerID = info.peer_id
         peer_bytes = peer.to_bytes()
-        io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+        io = StreamIO(reader, writer, self.counters, self.limits.stall_s, self._executor)
         if forwarder is None:
             relayed = self.counters.paths.note(peer.to_base58(), info.addr)
         else:
@@ -109,10 +110,12 @@ class IncomingStreams:
             except Refusal as refusal:
                 self._refused.remember(peer_bytes, header.nonce, header.streams, refusal)
                 raise
+            io.progress = assembly.progress  # from here the message's streams progress together
             check = lambda raw, sig: self._check_request_head(raw, sig, peer_bytes)[0]  # noqa: E731
             bound.append(BoundWork(assembly, self._receive_frames(io, assembly, stream, header, check)))
             if header.mode == Mode.SWAP:
                 plan: SendPlan = await assembly.reply
+                assembly.progress.expect(sending=plan.message.total_bytes)
                 refusal = relayed and self.relay_limits.refusal(plan.message.total_bytes)
                 if refusal:
                     raise Refusal(Reason.TOO_LARGE, f"our reply was not sent: {refusal}")
@@ -179,7 +182,7 @@ class IncomingStreams:
                 raise Refusal(Reason.NOT_ADMITTED, "only members of this swarm may forward to it")
             if self._bans.get(forwarder.to_bytes(), 0.0) > time.monotonic():
                 raise Refusal(Reason.BANNED, "this node has banned you for a while")
-            origin = await read_preamble(reader, self.limits.idle_timeout_s)
+            origin = await read_preamble(reader, self.limits.stall_s)
         except Refusal as refusal:
             self.counters.count_refusal_issued(refusal.reason, forwarder.to_base58(), refusal.congested)
             logger.info("refused a forwarded stream from %s: %s (%s)", forwarder.to_base58()[-8:],
@@ -230,13 +233,19 @@ class IncomingStreams:
         return assembly, assembly.attach_stream(header)
 
     def _expired(self, peer: PeerID, refusal: Refusal) -> None:
-        """An incoming message its streams left incomplete past its deadline: a refusal like any
-        other (the fuzzer found these went uncounted, so a staller was never struck)."""
+        """An incoming message its streams left incomplete, stalled or too slow to finish in time
+        (p2p/progress.py): a refusal like any other (the fuzzer found these went uncounted, so a
+        staller was never struck)."""
         self.counters.count_refusal_issued(refusal.reason, peer.to_base58(), refusal.congested)
         logger.info("refused a message from %s: %s (%s)", _short(peer), refusal.reason.name, refusal.detail)
 
     def _new_assembly(self, peer: PeerID, header: MessageHeader,
-                      on_expired: Callable[[Refusal], None] | None = None) -> Assembly:
+                      on_expired: Callable[[Refusal], None] | None = None,
+                      progress: Progress | None = None) -> Assembly:
+        """The assembly of a message whose header checked, its bytes reserved. `progress`: the
+        exchange's (a reply's: the swap we asked for); else its own, whose default need-by covers
+        every payload this node is receiving now at the swarm's minimum link rate (they share our
+        downlink, so this one may wait for the others), and our reply to it once known."""
         if header.tensors is None:
             raise Refusal(Reason.MALFORMED, "the first frame of a stream must carry the tensor manifest")
         peer_bytes, total = peer.to_bytes(), header.total
@@ -246,8 +255,10 @@ class IncomingStreams:
             raise Refusal(Reason.NO_ROOM, f"this node holds {self._ledger.reserved_bytes(peer_bytes)} "
                                           f"bytes of your messages and {self._ledger.total_bytes} in all, "
                                           f"and cannot take {total} more now; try again later")
-        return Assembly(peer, header, self.limits.deadline_s(total), lambda: self._ledger.release(peer_bytes, total),
-                        on_expired)
+        if progress is None:
+            progress = Progress(self.limits, receiving=total, sharing=self._ledger.total_bytes,
+                                counters=self.counters)
+        return Assembly(peer, header, progress, lambda: self._ledger.release(peer_bytes, total), on_expired)
 
     def _spawn(self, assembly: Assembly, coroutine: Coroutine) -> None:
         task = asyncio.create_task(coroutine)

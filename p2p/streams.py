@@ -40,6 +40,7 @@ from p2p.identity import NodeIdentity
 from p2p.limits import InflightLedger, TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.paths import RelayLimits, relay_of
+from p2p.progress import NeedBy, Progress
 from p2p.replay import RefusedMessages, ReplayGuard
 from p2p.sending import SendPlan, choose_streams, send_stream_frames
 from p2p.serving import (STREAM_PROTOCOL, IncomingStreams, RoundPredicate, SizePredicate, _check_size,
@@ -142,11 +143,12 @@ class Transport(IncomingStreams):
     def unban(self, peer: PeerID | str) -> None:
         self._bans.pop(_peer_id(peer).to_bytes(), None)
 
-    def receiving(self, peer: PeerID | str, kind: str, round: int) -> bool:
-        """True while a message of `kind` and `round` from `peer` is arriving (its first frame
-        came, its last not yet): asking someone else for it would only bring it twice."""
+    def receiving(self, peer: PeerID | str, kind: str, round: int | None = None) -> bool:
+        """True while a message of `kind` and `round` (None: any) from `peer` is arriving (its
+        first frame came, its last not yet): asking someone else for it would only bring it
+        twice, and one who waits for it knows it is on its way."""
         raw = _peer_id(peer).to_bytes()
-        return any(key[0] == raw and a.first.kind == kind and a.first.round == round
+        return any(key[0] == raw and a.first.kind == kind and round in (None, a.first.round)
                    for key, a in self._assemblies.items())
 
     async def start(self) -> None:
@@ -179,28 +181,31 @@ class Transport(IncomingStreams):
     # ------------------------------------------------------------------ calling a peer
 
     async def push(self, peer: PeerID | str, message: OutgoingMessage, *, streams: int | None = None,
-                   timeout: float | None = None) -> None:
+                   need_by: NeedBy | None = None) -> None:
         """Send `message` one way; return when the peer verified and accepted it.
 
-        Raises RemoteRefused (with the peer's reason), TransferTimeout or TransferFailed.
+        Raises RemoteRefused (with the peer's reason), TransferTimeout (it could not finish by
+        `need_by`, default what its bytes take at the swarm's minimum link rate:
+        p2p/progress.py) or TransferFailed (among others: it stalled).
         """
-        await self._call(_peer_id(peer), message, Mode.PUSH, streams, timeout, None, 0)
+        await self._call(_peer_id(peer), message, Mode.PUSH, streams, need_by, None, 0)
 
     async def swap(self, peer: PeerID | str, message: OutgoingMessage, *, streams: int | None = None,
-                   timeout: float | None = None, accept_round: RoundPredicate | None = None,
+                   need_by: NeedBy | None = None, accept_round: RoundPredicate | None = None,
                    expected_reply_bytes: int = 0, accept_bytes: SizePredicate | None = None
                    ) -> ReceivedMessage:
         """Send `message` and receive the peer's reply at the same time, on the same streams.
 
         Raises RemoteRefused, ReplyRejected (the reply failed our checks), TransferTimeout or
-        TransferFailed. `expected_reply_bytes` only sizes the default streams and deadline;
+        TransferFailed, as `push` does. `expected_reply_bytes` sizes the default streams and
+        need-by until the reply's header declares its size;
         `accept_bytes` false for the reply's declared size rejects it before reading it.
         """
-        return await self._call(_peer_id(peer), message, Mode.SWAP, streams, timeout, accept_round,
+        return await self._call(_peer_id(peer), message, Mode.SWAP, streams, need_by, accept_round,
                                 expected_reply_bytes, accept_bytes=accept_bytes)
 
     async def request(self, peer: PeerID | str, kind: str, round: int, *, meta: dict | None = None,
-                      streams: int | None = None, timeout: float | None = None,
+                      streams: int | None = None, need_by: NeedBy | None = None,
                       accept_round: RoundPredicate | None = None,
                       expected_reply_bytes: int = 0) -> ReceivedMessage:
         """Ask `peer` for a message of `kind` (e.g. its state); a swap with an empty payload.
@@ -208,36 +213,40 @@ class Transport(IncomingStreams):
         Replies of unknown size should pass `streams=transport.limits.parallel_streams`.
         """
         return await self.swap(peer, OutgoingMessage(kind, round, (), dict(meta or {})), streams=streams,
-                               timeout=timeout, accept_round=accept_round,
+                               need_by=need_by, accept_round=accept_round,
                                expected_reply_bytes=expected_reply_bytes)
 
     async def _call(self, peer: PeerID, message: OutgoingMessage, mode: int, streams: int | None,
-                    timeout: float | None, accept_round: RoundPredicate | None, expected_reply_bytes: int,
+                    need_by: NeedBy | None, accept_round: RoundPredicate | None, expected_reply_bytes: int,
                     *, accept_bytes: SizePredicate | None = None):
         largest = max(message.total_bytes, expected_reply_bytes)
         streams = streams or choose_streams(largest, self.limits, self.wire_limits)
         plan = SendPlan(self.identity, swarm=self.swarm, manifest=self.manifest, recipient=peer.to_bytes(),
                         message=message, mode=mode, streams=streams, limits=self.limits, wire=self.wire_limits)
-        deadline = timeout if timeout is not None else self.limits.deadline_s(largest + expected_reply_bytes)
-        reply = _ReplyState()
+        # one progress for all the streams, both ways: the exchange ends when done, stalled, or
+        # unable to finish by its need-by (p2p/progress.py), never at a fixed time
+        progress = Progress(self.limits, sending=message.total_bytes, receiving=expected_reply_bytes,
+                            need_by=need_by, counters=self.counters)
+        reply = _ReplyState(progress)
         ios: list[StreamIO] = []
         try:
-            async with asyncio.timeout(deadline):
-                ios = await self._open(peer, plan.streams)
-                refusal = self._relay_refusal(ios, largest)
-                if refusal:
-                    raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} was not "
-                                         f"started: {refusal}.")
-                if mode == Mode.PUSH:
-                    work = [self._push_stream(peer, io, plan, s) for s, io in enumerate(ios)]
-                else:
-                    work = [self._swap_stream(peer, io, plan, s, reply, accept_round, accept_bytes)
-                            for s, io in enumerate(ios)]
-                await _all_or_first_error(work)
-        except TimeoutError:
-            raise TransferTimeout(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} did not complete "
-                                  f"within {deadline:.0f} s.") from None
-        except Refusal as refusal:  # a local check on the peer's stream behaviour (truncation, idle, ...)
+            ios = await self._open(peer, plan.streams)
+            refusal = self._relay_refusal(ios, largest)
+            if refusal:
+                raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} was not "
+                                     f"started: {refusal}.")
+            for io in ios:
+                io.progress = progress
+            if mode == Mode.PUSH:
+                work = [self._push_stream(peer, io, plan, s) for s, io in enumerate(ios)]
+            else:
+                work = [self._swap_stream(peer, io, plan, s, reply, accept_round, accept_bytes)
+                        for s, io in enumerate(ios)]
+            await _all_or_first_error(work)
+        except Refusal as refusal:  # a local check on the peer's stream behaviour (truncation, stall, ...)
+            if refusal is progress.failure and progress.too_slow:
+                raise TransferTimeout(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} was "
+                                      f"given up: {refusal.detail}.") from None
             raise TransferFailed(f"the {Mode.NAMES[mode]} of {message.kind!r} with peer {peer} failed: "
                                  f"{refusal.reason.name} ({refusal.detail}).") from None
         except (ConnectionError, OSError, asyncio.IncompleteReadError) as error:
@@ -332,7 +341,7 @@ class Transport(IncomingStreams):
                 raise
             except Exception as error:  # the daemon reports dial failures as several error types
                 raise TransferFailed(f"could not open a stream to peer {target}{through}: {error}.") from None
-            io = StreamIO(reader, writer, self.counters, self.limits.idle_timeout_s, self._executor)
+            io = StreamIO(reader, writer, self.counters, self.limits.stall_s, self._executor)
             io.addr = info.addr
             if forward_to is None:
                 io.relayed = self.counters.paths.note(peer.to_base58(), info.addr)
@@ -405,7 +414,7 @@ class Transport(IncomingStreams):
                 if reply.assembly is None or reply.assembly.fail(refusal):
                     self.counters.count_refusal_issued(refusal.reason, peer.to_base58(), refusal.congested)
                 stop.set()
-                await asyncio.wait({writer}, timeout=self.limits.idle_timeout_s)
+                await asyncio.wait({writer}, timeout=self.limits.stall_s)
                 if writer.done() and not writer.cancelled() and writer.exception() is None and not io.frame_open:
                     with suppress(Exception):
                         await io.write_status(refusal.reason, refusal.detail)
@@ -441,14 +450,17 @@ class Transport(IncomingStreams):
     # ------------------------------------------------------------------ serving a peer
 
 class _ReplyState:
-    """The reply assembly of one outgoing swap, created by the first reply frame that arrives."""
+    """The reply assembly of one outgoing swap, created by the first reply frame that arrives;
+    it shares the swap's progress (its size, from that frame, becomes what the swap receives)."""
 
-    def __init__(self):
+    def __init__(self, progress: Progress):
         self.assembly: Assembly | None = None
+        self.progress = progress
 
     def join(self, transport: Transport, peer: PeerID, header: MessageHeader) -> Assembly:
         if self.assembly is None:
-            self.assembly = transport._new_assembly(peer, header)
+            self.progress.expect(receiving=header.total)
+            self.assembly = transport._new_assembly(peer, header, progress=self.progress)
         return self.assembly
 
 

@@ -43,7 +43,7 @@ class HoldingTransport:
     def ban(self, peer, seconds) -> None:
         self.banned.append(peer)
 
-    async def request(self, peer, kind, round_index, *, meta, timeout, streams):
+    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
         assert kind == RELAY
         self.asked.append(peer)
         copy = self.copies.get((peer, round_index, meta[AUTHOR]))

@@ -5,6 +5,7 @@ after a failure, and namespaces left by a killed earlier run are swept first.
     with NamespaceLink() as link:       # link.namespace, link.host_address, link.inner_address
         node = harness.start_node(..., netns=link.namespace, listen=link.inner_listen)
         link.cut(); ...; link.restore()
+        link.shape("500kbit")              # tbf, both ways
 
 Traffic stays on this machine: the pair's /30 subnet is private and has no route out.
 """
@@ -74,6 +75,14 @@ class NamespaceLink:
 
     def restore(self) -> None:
         _ip("-n", self.namespace, "link", "set", self.inner_if, "up")
+
+    def shape(self, rate: str, burst: str = "16kb", latency: str = "200ms") -> None:
+        """Limits the link to `rate` (a tc rate word: 500kbit) each way with tbf: the namespace's
+        upload on its end, its download on the host's end."""
+        for namespace, device in ((self.namespace, self.inner_if), (None, self.host_if)):
+            _ip_tc = ["ip", "netns", "exec", namespace, "tc"] if namespace else ["tc"]
+            subprocess.run([*_ip_tc, "qdisc", "add", "dev", device, "root", "tbf", "rate", rate,
+                            "burst", burst, "latency", latency], check=True, capture_output=True, text=True)
 
     def close(self) -> None:
         _ip("link", "del", self.host_if, check=False)  # takes its peer with it

@@ -158,6 +158,13 @@ class ProtocolSection:
                              min=0.0, max=1.0)
     message_deadline_s: float = spec(120.0, "DiLoCoX: a message later than this is dropped",
                                      min=0.0, max=3600.0, min_exclusive=True)
+    # every transfer's rate bound (p2p/progress.py): swarm-wide, so that no member cuts another
+    # whose link the swarm declared good enough
+    min_link_mbit_s: float = spec(1.0, "the slowest link (Mbit/s, each way) a member may have: a "
+                                  "transfer is given up when even at this rate its remaining bytes "
+                                  "could not arrive by the time its round can use them (a swap, a "
+                                  "push, a relay fetch, a state download); one that keeps moving at "
+                                  "this rate is never cut", min=0.0, max=1e6, min_exclusive=True)
 
 
 @dataclass

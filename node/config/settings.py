@@ -1,46 +1,60 @@
 """How this machine runs its node: never part of the swarm's manifest, never in its digest.
 
 `NodeSettings` comes from the `join` command line (node/cli.py). `NodeTimeouts` names every wait
-of the daemon that is ours to choose (the protocol's own deadlines are in the manifest):
-one place to read them, and one to change them.
+of the daemon that is ours to choose, and `TransferLimits` (p2p/limits.py) the transport's
+knobs (the protocol's own deadlines and the swarm's minimum link rate are in the manifest): an
+operator changes any of them with `lowcomm-node join --set node.<name>=<value>`, and
+`lowcomm-node settings` lists them with their units and meanings.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+
+from node.config.schema import ConfigError
+from p2p.limits import NODE_SWARM_FIELDS, TransferLimits
+
+NODE_PREFIX = "node."
+
+
+def _wait(default, meaning: str):
+    """A NodeTimeouts field: its unit and meaning, listed by `lowcomm-node settings`."""
+    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass
 class NodeTimeouts:
-    """Seconds (or counts) the daemon waits; each bounds a wait that could otherwise hang."""
+    """Seconds (or counts) the daemon waits; each bounds a wait that could otherwise hang. None
+    of them cuts a transfer that keeps moving: those end by p2p/progress.py's rules."""
 
-    # a call of the training thread into the event loop, beyond the network wait it asks for
-    # (node/loop.py LoopBridge): the loop answers in milliseconds unless it is stalled
-    loop_call_s: float = 30.0
-    # a NoLoCo matching message on the wire, and how long a swap that overtook the accept of
-    # our proposal waits for it (node/rounds/noloco/exchange.py)
-    match_message_s: float = 10.0
-    # DiLoCoX: how long a node waits for the members of a round to announce their φ digest
-    consensus_wait_s: float = 5.0
-    # the late join: members asked for the outer state, each download's deadline, and how long
-    # an announcement lagging the state it describes is waited for
-    state_download_attempts: int = 3
-    state_download_s: float = 120.0
-    state_announce_wait_s: float = 10.0
-    # at start: how long the DHT may take to show existing members before we think we are first
-    first_members_s: float = 2.0
-    member_refresh_s: float = 0.5       # the member cache's DHT lookups
-    alone_before_redial_s: float = 10.0  # seeing no member this long, the node redials...
-    redial_every_s: float = 10.0         # ...this often, while alone
-    watch_every_s: float = 2.0           # the daemon's look at p2pd, stop requests and members
-    p2pd_start_s: float = 15.0           # p2pd's start (a loaded machine takes longer)
-    leave_step_s: float = 5.0            # each step of leaving (tombstone, stop serving, p2pd)
-    # a node that ended its schedule (no stop asked): how long its last messages may take to
-    # reach their peers before p2pd stops; a stop request keeps to leave_step_s / 2
-    leave_drain_s: float = 30.0
-    # of the grace period, what is kept for leaving once the training thread has stopped
-    leave_reserve_s: float = 5.0
+    loop_call_s: float = _wait(30.0, "seconds: a call of the training thread into the event loop, "
+                               "beyond the network wait it asks for (the loop answers in "
+                               "milliseconds unless it is stalled)")
+    match_message_s: float = _wait(10.0, "seconds: a NoLoCo matching message on the wire, and how "
+                                   "long a swap that overtook the accept of our proposal waits for it")
+    consensus_wait_s: float = _wait(5.0, "seconds: DiLoCoX, how long a node waits for the members "
+                                    "of a round to announce their phi digest")
+    state_download_attempts: int = _wait(3, "count: the late join, members asked for the outer state")
+    state_download_s: float = _wait(120.0, "seconds: the late join, each state download's need-by "
+                                    "(one is given up when it could not finish by then)")
+    state_announce_wait_s: float = _wait(10.0, "seconds: the late join, how long an announcement "
+                                         "lagging the state it describes is waited for")
+    first_members_s: float = _wait(2.0, "seconds: at start, how long the DHT may take to show "
+                                   "existing members before we think we are first")
+    member_refresh_s: float = _wait(0.5, "seconds: between the member cache's DHT lookups")
+    alone_before_redial_s: float = _wait(10.0, "seconds: seeing no member this long, the node "
+                                         "redials its bootstrap peers...")
+    redial_every_s: float = _wait(10.0, "seconds: ...this often, while alone")
+    watch_every_s: float = _wait(2.0, "seconds: between the daemon's looks at p2pd, stop requests "
+                                 "and members")
+    p2pd_start_s: float = _wait(15.0, "seconds: p2pd's start (a loaded machine takes longer)")
+    leave_step_s: float = _wait(5.0, "seconds: each step of leaving (tombstone, stop serving, p2pd)")
+    leave_drain_s: float = _wait(30.0, "seconds: a node that ended its schedule (no stop asked): "
+                                 "how long its last messages may take to reach their peers before "
+                                 "p2pd stops; a stop request keeps to leave_step_s / 2")
+    leave_reserve_s: float = _wait(5.0, "seconds: of the grace period, what is kept for leaving "
+                                   "once the training thread has stopped")
 
 
 @dataclass
@@ -62,3 +76,40 @@ class NodeSettings:
     round_end: str = "auto"       # DiLoCoX: "beside", the round's end in a thread beside training;
                                   # "auto": beside on CUDA (node/daemon/run.py)
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)
+    # the transport's knobs; its min_rate_bytes_per_s is the manifest's (node/rounds/message_sizes.py)
+    transfer: TransferLimits = field(default_factory=TransferLimits)
+
+
+def node_settings() -> list[tuple[str, str, object, str]]:
+    """(`node.<name>`, type, default, meaning) of every setting `join --set node.<name>=<value>`
+    changes: NodeTimeouts' waits and the transport's knobs."""
+    rows = []
+    for cls in (NodeTimeouts, TransferLimits):
+        for f in fields(cls):
+            if f.name not in NODE_SWARM_FIELDS:
+                rows.append((f"{NODE_PREFIX}{f.name}", f.type if isinstance(f.type, str) else f.type.__name__,
+                             f.default, f.metadata["help"]))
+    return rows
+
+
+def apply_node_settings(settings: NodeSettings, overrides: list[tuple[str, object]]) -> None:
+    """Sets each (`node.<name>`, value) of `overrides` on `settings`; ConfigError, one sentence,
+    for an unknown name or a value of the wrong type or sign."""
+    timeouts, transfer = {}, {}
+    known_timeouts = {f.name: f for f in fields(NodeTimeouts)}
+    known_transfer = {f.name: f for f in fields(TransferLimits) if f.name not in NODE_SWARM_FIELDS}
+    for key, value in overrides:
+        name = key.removeprefix(NODE_PREFIX)
+        target = timeouts if name in known_timeouts else transfer if name in known_transfer else None
+        if target is None:
+            raise ConfigError(f"unknown node setting '{key}': `lowcomm-node settings` lists them")
+        integer = (known_timeouts.get(name) or known_transfer[name]).type in ("int", int)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if number is None or (integer and not isinstance(number, int)):
+            raise ConfigError(f"node setting '{key}' must be {'an integer' if integer else 'a number'}, "
+                              f"got {value!r}")
+        if not number > 0:
+            raise ConfigError(f"node setting '{key}' must be positive, got {value!r}")
+        target[name] = number if integer else float(number)
+    settings.timeouts = replace(settings.timeouts, **timeouts)
+    settings.transfer = replace(settings.transfer, **transfer)

@@ -89,7 +89,7 @@ class Daemon:
                 torch.set_num_threads(train_config.threads)
             corpus = load_corpus(m.data)
             # a swarm whose messages cannot fit the transport stops here, in one sentence
-            self.transport_limits = transport_limits(m, corpus.vocab_size)
+            self.transport_limits = transport_limits(m, corpus.vocab_size, transfer=self.settings.transfer)
             trainer = InnerTrainer(m.model, train_config, corpus, m.data.seq_len,
                                    stream_seed(identity.public_key_bytes, train_config.seed),
                                    pick_device(train_config.device))

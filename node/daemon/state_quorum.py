@@ -62,6 +62,7 @@ from node.rounds.contributions import BanList, ContributionRefused, check_contri
 from node.rounds.state import (STATE_KIND, agreed_round, decode_state, majority, phi_holders,
                                round_bound, settled)
 from p2p.errors import P2PError, Reason, RemoteRefused
+from p2p.progress import NeedBy
 from p2p.records import MemberRecord
 
 log = logging.getLogger("lowcomm.join")
@@ -354,7 +355,7 @@ class StateAdoption:
         try:
             received = await self.transport.request(
                 source, STATE_KIND, 0, meta={} if state_round is None else {"phi_round": state_round},
-                timeout=self.timeouts.state_download_s, streams=self.transport.limits.parallel_streams)
+                need_by=NeedBy(self.timeouts.state_download_s), streams=self.transport.limits.parallel_streams)
         except P2PError as exc:  # a member that failed mid-transfer: nothing of it is kept
             log.warning("the state from %s did not arrive (%s); asking the next member", source, exc)
             self.errors.append(f"{source}: {exc}")

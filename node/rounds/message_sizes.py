@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 from node.config.manifest import Manifest
 from node.rounds.dilocox.payload import DESCRIPTIONS, MAX_DESCRIPTIONS_BYTES, PAYLOAD
@@ -86,11 +87,18 @@ def machine_memory_bytes() -> int | None:
         return None
 
 
-def transport_limits(manifest: Manifest, vocab_size: int, memory_bytes: int | None = None
-                     ) -> tuple[WireLimits, TransferLimits]:
-    """The transport's limits for this swarm; LimitsError (one sentence) when its largest
-    message cannot fit the transport within `memory_bytes` (default: this machine's)."""
+def transport_limits(manifest: Manifest, vocab_size: int, memory_bytes: int | None = None,
+                     transfer: TransferLimits = TransferLimits()) -> tuple[WireLimits, TransferLimits]:
+    """The transport's limits for this swarm, from this node's knobs (`transfer`) and the
+    swarm's minimum link rate (protocol.min_link_mbit_s); LimitsError (one sentence) when its
+    largest message cannot fit the transport within `memory_bytes` (default: this machine's)."""
     shapes = parameter_shapes(manifest, vocab_size)
     memory = machine_memory_bytes() if memory_bytes is None else memory_bytes
-    return limits_for(message_bounds(manifest, shapes), memory_bytes=memory,
+    transfer = replace(transfer, min_rate_bytes_per_s=min_rate_bytes_per_s(manifest))
+    return limits_for(message_bounds(manifest, shapes), memory_bytes=memory, transfer=transfer,
                       remedy=f"swarm '{manifest.swarm.id}' cannot run here; {REMEDY}")
+
+
+def min_rate_bytes_per_s(manifest: Manifest) -> float:
+    """The swarm's declared minimum link rate, in bytes a second."""
+    return manifest.protocol.min_link_mbit_s * 1e6 / 8

@@ -33,7 +33,7 @@ def test_every_attack_is_refused_with_its_reason_and_honest_peers_are_still_serv
     async def scenario():
         async with p2p_cleanup.hosts(tmp_path, 3) as (victim_host, honest_host, attacker_host):
             victim = Transport(victim_host.p2p, victim_host.identity, swarm=SWARM, manifest=MANIFEST,
-                               limits=TransferLimits(idle_timeout_s=1.0, max_streams_per_peer=4))
+                               limits=TransferLimits(stall_s=1.0, max_streams_per_peer=4))
             honest = Transport(honest_host.p2p, honest_host.identity, swarm=SWARM, manifest=MANIFEST)
             delivered = []
 
@@ -162,7 +162,7 @@ async def _attack(attacker_host, victim, data: bytes, options: dict, victim_tran
 
 async def _read_status(reader) -> Reason:
     from p2p.counters import TransportCounters
-    io = StreamIO(reader, None, TransportCounters(), idle_timeout_s=10.0)
+    io = StreamIO(reader, None, TransportCounters(), stall_s=10.0)
     reason, _ = await io.read_status()
     return reason
 

@@ -13,6 +13,7 @@ import pytest
 from p2p.errors import Reason, Refusal, RemoteRefused, ReplyRejected, TransferFailed, TransferTimeout
 from p2p.limits import TransferLimits
 from p2p.messages import OutgoingMessage
+from p2p.progress import NeedBy
 from p2p.streams import Transport
 from tests.p2p_helpers import MANIFEST, SWARM, run, wait_until
 
@@ -118,7 +119,7 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
             ]
             for message, reason in cases:
                 with pytest.raises(RemoteRefused) as refused:
-                    await ta.push(b.peer_id, message, timeout=20)
+                    await ta.push(b.peer_id, message)
                 assert refused.value.reason == reason, (message.meta, refused.value)
                 assert str(refused.value).startswith(f"peer {b.peer_id} refused our {message.kind!r} message: "
                                                      f"{reason.name}")
@@ -135,7 +136,7 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
 def test_cancel_and_timeout_release_every_buffer(tmp_path, p2p_cleanup):
     async def scenario():
         async with p2p_cleanup.hosts(tmp_path, 2) as (a, b):
-            ta, tb = transports(a, b, limits_b=TransferLimits(idle_timeout_s=2.0))
+            ta, tb = transports(a, b, limits_b=TransferLimits(stall_s=2.0))
 
             async def deliver(message):
                 pass
@@ -150,13 +151,13 @@ def test_cancel_and_timeout_release_every_buffer(tmp_path, p2p_cleanup):
                 await sending
             await wait_until(lambda: settled(tb), 10.0, what="receiver released the cancelled message")
 
-            with pytest.raises(TransferTimeout, match="did not complete within"):
-                await ta.push(b.peer_id, payload, timeout=0.05)
+            with pytest.raises(TransferTimeout, match="could not finish 200 MB within 0.05 s"):
+                await ta.push(b.peer_id, payload, need_by=NeedBy(0.05, "0.05 s"))
             await wait_until(lambda: settled(tb), 10.0, what="receiver released the timed-out message")
 
             stranger = "12D3KooWNvSZnPi3RrhrTwEY4LuuBeB6K6facKUCJcyWG1aoDd2p"
             with pytest.raises(TransferFailed, match="could not open a stream"):
-                await ta.push(stranger, payload, timeout=15)
+                await ta.push(stranger, payload)
             await ta.push(b.peer_id, payload)  # and the link still works
             await ta.stop()
             await tb.stop()

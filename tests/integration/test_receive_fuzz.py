@@ -61,7 +61,7 @@ SLACK_BYTES = 1 * MiB    # headers (16 KiB bound), socket reads, Python objects 
 WIRE = WireLimits(max_header_bytes=16 * KiB, max_message_bytes=64 * MiB, max_tensors=16,
                   min_frame_bytes=64, max_frame_bytes=32 * MiB, max_streams_per_message=4)
 LIMITS = TransferLimits(max_inflight_bytes_per_peer=PEER_BYTES, max_inflight_bytes=2 * PEER_BYTES,
-                        idle_timeout_s=1.0, base_timeout_s=1.0, min_rate_bytes_per_s=64 * MiB,
+                        stall_s=1.0, min_rate_bytes_per_s=64 * MiB,
                         reply_timeout_s=1.0, frame_bytes=256)
 SETTLE_S = 10.0          # every deadline above, with room for a loaded machine
 ATTACKER = NodeIdentity.generate()

@@ -48,10 +48,10 @@ def test_reply_handler_refusals_count_against_the_asker(tmp_path, p2p_cleanup):
             await tb.start()
             try:
                 with pytest.raises(RemoteRefused) as refused:
-                    await ta.swap(b.peer_id, OutgoingMessage(SNAPSHOT, 0), timeout=20)
+                    await ta.swap(b.peer_id, OutgoingMessage(SNAPSHOT, 0))
                 assert refused.value.reason is Reason.NOT_PAIRED
                 with pytest.raises(RemoteRefused) as refused:
-                    await ta.request(b.peer_id, STATE_KIND, 0, timeout=20)
+                    await ta.request(b.peer_id, STATE_KIND, 0)
                 assert refused.value.reason is Reason.REFUSED
                 counted = tb.counters.refused_incoming
                 assert counted["NOT_PAIRED"] == 1 and counted["REFUSED"] == 1, dict(counted)

@@ -57,7 +57,7 @@ def test_a_message_refused_for_room_is_one_refusal_and_no_strike(tmp_path, p2p_c
             await tb.start()
             for _ in range(2):
                 with pytest.raises(RemoteRefused) as refused:
-                    await ta.push(b.peer_id, big(), streams=STREAMS, timeout=20)
+                    await ta.push(b.peer_id, big(), streams=STREAMS)
                 assert refused.value.reason is Reason.NO_ROOM, refused.value
             assert dict(tb.counters.refused_incoming) == {"NO_ROOM": 2}
             assert bans.strikes == {} and bans.banned() == []
@@ -81,7 +81,7 @@ def test_a_message_of_a_size_the_receiver_rules_out_is_struck_once_not_once_per_
             await ta.start()
             await tb.start()
             with pytest.raises(RemoteRefused) as refused:
-                await ta.push(b.peer_id, big(), streams=STREAMS, timeout=20)
+                await ta.push(b.peer_id, big(), streams=STREAMS)
             assert refused.value.reason is Reason.TOO_LARGE
             assert dict(tb.counters.refused_incoming) == {"TOO_LARGE": 1}
             assert [len(times) for times in bans.strikes.values()] == [1] and bans.banned() == []
@@ -102,7 +102,7 @@ def test_a_reply_over_the_bound_is_refused_with_its_reason_not_internal(tmp_path
             await ta.start()
             await tb.start()
             with pytest.raises(RemoteRefused) as refused:
-                await ta.request(b.peer_id, "state", 0, streams=STREAMS, timeout=20)
+                await ta.request(b.peer_id, "state", 0, streams=STREAMS)
             assert refused.value.reason is Reason.REFUSED
             assert f"the 'state' message of {3 * MB} bytes was not sent: it exceeds the {MB}-byte bound" \
                 in refused.value.detail

@@ -1,5 +1,5 @@
 """A stream idle for its whole timeout while our other streams filled our downlink is our link's
-fault, not the peer's: it is refused TIMEOUT all the same, but strikes no one (p2p/framing.py).
+fault, not the peer's: it is refused TIMEOUT all the same, but strikes no one (p2p/progress.py).
 A node on 512 kbit/s banned its three honest members for 600 s this way."""
 
 import asyncio
@@ -8,12 +8,13 @@ import pytest
 
 from p2p.counters import TransportCounters
 from p2p.errors import Reason, Refusal
-from p2p.framing import CONGESTED_BYTES, StreamIO
+from p2p.framing import StreamIO
+from p2p.progress import CONGESTED_BYTES
 
 
 async def idle_read(counters: TransportCounters, arriving_elsewhere: int, payload: bool) -> Refusal:
     reader = asyncio.StreamReader()  # nothing ever arrives on this stream
-    io = StreamIO(reader, writer=None, counters=counters, idle_timeout_s=0.3)
+    io = StreamIO(reader, writer=None, counters=counters, stall_s=0.3)
 
     async def other_streams() -> None:
         await asyncio.sleep(0.1)

@@ -36,12 +36,12 @@ class ReplayHolders(HoldingTransport):
         self.kinds: list[str] = []
         self.servers = {}  # holder -> (its identity, the StepReplay serving its records)
         for (holder, identity), steps in records.items():
-            server = StepReplay(unit_swarm(loop), None, 30.0, lambda: [])
+            server = StepReplay(unit_swarm(loop), None, lambda: [])
             for round_index, applied in steps.items():
                 server.record(round_index, applied)
             self.servers[holder] = (identity, server)
 
-    async def request(self, peer, kind, round_index, *, meta, timeout, streams):
+    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
         self.kinds.append(kind)
         if kind == APPLIED:
             identity, server = self.servers[peer]
@@ -49,7 +49,7 @@ class ReplayHolders(HoldingTransport):
             return as_received(reply, delivered_by=identity)
         if kind == STATE_KIND:
             raise P2PError("the holder left")
-        return await super().request(peer, kind, round_index, meta=meta, timeout=timeout,
+        return await super().request(peer, kind, round_index, meta=meta, need_by=need_by,
                                      streams=streams)
 
 
@@ -105,8 +105,8 @@ def test_a_record_of_senders_that_cannot_be_true_is_not_read():
     async def main():
         loop = asyncio.get_running_loop()
         holder = NodeIdentity.generate()
-        replay = StepReplay(unit_swarm(loop), None, 30.0, lambda: ["x", "y"])
-        server = StepReplay(unit_swarm(loop), None, 30.0, lambda: [])
+        replay = StepReplay(unit_swarm(loop), None, lambda: ["x", "y"])
+        server = StepReplay(unit_swarm(loop), None, lambda: [])
 
         async def reply(round_index: int, since: int):
             header = types.SimpleNamespace(round=round_index, meta={"since": since})

@@ -183,9 +183,9 @@ class SlowHolder(HoldingTransport):
         super().__init__(copies)
         self.serve_s = serve_s
 
-    async def request(self, peer, kind, round_index, *, meta, timeout, streams):
+    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
         await asyncio.sleep(self.serve_s)
-        return await super().request(peer, kind, round_index, meta=meta, timeout=timeout, streams=streams)
+        return await super().request(peer, kind, round_index, meta=meta, need_by=need_by, streams=streams)
 
 
 def test_a_copy_being_fetched_at_the_rounds_end_is_waited_for(monkeypatch):

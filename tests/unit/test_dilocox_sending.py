@@ -12,6 +12,7 @@ from node.events import SendFailed
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.sending import LINK_MEMORY, PGRAD
 from p2p.errors import P2PError, Reason, RemoteRefused, TransferFailed, TransferTimeout
+from p2p.limits import TransferLimits
 from p2p.messages import OutgoingMessage
 from tests.dilocox_parts import member
 from tests.swarm_parts import unit_swarm
@@ -20,8 +21,9 @@ from tests.swarm_parts import unit_swarm
 class FailingTransport:
     """One peer's push fails with the network's error, another's with any other error (a bound
     the send planner enforces raised ValueError, which escaped the send and vanished)."""
+    limits = TransferLimits()  # the need-by of a push follows the transport's limits
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         if peer == "b":
             raise ValueError("the send planner failed")
         raise P2PError("the stream broke")
@@ -44,8 +46,9 @@ def test_a_send_failing_with_any_error_is_a_counted_send_failure():
 
 class TransportAtAFixedRate:
     """Pushes take 10 µs a byte: a link whose rate the test knows."""
+    limits = TransferLimits()  # the need-by of a push follows the transport's limits
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         await asyncio.sleep(message.total_bytes * 1e-5)
 
 
@@ -72,10 +75,10 @@ def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
 class TransportWithAFailingPeer(TransportAtAFixedRate):
     """As above, but peer "b" resets every push at once."""
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         if peer == "b":
             raise ConnectionResetError("reset by peer")
-        await super().push(peer, message, timeout)
+        await super().push(peer, message, need_by)
 
 
 def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
@@ -99,9 +102,10 @@ def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
 
 class TransportAtAChosenRate:
     """Each push takes `seconds` (a member's downlink that other senders share some rounds)."""
+    limits = TransferLimits()  # the need-by of a push follows the transport's limits
     seconds = 0.1
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         await asyncio.sleep(self.seconds)
 
 
@@ -133,9 +137,10 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
 
 class TransportWithASlowReceiver:
     """Pushes to "slow" take 0.3 s, to the others 0.01 s (or all 0.3 s: our own uplink)."""
+    limits = TransferLimits()  # the need-by of a push follows the transport's limits
     uplink_bound = False
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         await asyncio.sleep(0.3 if peer == "slow" or self.uplink_bound else 0.01)
 
 
@@ -167,11 +172,12 @@ def test_a_receiver_slower_than_the_others_bounds_the_growth_of_every_senders_me
 
 class TransportThatBreaksFirst:
     """Each peer's first push breaks with `first` (then the peer takes what `then` says)."""
+    limits = TransferLimits()  # the need-by of a push follows the transport's limits
 
     def __init__(self, first: Exception, then: Exception | None = None):
         self.first, self.then, self.calls = first, then, []
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         self.calls.append(peer)
         if self.calls.count(peer) == 1:
             raise self.first
@@ -233,7 +239,7 @@ def test_a_committee_members_round_is_timed_per_round_not_per_send(monkeypatch):
     clock = iter([100.0, 112.0])
     monkeypatch.setattr(sending.time, "monotonic", lambda: next(clock))
     swarm = SimpleNamespace(bridge=SimpleNamespace(spawn=lambda *args, **kwargs: None))
-    sender = sending.RoundSender(swarm, 30.0, lambda: [], lambda message: None)
+    sender = sending.RoundSender(swarm, lambda: [], lambda message: None)
     tensors = [OutgoingTensor("w", "uint8", (4,), np.zeros(4, np.uint8))]
     sender.send_round(2, tensors)
     sender.send_round(6, tensors)

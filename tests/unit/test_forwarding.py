@@ -70,17 +70,17 @@ def test_the_copy_goes_both_ways_and_stops_at_its_byte_bound_and_on_a_stall():
     async def scenario():
         a_out, b_out = _Sink(), _Sink()
         copied = await pipe((_reader(b"a" * 1000), a_out), (_reader(b"b" * 300), b_out), chunk_bytes=64,
-                            idle_timeout_s=1.0, max_bytes=10_000)
+                            stall_s=1.0, max_bytes=10_000)
         assert copied == (1000, 300) and bytes(b_out.data) == b"a" * 1000 and bytes(a_out.data) == b"b" * 300
         assert a_out.closed and b_out.closed
         # a side that sends more than the bound is cut there
         big = await pipe((_reader(b"a" * 5000, eof=False), _Sink()), (_reader(b"", eof=False), _Sink()),
-                         chunk_bytes=64, idle_timeout_s=0.3, max_bytes=1000)
+                         chunk_bytes=64, stall_s=0.3, max_bytes=1000)
         assert big[0] == 1000
-        # a side that stalls ends the forwarding after the idle timeout, with both closed
+        # a side that stalls ends the forwarding after its stall bound, with both closed
         stalled_a, stalled_b = _Sink(), _Sink()
         started = asyncio.get_running_loop().time()
         await pipe((_reader(b"", eof=False), stalled_a), (_reader(b"", eof=False), stalled_b), chunk_bytes=64,
-                   idle_timeout_s=0.2, max_bytes=1000)
+                   stall_s=0.2, max_bytes=1000)
         assert asyncio.get_running_loop().time() - started < 3.0 and stalled_a.closed and stalled_b.closed
     asyncio.run(scenario())

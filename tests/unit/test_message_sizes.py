@@ -167,3 +167,11 @@ def test_doctor_says_whether_the_swarms_messages_fit_in_one_sentence():
     refused = check_messages(crowded)
     assert refused.level == "fail" and refused.text.startswith("the late-join state") and \
         refused.text.endswith("or join from a machine with more memory.")
+
+
+def test_the_swarms_minimum_link_rate_and_the_nodes_knobs_reach_the_transport():
+    """Every member bounds a transfer by the manifest's declared link rate (p2p/progress.py);
+    the node's own knobs (join --set node.<name>) come through beside it."""
+    _, transfer = transport_limits(manifest(min_link_mbit_s=8.0), 256,
+                                   transfer=TransferLimits(stall_s=45.0, min_rate_bytes_per_s=1.0))
+    assert transfer.min_rate_bytes_per_s == 1e6 and transfer.stall_s == 45.0

@@ -90,10 +90,10 @@ class RefusingTransport:
     def __init__(self):
         self.pushed: list = []
 
-    async def swap(self, peer, message, timeout, expected_reply_bytes, accept_bytes=None):
+    async def swap(self, peer, message, need_by, expected_reply_bytes, accept_bytes=None):
         raise RemoteRefused(peer, "noloco.snapshot", Reason.NOT_PAIRED, "not paired with you")
 
-    async def push(self, peer, message, timeout):
+    async def push(self, peer, message, need_by=None):
         self.pushed.append((peer, message.meta["k"]))
 
 
@@ -284,7 +284,7 @@ class BrokenTransport(RefusingTransport):
     """A swap that fails with an error that is not the network's (an encoding bug, a bound the
     send planner enforces): it escaped `except P2PError` and vanished as a failed task."""
 
-    async def swap(self, peer, message, timeout, expected_reply_bytes, accept_bytes=None):
+    async def swap(self, peer, message, need_by, expected_reply_bytes, accept_bytes=None):
         raise ValueError("the send planner failed")
 
 
@@ -299,4 +299,53 @@ def test_a_swap_failing_with_any_error_is_a_counted_swap_failure():
         assert [e.error for e in failed] == ["ValueError: the send planner failed"]
         assert failed[0].logged and not [e for e in events if e.kind == "task_failed"]
         assert ex.open_pairs == {}  # the pacer measured it; nothing waits on it
+    asyncio.run(main())
+
+
+class SlowTransport(RefusingTransport):
+    """A swap that keeps going until the test lets it land (a slow link, bytes moving)."""
+
+    def __init__(self):
+        super().__init__()
+        self.started, self.land = asyncio.Event(), asyncio.Event()
+        self.need_by = "unset"
+
+    async def swap(self, peer, message, need_by, expected_reply_bytes, accept_bytes=None):
+        self.need_by = need_by
+        self.started.set()
+        await self.land.wait()
+        return SimpleNamespace(round=0, payload=b"theirs")
+
+
+def test_blocking_waits_for_a_swap_under_way_past_the_partner_wait():
+    """pair_deadline_s bounds the wait for a partner, not a swap in progress: the transport
+    ends a swap that stalls or cannot finish in time (p2p/progress.py), never the clock."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        events = Kinds()
+        transport = SlowTransport()
+        ex = blocking_exchange(loop, transport, events)
+        ex._handle(MatchMessage(MessageKind.PROPOSE, HIGHER, ME, 0, 0, "m"))  # we open the swap
+        await asyncio.wait_for(transport.started.wait(), 2.0)
+        assert transport.need_by is None  # blocking: the transport's own need-by (its bytes)
+        finishing = asyncio.create_task(ex._finish_round(0, [], 0.05, 1))
+        await asyncio.sleep(0.3)  # six partner waits: the swap is still under way
+        assert not finishing.done() and "no_partner" not in events
+        transport.land.set()
+        partner = await asyncio.wait_for(finishing, 2.0)
+        assert partner is not None and partner.peer == HIGHER and "swapped" in events
+    asyncio.run(main())
+
+
+def test_overlap_gives_a_swap_the_rounds_it_may_outlast_its_own_by():
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex = NoLoCoExchange(ProtocolSection(timing="overlap", max_swap_rounds=3),
+                            unit_swarm(loop, peer_id=ME), random.Random(0))
+        assert ex._swap_need_by(0) is None  # no round measured yet: the transport's default
+        ex.pacer.round_seconds.extend([10.0, 20.0])
+        ex._round_started = loop.time() - 5.0  # 5 s into round 0
+        need_by = ex._swap_need_by(0)
+        assert need_by.seconds == pytest.approx(4 * 20.0 - 5.0, abs=0.5)  # to the end of round 3
+        assert need_by.words.startswith("the 3 rounds it may outlast its own by (75 s")
     asyncio.run(main())

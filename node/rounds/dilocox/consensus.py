@@ -63,14 +63,14 @@ NOTHING_AGREED = -(2 ** 31)
 class PhiConsensus:
     """The consensus checks of our rounds, and the resyncs they bring."""
 
-    def __init__(self, swarm: Swarm, replay: StepReplay, deadline_s: float, *,
+    def __init__(self, swarm: Swarm, replay: StepReplay, *,
                  finished: Callable[[int], set[str]], in_round: Callable[[int], set[str]],
                  pace: Callable[[], float]):
         """`finished(k)`: the members that took part in round k and finished it (whose votes a
         check of round k + 1 can expect); `in_round(k)`: those still training round k (their
         vote of round k comes at its end); `pace()`: seconds one of our rounds takes (0 before
         we know)."""
-        self.swarm, self.replay, self.deadline_s = swarm, replay, deadline_s
+        self.swarm, self.replay = swarm, replay
         self.finished, self.in_round, self.pace = finished, in_round, pace
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
@@ -170,8 +170,8 @@ class PhiConsensus:
         for peer in holders:
             try:
                 received = await self.transport.request(
-                    peer, STATE_KIND, 0, meta={"phi_round": round_index}, timeout=self.deadline_s,
-                    streams=self.transport.limits.parallel_streams)
+                    peer, STATE_KIND, 0, meta={"phi_round": round_index},
+                    streams=self.transport.limits.parallel_streams)  # ends by p2p/progress.py
             except P2PError as exc:
                 log.info("resync from %s failed: %s", peer[-8:], exc)
                 continue

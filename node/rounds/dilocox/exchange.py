@@ -92,11 +92,11 @@ class DiLoCoXExchange:
         self.tenure = config.senders_tenure
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
         self.heard: dict[str, int] = {}  # member -> the latest round whose message came from it
-        self.relay = Relay(swarm, PGRAD, config.message_deadline_s)  # signs, keeps, serves, fetches
+        self.relay = Relay(swarm, PGRAD)  # signs, keeps, serves, fetches
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
-        self.sender = RoundSender(swarm, config.message_deadline_s, self.group, self.relay.sign)
-        self.replay = StepReplay(swarm, self.relay, config.message_deadline_s, self._members)
-        self.consensus = PhiConsensus(swarm, self.replay, config.message_deadline_s,
+        self.sender = RoundSender(swarm, self.group, self.relay.sign)
+        self.replay = StepReplay(swarm, self.relay, self._members)
+        self.consensus = PhiConsensus(swarm, self.replay,
                                       finished=self._finished, in_round=self._in_round,
                                       pace=lambda: self.pace)
         self.arrived = asyncio.Event()

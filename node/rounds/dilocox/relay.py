@@ -72,8 +72,8 @@ class MessageStore:
 class Relay:
     """Signs our messages, checks and keeps those we accept, serves and fetches copies."""
 
-    def __init__(self, swarm: Swarm, kind: str, deadline_s: float):
-        self.swarm, self.kind, self.deadline_s = swarm, kind, deadline_s
+    def __init__(self, swarm: Swarm, kind: str):
+        self.swarm, self.kind = swarm, kind
         self.transport = swarm.transport
         self.store = MessageStore()
         self._asking: dict[tuple[int, str], asyncio.Task] = {}
@@ -145,21 +145,19 @@ class Relay:
 
     async def fetch(self, round_index: int, author: str, holders: list[str]) -> ReceivedMessage | None:
         """A checked copy of `author`'s message of `round_index` from the first of `holders`
-        that serves one within the deadline; None if none did (replay.py)."""
+        that serves one; None if none did (replay.py). Each fetch ends when done, stalled or
+        unable to finish in time at the swarm's minimum link rate (p2p/progress.py); all of
+        them when the round is collected (`forget`)."""
         got: list[ReceivedMessage] = []
         await self._fetch(round_index, author, holders, lambda _author, copy: got.append(copy))
         return got[0] if got else None
 
     async def _fetch(self, round_index: int, author: str, holders: list[str],
                      deliver: Callable[[str, ReceivedMessage], None]) -> None:
-        until = self.swarm.loop.time() + self.deadline_s
         for holder in holders:
-            remaining = until - self.swarm.loop.time()
-            if remaining <= 0:
-                return
             try:
                 copy = await self.transport.request(
-                    holder, RELAY, round_index, meta={AUTHOR: author}, timeout=remaining,
+                    holder, RELAY, round_index, meta={AUTHOR: author},
                     streams=self.transport.limits.parallel_streams)
             except P2PError as exc:
                 log.debug("round %d: %s has no copy of %s's message (%s)", round_index,

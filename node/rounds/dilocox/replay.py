@@ -51,10 +51,9 @@ Step = tuple[int, int, tuple[str, ...]]  # (our round, the round its step applie
 class StepReplay:
     """Records our steps' senders, serves them, and builds the recipe of a replay."""
 
-    def __init__(self, swarm: Swarm, relay: Relay, deadline_s: float,
-                 members: Callable[[], list[str]]):
+    def __init__(self, swarm: Swarm, relay: Relay, members: Callable[[], list[str]]):
         """`members()`: the live members on our manifest (bounds a reply's senders)."""
-        self.swarm, self.relay, self.deadline_s, self.members = swarm, relay, deadline_s, members
+        self.swarm, self.relay, self.members = swarm, relay, members
         self.transport = swarm.transport
         self.applied: dict[int, tuple[int, tuple[str, ...]]] = {}  # our round -> (its step's round, senders)
 
@@ -93,8 +92,7 @@ class StepReplay:
         for holder in holders:
             try:
                 reply = await self.transport.request(holder, APPLIED, round_index,
-                                                     meta={"since": since},
-                                                     timeout=self.deadline_s, streams=1)
+                                                     meta={"since": since}, streams=1)
                 steps = self._read(round_index, since, reply)
             except (P2PError, ValueError) as exc:
                 log.info("round %d: no records of its steps from %s (%s)", round_index,

@@ -17,6 +17,7 @@ from node.events import SendFailed, Sent
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import Reason, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.messages import OutgoingMessage
+from p2p.progress import NeedBy
 
 log = logging.getLogger("lowcomm.dilocox")
 PGRAD = "dilocox.pgrad"
@@ -25,8 +26,8 @@ PGRAD = "dilocox.pgrad"
 # overlap there measured fast, the next slow, and with the last send alone the rank doubled and
 # halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
 LINK_MEMORY = 4
-# A push that broke (idle for 30 s, reset, ended early, a dial that failed) is tried again
-# within the deadline, this many times in all: its receiver waits up to the whole deadline for
+# A push that broke (stalled, reset, ended early, a dial that failed) is tried again within its
+# need-by, this many times in all: its receiver waits up to the whole deadline for
 # the message of a member that finished the round, and then φ splits (at 1.1 Mbit/s, 54d930d,
 # 6 of 9 failed pushes of rounds 14-23 broke this way; two members waited 81-86 s at round 19,
 # and 5 resyncs followed). A refusal (STALE_ROUND: it came too late) is final.
@@ -35,10 +36,9 @@ RETRY_PAUSE_S = 1.0
 
 
 class RoundSender:
-    def __init__(self, swarm: Swarm, deadline_s: float, group: Callable[[], list[str]],
-                 sign: Callable[[OutgoingMessage], None]):
+    def __init__(self, swarm: Swarm, group: Callable[[], list[str]], sign: Callable[[OutgoingMessage], None]):
         """`group()`: whom a round's message goes to; `sign(message)`: our origin signature."""
-        self.swarm, self.deadline_s, self.group, self.sign = swarm, deadline_s, group, sign
+        self.swarm, self.group, self.sign = swarm, group, sign
         self._send_called_at: float | None = None  # training thread: the last send_round
         self._send_called_round = -1  # ... and its round (a committee skips rounds between them)
         self._round_durations: tuple[float, ...] = ()  # one round, from the last send_round calls
@@ -109,11 +109,19 @@ class RoundSender:
         failed: list[str] = []
         took: dict[str, float] = {}  # receiver -> seconds its push took, for those that arrived
 
+        # the copies share our uplink: at the swarm's minimum link rate they take this long in all
+        # (p2p/progress.py ends a push that stalls, or could not finish by then)
+        limits = self.swarm.transport.limits
+        need_by_s = limits.need_by_s(message.total_bytes * max(1, len(group)))
+        give_up_at = started + need_by_s
+        why = (f"the {need_by_s:.0f} s that {len(group)} copies of it take at the swarm's minimum "
+               f"link rate of {limits.min_rate_bytes_per_s * 8 / 1e6:.3g} Mbit/s")
+
         async def send(peer: str) -> None:
-            give_up_at = time.monotonic() + self.deadline_s
             for attempt in range(1, SEND_TRIES + 1):
                 try:
-                    await self.swarm.transport.push(peer, message, timeout=give_up_at - time.monotonic())
+                    need_by = NeedBy(max(give_up_at - time.monotonic(), 1e-3), why)
+                    await self.swarm.transport.push(peer, message, need_by=need_by)
                     took[peer] = time.monotonic() - started
                     return
                 except Exception as exc:  # whatever broke it, a failed send is counted and logged once

@@ -5,7 +5,8 @@ state machine in protocol/matching.py; a formed pair swaps snapshots over one fu
 stream, opened by the pair's initiator (the lower peer id). The training thread calls
 `finish_round` once per round (the `NoLoCoLink` of node/rounds/noloco/round.py):
 - overlap: returns the partner snapshot swapped during the round at once, offers the new one;
-- blocking: offers the new snapshot, pairs and swaps it now, waiting at most the deadline.
+- blocking: offers the new snapshot, pairs and swaps it now, waiting at most `pair_deadline_s`
+  for a partner, and for a swap under way until it ends.
 
 Invariants:
 - at most one pair per round (protocol/matching.py I1); a snapshot is swapped only with the
@@ -13,7 +14,9 @@ Invariants:
 - the loop never waits on the training thread, and `finish_round` never waits on the network in
   overlap timing;
 - a failed swap leaves the round unpaired: the worker does a local update, counted; a swap
-  that outlasts its round is applied when it lands, up to `max_swap_rounds` rounds later
+  that outlasts its round is applied when it lands, up to `max_swap_rounds` rounds later (its
+  need-by: p2p/progress.py ends a swap that stalls or could not land by then, never one that
+  keeps moving in time)
   (older: dropped, counted), and a node whose swaps outlast its rounds pairs less often
   (node/rounds/noloco/pacing.py, the `SwapPacer` fed here), resting in between;
 - a pair the partner does not hold (it cancelled our accept, or refused our swap as not paired:
@@ -26,6 +29,7 @@ import asyncio
 import logging
 import random
 import threading
+from contextlib import suppress
 
 from node.config.manifest import ProtocolSection
 from node.events import (NoPartner, PairCancelled, Paired, PairingPaced, Rested, SwapFailed,
@@ -36,6 +40,7 @@ from node.rounds.state import round_bound, settled
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
+from p2p.progress import NeedBy
 from p2p.wire import MessageHeader
 from protocol.matching import (DeclineReason, MatchingState, MatchMessage, MessageKind, Pair,
                                ReadyAnnouncement, catch_up_round)
@@ -59,7 +64,6 @@ class NoLoCoExchange:
         self.loop, self.transport, self.membership = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.manifest, self.publish = swarm.peer_id, swarm.manifest, swarm.publish
         self.timing = config.timing
-        self.swap_timeout_s = config.pair_deadline_s
         self.control_timeout_s = swarm.timeouts.match_message_s
         self.matching = MatchingState(self.peer_id, self.manifest, 0, config.max_staleness,
                                       admitted=self.membership.admitted)
@@ -132,7 +136,9 @@ class NoLoCoExchange:
                      next_round: int | None = None) -> PartnerSnapshot | None:
         return self.swarm.bridge.call(
             "the end of a NoLoCo round", self._finish_round, round_index, snapshot, wait_s,
-            round_index + 1 if next_round is None else next_round, wait_s=wait_s)
+            round_index + 1 if next_round is None else next_round,
+            # blocking: a swap under way outlasts wait_s, bounded by its own progress
+            wait_s=None if self.timing == "blocking" else wait_s)
 
     def catch_up_round(self, round_index: int) -> int | None:
         """The swarm's round, if this node (ending `round_index`) fell too far behind it or ran
@@ -183,19 +189,46 @@ class NoLoCoExchange:
         self.offered, self.accepting = message, True
         self.membership.update(round=round_index, status="ready")
         self.changed.set()
-        try:
-            await asyncio.wait_for(self._wait_partner(round_index), timeout=wait_s)
-        except asyncio.TimeoutError:
-            self.publish(NoPartner(round=round_index, waited_s=wait_s))
+        await self._wait_partner(round_index, wait_s)
         self.accepting = False
         partner = self.partners.pop(round_index, None)
         self._next_round(next_round)
         return partner
 
-    async def _wait_partner(self, round_index: int) -> None:
+    async def _wait_partner(self, round_index: int, wait_s: float) -> None:
+        """Blocking: waits up to `wait_s` for a partner of `round_index`; a swap under way then
+        is waited for until it lands or fails (p2p/progress.py ends it if it stalls or cannot
+        finish in time), never cut by the partner wait."""
+        give_up_at = self.loop.time() + wait_s
         while round_index not in self.partners and self.failed_round != round_index:
+            swapping, now = self._swapping(round_index), self.loop.time()
+            if not swapping and now >= give_up_at:
+                self.publish(NoPartner(round=round_index, waited_s=wait_s))
+                return
             self.changed.clear()
-            await self.changed.wait()
+            with suppress(asyncio.TimeoutError):  # a swap's progress sets no event: look again
+                await asyncio.wait_for(self.changed.wait(), MATCH_POLL_S if swapping else give_up_at - now)
+
+    def _swapping(self, round_index: int) -> bool:
+        """A swap of a pair of `round_index` is under way: ours (the initiator's task holds the
+        pair open until it ends), or the partner's, arriving."""
+        return any(p.round_index == round_index and (p.partner, round_index) in self.open_pairs
+                   and (p.initiator == self.peer_id or self.transport.receiving(p.partner, SNAPSHOT))
+                   for p in self.recent_pairs)
+
+    def _swap_need_by(self, round_index: int) -> NeedBy | None:
+        """Overlap: the swap of a pair of `round_index` is of use until the end of round
+        `round_index + max_swap_rounds` (later it is dropped as late): that many of our longest
+        recent rounds, less what has passed of the current one. None (the transport's default,
+        what the bytes take at the swarm's minimum link rate) before a round was measured, and
+        in blocking timing, where the node waits for the swap."""
+        if self.timing != "overlap" or not self.pacer.round_seconds:
+            return None
+        longest = max(self.pacer.round_seconds)
+        rounds_left = round_index + self.max_late + 1 - self.matching.round_index
+        seconds = rounds_left * longest - (self.loop.time() - self._round_started)
+        return NeedBy(max(seconds, longest), f"the {self.max_late} rounds it may outlast its own "
+                      f"by ({max(seconds, longest):.0f} s at {longest:.0f} s a round)")
 
     def _next_round(self, next_round: int) -> None:
         now = self.loop.time()
@@ -287,8 +320,9 @@ class NoLoCoExchange:
 
         async def send() -> None:
             try:
-                await self.transport.push(message.recipient, outgoing,
-                                          timeout=self.control_timeout_s)
+                await self.transport.push(message.recipient, outgoing, need_by=NeedBy(
+                    self.control_timeout_s, f"the {self.control_timeout_s:.0f} s a matching message may "
+                    f"take (node.match_message_s)"))
             except P2PError as exc:
                 log.info("match %s to %s failed: %s", message.kind.value, message.recipient[-8:], exc)
                 if message.kind is MessageKind.PROPOSE:  # an unreachable peer is a decline
@@ -345,7 +379,7 @@ class NoLoCoExchange:
     async def _swap(self, pair: Pair) -> None:
         offered, partner, round_index = self.offered, pair.partner, pair.round_index
         try:
-            received = await self.transport.swap(partner, offered, timeout=self.swap_timeout_s,
+            received = await self.transport.swap(partner, offered, need_by=self._swap_need_by(round_index),
                                                  expected_reply_bytes=offered.total_bytes,
                                                  accept_bytes=self._snapshot_size)
         except Exception as exc:  # whatever broke it, a failed swap is counted and logged once

@@ -225,8 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--data-dir", metavar="DIR", help="identity, checkpoints and logs "
                       "(default runs/<swarm id>)")
     join.add_argument("--min-peers", type=int, default=0, metavar="N",
-                      help="in a swarm that has not started yet, wait (up to 120 s) for N other "
-                      "members before training, so that the first rounds have partners")
+                      help="in a swarm that has not started yet, wait (up to node.min_peers_timeout_s, "
+                      "default 120 s) for N other members before training, so that the first rounds "
+                      "have partners")
     join.add_argument("--port-mapping", action="store_true",
                       help="ask the router for a port mapping (UPnP/NAT-PMP); off by default")
     join.add_argument("--reachability", choices=("auto", "public", "private"), default="auto",

@@ -10,6 +10,8 @@ Modules, each with one job (import them directly; this package imports nothing e
     messages    OutgoingMessage / OutgoingTensor / ReceivedMessage (bytes, numpy views)
     streams     Transport: push, swap, request over parallel hivemind binary streams
     framing, sending, assembly   the stream machinery behind Transport
+    progress    when a transfer ends: done, stalled, or unable to finish by its need-by at the
+                swarm's minimum link rate (never at a fixed time)
     limits      WireLimits (bounds per message), TransferLimits, InflightLedger
     replay      ReplayGuard;  counters  TransportCounters;  errors  Reason and exceptions
 

@@ -65,14 +65,16 @@ class NodeSettings:
     peers: list[str] = field(default_factory=list)
     grace_s: float = 25.0
     max_steps: int = 0            # stop after this many inner steps (0: the schedule's end)
-    member_ttl_s: float = 15.0
+    member_ttl_s: float = _wait(15.0, "seconds: our member record's time to live in the DHT (a "
+                                "member unheard of this long is gone)")
     port_mapping: bool = False
     reachability: str = "auto"   # auto (a bootstrap peer dials us back) | public | private
     relays: list[str] = field(default_factory=list)  # relay slots through these (default: bootstrap peers)
     seed: int = 0                 # for this node's choices (partners, groups), not its data
     ops: dict = field(default_factory=dict)  # node.ops.NodeOps options: mqtt, preemption, display
     min_peers: int = 0            # a fresh swarm: wait for this many other members before round 0
-    min_peers_timeout_s: float = 120.0
+    min_peers_timeout_s: float = _wait(120.0, "seconds: a fresh swarm, the longest wait for "
+                                       "--min-peers other members before round 0")
     round_end: str = "auto"       # DiLoCoX: "beside", the round's end in a thread beside training;
                                   # "auto": beside on CUDA (node/daemon/run.py)
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)
@@ -80,36 +82,40 @@ class NodeSettings:
     transfer: TransferLimits = field(default_factory=TransferLimits)
 
 
+def _settable() -> dict[str, dict]:
+    """{group: {name: field}}: NodeSettings' own waits, NodeTimeouts' and the transport's knobs
+    (all but the swarm's minimum link rate)."""
+    return {"settings": {f.name: f for f in fields(NodeSettings) if "help" in f.metadata},
+            "timeouts": {f.name: f for f in fields(NodeTimeouts)},
+            "transfer": {f.name: f for f in fields(TransferLimits) if f.name not in NODE_SWARM_FIELDS}}
+
+
 def node_settings() -> list[tuple[str, str, object, str]]:
     """(`node.<name>`, type, default, meaning) of every setting `join --set node.<name>=<value>`
-    changes: NodeTimeouts' waits and the transport's knobs."""
-    rows = []
-    for cls in (NodeTimeouts, TransferLimits):
-        for f in fields(cls):
-            if f.name not in NODE_SWARM_FIELDS:
-                rows.append((f"{NODE_PREFIX}{f.name}", f.type if isinstance(f.type, str) else f.type.__name__,
-                             f.default, f.metadata["help"]))
-    return rows
+    changes."""
+    return [(f"{NODE_PREFIX}{name}", f.type if isinstance(f.type, str) else f.type.__name__, f.default,
+             f.metadata["help"]) for group in _settable().values() for name, f in group.items()]
 
 
 def apply_node_settings(settings: NodeSettings, overrides: list[tuple[str, object]]) -> None:
     """Sets each (`node.<name>`, value) of `overrides` on `settings`; ConfigError, one sentence,
     for an unknown name or a value of the wrong type or sign."""
-    timeouts, transfer = {}, {}
-    known_timeouts = {f.name: f for f in fields(NodeTimeouts)}
-    known_transfer = {f.name: f for f in fields(TransferLimits) if f.name not in NODE_SWARM_FIELDS}
+    groups = _settable()
+    values: dict[str, dict] = {group: {} for group in groups}
     for key, value in overrides:
         name = key.removeprefix(NODE_PREFIX)
-        target = timeouts if name in known_timeouts else transfer if name in known_transfer else None
-        if target is None:
+        group = next((g for g, known in groups.items() if name in known), None)
+        if group is None:
             raise ConfigError(f"unknown node setting '{key}': `lowcomm-node settings` lists them")
-        integer = (known_timeouts.get(name) or known_transfer[name]).type in ("int", int)
+        integer = groups[group][name].type in ("int", int)
         number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
         if number is None or (integer and not isinstance(number, int)):
             raise ConfigError(f"node setting '{key}' must be {'an integer' if integer else 'a number'}, "
                               f"got {value!r}")
         if not number > 0:
             raise ConfigError(f"node setting '{key}' must be positive, got {value!r}")
-        target[name] = number if integer else float(number)
-    settings.timeouts = replace(settings.timeouts, **timeouts)
-    settings.transfer = replace(settings.transfer, **transfer)
+        values[group][name] = number if integer else float(number)
+    for name, value in values["settings"].items():
+        setattr(settings, name, value)
+    settings.timeouts = replace(settings.timeouts, **values["timeouts"])
+    settings.transfer = replace(settings.transfer, **values["transfer"])

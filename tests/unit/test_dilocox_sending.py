@@ -244,3 +244,32 @@ def test_a_committee_members_round_is_timed_per_round_not_per_send(monkeypatch):
     sender.send_round(2, tensors)
     sender.send_round(6, tensors)
     assert sender.last_round_s == 3.0
+
+
+class TransportRecordingNeedBys:
+    limits = TransferLimits(stall_s=30.0, min_rate_bytes_per_s=125_000.0)
+
+    def __init__(self):
+        self.need_bys: list = []
+
+    async def push(self, peer, message, need_by=None):
+        self.need_bys.append(need_by)
+
+
+def test_a_push_may_take_what_all_its_copies_take_over_our_uplink_at_the_swarms_minimum_rate():
+    """No fixed cut (message_deadline_s was one): the round's copies share our uplink, so each
+    push's need-by is all of them at the swarm's minimum link rate, plus a stall's worth."""
+    import numpy as np
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        transport = TransportRecordingNeedBys()
+        swarm = unit_swarm(loop, [member("a", 0), member("b", 0), member("c", 0)], transport=transport)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        message = OutgoingMessage.from_arrays(PGRAD, 0, {"g": np.zeros(1_000_000, np.uint8)})
+        await ex.sender._send_all(0, message)
+        assert len(transport.need_bys) == 3
+        for need_by in transport.need_bys:  # 3 MB at 125 kB/s: 24 s, and 30 s of stall
+            assert need_by.seconds == pytest.approx(54.0, abs=0.5)
+            assert need_by.why == "the 54 s that 3 copies of it take at the swarm's minimum link rate of 1 Mbit/s"
+    asyncio.run(main())

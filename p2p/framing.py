@@ -155,7 +155,10 @@ class StreamIO:
         await self._drain()
 
     async def write_views(self, views: Iterable[memoryview], chunk_bytes: int) -> None:
-        """Write consecutive views, draining every `chunk_bytes` so memory stays bounded."""
+        """Write consecutive views, draining every `chunk_bytes` so memory stays bounded (and
+        oftener on a slow swarm, where a drain must return within a fraction of a stall:
+        `Progress.drain_bytes`)."""
+        chunk_bytes = min(chunk_bytes, self.progress.drain_bytes())
         pending = 0
         for view in views:
             for start in range(0, len(view), chunk_bytes):

@@ -45,6 +45,9 @@ T = TypeVar("T")
 CONGESTED_BYTES = 64 << 10
 # the verdicts are re-checked at most this often, in stalls (a check cadence, not a bound)
 CHECKS_PER_STALL = 30
+# a writer's progress shows at least this often per stall at the minimum rate (`drain_bytes`)
+DRAINS_PER_STALL = 4
+MIN_DRAIN_BYTES = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,13 @@ class Progress:
                f"the {self.need_by_at - self.started:.0f} s that the swarm's minimum link rate of "
                f"{_rate(self.limits.min_rate_bytes_per_s * 8)} allows for it")
         return f"at {_rate(rate)} it could not finish {_size(size)} within {why} ({_size(moved)} moved)"
+
+    def drain_bytes(self) -> int:
+        """The most bytes one drain may wait on: a writer sees its progress only when a drain
+        returns, so a link at the minimum rate must drain this several times per stall (a 1 MiB
+        drain at 0.25 Mbit/s takes 34 s, longer than the default stall bound)."""
+        return max(MIN_DRAIN_BYTES, int(self.limits.min_rate_bytes_per_s * self.limits.stall_s
+                                        / DRAINS_PER_STALL))
 
     # ------------------------------------------------------------------ waiting
     async def wait(self, start: Callable[[], Awaitable[T]]) -> T:

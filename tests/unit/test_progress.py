@@ -130,6 +130,12 @@ def test_once_all_bytes_left_the_answer_is_awaited_until_the_need_by_not_one_sta
                                                  "the 10 s a matching message may take")
 
 
+def test_a_writer_drains_several_times_per_stall_at_the_minimum_rate():
+    assert progress(Clock()).drain_bytes() == 937_500  # 125 kB/s x 30 s / 4
+    slow = Progress(TransferLimits(stall_s=30.0, min_rate_bytes_per_s=31_250.0))
+    assert slow.drain_bytes() * 4 / 31_250.0 == pytest.approx(30.0)
+
+
 def test_a_progress_of_unknown_size_ends_by_the_stall_bound_alone():
     clock = Clock()
     stream = progress(clock, rate_bound=False)

@@ -17,7 +17,7 @@ import pytest
 from p2p.counters import TransportCounters
 from p2p.errors import Reason, TransferFailed
 from p2p.framing import StreamIO
-from p2p.limits import KiB, MiB, TransferLimits, WireLimits
+from p2p.limits import KiB, TransferLimits, WireLimits
 from p2p.messages import OutgoingMessage
 from p2p.serving import STREAM_PROTOCOL
 from p2p.streams import Transport

@@ -4,7 +4,6 @@ as that wait, while the loop answers; a loop that stops answering still fails it
 
 import asyncio
 import threading
-import time
 
 import pytest
 

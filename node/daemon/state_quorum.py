@@ -355,7 +355,8 @@ class StateAdoption:
         try:
             received = await self.transport.request(
                 source, STATE_KIND, 0, meta={} if state_round is None else {"phi_round": state_round},
-                need_by=NeedBy(self.timeouts.state_download_s), streams=self.transport.limits.parallel_streams)
+                need_by=NeedBy(self.timeouts.state_download_s),
+                streams=self.transport.limits.parallel_streams)
         except P2PError as exc:  # a member that failed mid-transfer: nothing of it is kept
             log.warning("the state from %s did not arrive (%s); asking the next member", source, exc)
             self.errors.append(f"{source}: {exc}")

@@ -146,9 +146,10 @@ class LinkVerdict:
 
 
 def judge_link(traffic: RoundTraffic, need: LinkNeed, up_bps: float, down_bps: float,
-               swarm: str = "") -> LinkVerdict:
-    """The verdict on a link of `up_bps` / `down_bps` (bit/s) for `traffic` at `need`."""
-    link = f"this link ({mbit(up_bps)} up, {mbit(down_bps)} down)"
+               swarm: str = "", link: str = "") -> LinkVerdict:
+    """The verdict on a link of `up_bps` / `down_bps` (bit/s) for `traffic` at `need`; `link`
+    names it in the sentence (default: its two rates)."""
+    link = link or f"this link ({mbit(up_bps)} up, {mbit(down_bps)} down)"
     numbers = (f"a {traffic.protocol} round of {need.round_seconds:.1f} s moves "
                f"{traffic.up_bytes / 1e6:.1f} MB up and {traffic.down_bytes / 1e6:.1f} MB down per "
                f"node ({traffic.what}), which needs {mbit(need.up_bps)} up and {mbit(need.down_bps)} "

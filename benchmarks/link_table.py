@@ -84,8 +84,9 @@ def step_seconds(manifest: Manifest, device: str) -> float:
     if device == "cpu":
         return manifest.train.tokens_per_step / CPU_TINY_TOKENS_PER_S
     model = build_model(manifest.model, manifest.model.vocab_size, "meta")
+    small = manifest_for("small", {}, gpu=True)
     h100_small_flops = H100_SMALL_TOKENS_PER_S * flops_per_token(
-        manifest_for("small", {}, gpu=True), build_model(manifest_for("small", {}, True).model, GPU_VOCAB, "meta"))
+        small, build_model(small.model, GPU_VOCAB, "meta"))
     mfu = h100_small_flops / H100_PEAK_FLOPS
     peak = H100_PEAK_FLOPS if device == "h100" else CONSUMER_PEAK_FLOPS
     return manifest.train.tokens_per_step * flops_per_token(manifest, model) / (mfu * peak)
@@ -121,7 +122,8 @@ def table(found: list[Row]) -> str:
              "| link for every round, up / down | least link, up / down (how) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in found:
-        lines.append(f"| {r.preset} ({r.parameters / 1e6:,.1f}M) | {r.protocol} | {r.device}, {r.step_seconds:.3f} s "
+        lines.append(f"| {r.preset} ({r.parameters / 1e6:,.1f}M) | {r.protocol} "
+                     f"| {r.device}, {r.step_seconds:.3f} s "
                      f"| {r.round_seconds:.1f} s | {r.up_bytes / 1e6:,.1f} / {r.down_bytes / 1e6:,.1f} MB "
                      f"| {r.join_bytes / 1e9:,.2f} GB | {r.up_mbit:,.1f} / {r.down_mbit:,.1f} Mbit/s "
                      f"| {r.least_up_mbit:,.1f} / {r.least_down_mbit:,.1f} Mbit/s ({r.least_how}) |")

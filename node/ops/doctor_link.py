@@ -68,7 +68,8 @@ def check_link(manifest: Manifest, options: LinkOptions):
     need = link_need(traffic, manifest.protocol.inner_steps * step)
     members = f", {traffic.members} members" if traffic.protocol == "dilocox" else ""
     rounds = f"rounds of {manifest.protocol.inner_steps} steps of {step:.2f} s ({source}){members}"
-    join = f"a late joiner downloads {traffic.join_bytes / 1e6:.1f} MB of state"
+    join = (f"a late joiner downloads {traffic.join_bytes / 1e6:.1f} MB of state ({mbit(need.join_bps)} "
+            f"to fetch it within a round)")
     if options.uplink_mbit is None or options.downlink_mbit is None:
         return Finding("link", "ok", f"at {rounds}: a round moves {traffic.up_bytes / 1e6:.1f} MB up and "
                                      f"{traffic.down_bytes / 1e6:.1f} MB down per node ({traffic.what}), "

@@ -255,7 +255,8 @@ def test_doctor_says_in_one_sentence_with_the_numbers_that_a_link_cannot_carry_t
                                    "Mbit/s up and 24.1 Mbit/s down; pairing once every 4 rounds, the least "
                                    "the protocol allows, needs 6.0 Mbit/s up and 6.0 Mbit/s down")
     assert f"{8 * on_the_wire / 25 / 1e6:.1f} Mbit/s up" in finding.text
-    assert "a late joiner downloads 1072.9 MB of state, 429 s at 20.0 Mbit/s" in finding.text
+    assert "a late joiner downloads 1072.9 MB of state (343.3 Mbit/s to fetch it within a round), 429 s " \
+           "at 20.0 Mbit/s" in finding.text
     text, code = report([finding], "local")
     assert code == 1 and text.splitlines()[0].startswith("FAIL  link") and "cannot carry" in text
     paced = check_link(m, LinkOptions(step_seconds=1.0, uplink_mbit=8.0, downlink_mbit=20.0))

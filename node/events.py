@@ -339,6 +339,19 @@ class PairingPaced(Event, kind="pairing_paced", logged=True):
 
 
 @dataclass(frozen=True)
+class LinkJudged(Event, kind="link_judged", logged=True):
+    """Whether this node's link, as its exchanges measured it, carries the swarm's rounds as
+    configured (node/rounds/link_watch.py), when that changed: `level` "ok", "slower" (the
+    protocol saves bytes: NoLoCo pairs less often, DiLoCoX's controller compresses harder) or
+    "too_slow" (not even then); `text` says so in one sentence, with the numbers."""
+    round: int
+    level: str
+    measured_mbit: float
+    round_seconds: float
+    text: str
+
+
+@dataclass(frozen=True)
 class Rested(Event, kind="rested"):
     """This round the node does not pair: its swaps take longer than its rounds."""
     round: int

@@ -65,6 +65,7 @@ class Daemon:
         # set by `run` before anything starts; None: the transport's defaults (a benchmark that
         # drives join.connect with payloads of its own, benchmarks/sync_time.py)
         self.transport_limits = None
+        self.vocab_size = 256  # the corpus's, once loaded
 
     def bind_loop(self) -> None:
         """Takes the running event loop, and the bridge the training thread calls it through.
@@ -90,6 +91,7 @@ class Daemon:
             corpus = load_corpus(m.data)
             # a swarm whose messages cannot fit the transport stops here, in one sentence
             self.transport_limits = transport_limits(m, corpus.vocab_size, transfer=self.settings.transfer)
+            self.vocab_size = corpus.vocab_size
             trainer = InnerTrainer(m.model, train_config, corpus, m.data.seq_len,
                                    stream_seed(identity.public_key_bytes, train_config.seed),
                                    pick_device(train_config.device))

@@ -27,6 +27,7 @@ from node.daemon.state_quorum import StateAdoption, agreed_round
 from node.events import (CheckpointSkipped, LateJoined, MinPeersTimeout, ReachabilityFound, Resumed,
                          WaitingForPeers)
 from node.rounds.contributions import BanList
+from node.rounds.link_watch import LinkWatch
 from node.rounds.policy import RoundPolicy
 from node.rounds.swarm import Swarm
 from node.train.trainer import InnerTrainer
@@ -95,7 +96,8 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     return Swarm(node.loop, transport, cache, bans, identity.peer_id.to_base58(), m.digest,
                  node.bridge, node.tasks, node.events.publish, settings.timeouts,
                  adopt_state=lambda reference: StateAdoption(transport, cache, bans, m,
-                                                             settings.timeouts, reference).run())
+                                                             settings.timeouts, reference).run(),
+                 link_watch=LinkWatch(m, node.vocab_size, node.events.publish))
 
 
 async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolicy) -> int:

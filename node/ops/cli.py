@@ -93,21 +93,32 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from node.cli import _load_manifest
     from node.ops.doctor import DoctorOptions, run_and_report
+    from node.ops.doctor_link import LinkOptions
     from p2p.host import check_peer_maddrs
 
     manifest = _load_manifest(args)
     options = DoctorOptions(Path(args.data_dir or f"runs/{manifest.swarm.id}"),
                             listen=args.listen or ["/ip4/0.0.0.0/tcp/0"],
                             peers=check_peer_maddrs(args.peer), reachability=args.reachability,
-                            p2pd_timeout_s=args.p2pd_timeout)
+                            p2pd_timeout_s=args.p2pd_timeout,
+                            link=LinkOptions(args.step_seconds, args.uplink_mbit, args.downlink_mbit,
+                                             args.members))
     return run_and_report(manifest, options)
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and value < float("inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return value
 
 
 def add_ops_commands(sub) -> None:
     doctor = sub.add_parser(
         "doctor", help="check that this machine can join a swarm (run it before `join`)",
         description="Check Python and torch, the device, the manifest, free disk for two "
-                    "checkpoints, p2pd's start, the bootstrap peers, this node's reachability "
+                    "checkpoints, the bytes a round moves and the link rate they need, p2pd's "
+                    "start, the bootstrap peers, this node's reachability "
                     "(public or behind NAT, with relay slots) and the clock against its peers. "
                     "One sentence per finding, with what to do; exit 0 only when the node can join.")
     doctor.add_argument("--swarm", metavar="ID", help="the swarm's id (configs/swarms/<ID>.toml)")
@@ -121,6 +132,15 @@ def add_ops_commands(sub) -> None:
     doctor.add_argument("--data-dir", metavar="DIR", help="where join will keep checkpoints "
                         "(default runs/<swarm id>); nothing is written there")
     doctor.add_argument("--p2pd-timeout", type=float, default=15.0, metavar="S")
+    doctor.add_argument("--step-seconds", type=_positive, metavar="S",
+                        help="seconds a training step takes on this machine (default: estimated "
+                             "by timing the model here); a round lasts inner_steps of them")
+    doctor.add_argument("--uplink-mbit", type=_positive, metavar="MBIT",
+                        help="this machine's upload rate, Mbit/s: judged against the round's bytes")
+    doctor.add_argument("--downlink-mbit", type=_positive, metavar="MBIT",
+                        help="this machine's download rate, Mbit/s")
+    doctor.add_argument("--members", type=int, default=8, choices=range(2, 1 << 16), metavar="N",
+                        help="the swarm's size the DiLoCoX bytes are sized for (default 8)")
     doctor.set_defaults(func=cmd_doctor)
 
     status = sub.add_parser(

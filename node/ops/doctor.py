@@ -2,8 +2,8 @@
 
 Each finding is one sentence, and says what to do when something is wrong. Checks, in order:
 Python and torch, the training device, the manifest and its digest, free disk for two
-checkpoints, the swarm's largest message against the transport and this machine's memory,
-p2pd's start (timed, on loopback), then a real start of this node's network parts
+checkpoints, the swarm's largest message against the transport and this machine's memory, the
+bytes a round moves and the link they need (node/ops/doctor_link.py), p2pd's start (timed, on loopback), then a real start of this node's network parts
 as `join` would (bootstrap, the dial-back reachability check, relay slots), each bootstrap peer
 on its own, and the clock against theirs. The exit code is 0 only when no finding is a failure,
 that is when `join` would get in. Nothing is written to the data directory: the check runs under
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from node.config.manifest import Manifest
+from node.ops.doctor_link import LinkOptions
 
 CHECKPOINT_BYTES_PER_PARAM = 24  # θ, AdamW's two moments, the outer φ and momentum, with margin
 CLOCK_WARN_S = 30.0              # peers refuse messages stamped more than 300 s off (WireLimits)
@@ -44,6 +45,7 @@ class DoctorOptions:
     reachability: str = "auto"
     p2pd_timeout_s: float = 15.0
     peer_timeout_s: float = 10.0
+    link: LinkOptions = LinkOptions()
 
 
 def check_python_and_torch() -> Finding:
@@ -116,6 +118,15 @@ def check_disk(manifest: Manifest, data_dir: Path) -> Finding:
                                        f"another --data-dir.")
     return Finding("disk", "ok", f"{free / 2**30:.1f} GiB free in {where}; two checkpoints need about "
                                  f"{need / 2**30:.2f} GiB.")
+
+
+def check_link_safely(manifest: Manifest, options: LinkOptions) -> Finding:
+    from node.ops.doctor_link import check_link
+    try:
+        return check_link(manifest, options)
+    except (RuntimeError, ValueError, MemoryError) as error:  # a step that cannot run here
+        return Finding("link", "warn", f"the round's length could not be estimated ({error}): "
+                                       f"pass --step-seconds.")
 
 
 async def check_p2pd(identity_path: str, timeout_s: float) -> Finding:
@@ -222,6 +233,8 @@ async def run_doctor(manifest: Manifest, options: DoctorOptions) -> list[Finding
         return findings
     findings += [check_device(manifest), check_manifest(manifest, options.peers),
                  check_disk(manifest, options.data_dir), check_messages(manifest)]
+    if findings[-1].level != "fail":  # the model fits this machine: its rounds can be sized
+        findings.append(check_link_safely(manifest, options.link))
     with tempfile.TemporaryDirectory(prefix="lowcomm-doctor-") as scratch:
         identity = NodeIdentity.generate()
         identity.save(Path(scratch) / "identity.key")

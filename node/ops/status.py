@@ -48,6 +48,9 @@ Fields, units and meaning (None = not known yet):
                                     more where its swaps outlast its rounds)
     checkpoint_at            float  unix time (s) the newest checkpoint was written
     checkpoint_step          int    inner step of that checkpoint
+    link                     str    where the link is too slow for the swarm's rounds as
+                                    configured, one sentence with the numbers (measured by its
+                                    exchanges); "" while it carries them or before it is measured
     reachability             str    one line: public, behind NAT (with its relay addresses) or
                                     local, and how the node found out
     streams_direct           int    streams opened to or from peers over direct connections
@@ -121,6 +124,7 @@ class NodeStatus:
     checkpoint_at: float | None = None
     checkpoint_step: int | None = None
     reachability: str = ""
+    link: str = ""
     streams_direct: int = 0
     streams_relayed: int = 0
     streams_forwarded: int = 0

@@ -31,6 +31,7 @@ telemetry and the terminal view all read the NodeStatus it keeps. Per field (nod
     pair_interval                                  PairingPaced (NoLoCo: how often it pairs)
     state=stopping                                 Stopping
     reachability                                   ReachabilityFound (its one line)
+    link                                           LinkJudged (its sentence; "" when "ok")
     streams_direct, streams_relayed,               `transport_paths`, from the daemon's watch loop
     streams_forwarded, forwarded_for_others
 CPU, memory and device numbers come from the usage sampler (node/ops/usage.py).
@@ -41,8 +42,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from node.events import (Checkpointed, EventBus, PairingPaced, ReachabilityFound, RoundEnded,
-                         Sent, Started, StepDone, Stopping, Swapped, WaitingForPeers)
+from node.events import (Checkpointed, EventBus, LinkJudged, PairingPaced, ReachabilityFound,
+                         RoundEnded, Sent, Started, StepDone, Stopping, Swapped, WaitingForPeers)
 from node.ops.status import NodeStatus
 
 
@@ -68,7 +69,11 @@ class StatusFeed:
         bus.subscribe(self._stopping, Stopping)
         bus.subscribe(self._paced, PairingPaced)
         bus.subscribe(self._reachability, ReachabilityFound)
+        bus.subscribe(self._link, LinkJudged)
         bus.subscribe(self._waiting, WaitingForPeers)
+
+    def _link(self, event: LinkJudged) -> None:
+        self.status.update(link="" if event.level == "ok" else event.text)
 
     def _reachability(self, event: ReachabilityFound) -> None:
         self.status.update(reachability=event.line)

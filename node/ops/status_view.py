@@ -140,6 +140,7 @@ def sections(doc: dict, *, narrow: bool = False,
             ("last exchange", _ago(doc.get("last_exchange_age_s"))),
             *([("pairs", f"every {doc['pair_interval']} rounds: swaps outlast rounds")]
               if (doc.get("pair_interval") or 1) > 1 else []),
+            *([("link", doc["link"])] if doc.get("link") else []),
         ]),
         ("Traffic", [
             ("sent/round", human_bytes(doc.get("bytes_sent_round"))),

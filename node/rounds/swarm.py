@@ -38,6 +38,9 @@ class Swarm:
     # our φ as the reference its checks judge by: what a DiLoCoX node that fell too far behind
     # its swarm adopts mid-run; None where there is none (benchmarks timing an exchange alone)
     adopt_state: Callable[[dict], Awaitable[Any]] | None = None
+    # judges the link from what the exchange measured (node/rounds/link_watch.py); None where
+    # no one is told (the simulator, benchmarks timing an exchange alone)
+    link_watch: Any = None
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

@@ -51,6 +51,9 @@ class SharedDecoding(Codec):
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:
         return self.inner.decode(description, payload, max_elements)
 
+    def layout(self, shape: tuple[int, ...], name: str = "") -> tuple[dict[str, Any], int]:
+        return self.inner.layout(shape, name)
+
     def params(self) -> dict[str, Any]:
         return self.inner.params()
 

@@ -200,6 +200,13 @@ class Codec(ABC):
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:
         """Validate everything, then decode; allocate nothing before validation."""
 
+    @abstractmethod
+    def layout(self, shape: tuple[int, ...], name: str = "") -> tuple[dict[str, Any], int]:
+        """(the description, the payload's length in bytes) that `encode` gives any finite
+        tensor of `shape` named `name` with this codec's present settings, without encoding:
+        a message's size before it exists (its bytes depend on the shape, never on the values).
+        The payload's length is the one `decode` requires of that description."""
+
     def _decode_on(self, description: Any, payload: Any, max_elements: int,
                    device: torch.device) -> torch.Tensor:
         """`_decode` onto `device`: on the host, then moved, unless a codec does better."""

@@ -17,6 +17,7 @@ are refused on decode.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -58,6 +59,11 @@ def dequantize_groups(scales: torch.Tensor, codes: torch.Tensor, bits: int) -> t
 def packed_length(count: int, bits: int) -> int:
     """Bytes that `count` codes take at `bits` bits each."""
     return count if bits == 8 else (count + 1) // 2
+
+
+def payload_length(count: int, bits: int, block: int) -> int:
+    """Bytes of the payload of `count` elements: a fp32 scale a block, then the packed codes."""
+    return 4 * -(-count // block) + packed_length(count, bits)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> bytes:
@@ -121,9 +127,12 @@ class BlockwiseCodec(Codec):
         return {"bits": self.bits, "block_size": self.block_size}
 
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:
-        description = {"codec": self.name, "shape": list(values.shape), "bits": self.bits,
+        return Encoded(self.layout(tuple(values.shape))[0], tensor_to_bytes(self.payload_tensor(values)))
+
+    def layout(self, shape: tuple[int, ...], name: str = "") -> tuple[dict[str, Any], int]:
+        description = {"codec": self.name, "shape": list(shape), "bits": self.bits,
                        "block": self.block_size}
-        return Encoded(description, tensor_to_bytes(self.payload_tensor(values)))
+        return description, payload_length(math.prod(shape), self.bits, self.block_size)
 
     def payload_tensor(self, values: torch.Tensor, generator: torch.Generator | None = None
                        ) -> torch.Tensor:
@@ -155,7 +164,7 @@ class BlockwiseCodec(Codec):
         for dim in shape:
             count *= dim
         blocks = -(-count // block)
-        view = payload_view(payload, 4 * blocks + packed_length(count, bits), self.name)
+        view = payload_view(payload, payload_length(count, bits, block), self.name)
         # s / L on the host: a GPU divides by a scalar through its reciprocal, and a decoded
         # value must not depend on where it was decoded (x̂ = q · step is one rounding anywhere)
         scales = read_scales(view[:4 * blocks], self.name).numpy()

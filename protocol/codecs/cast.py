@@ -6,6 +6,7 @@ in that dtype, little-endian, row-major.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -17,6 +18,11 @@ from protocol.errors import CodecError
 _KEYS = frozenset({"codec", "shape"})
 
 
+def payload_length(count: int, wire_dtype: torch.dtype) -> int:
+    """Bytes of `count` elements in `wire_dtype`."""
+    return count * torch.empty(0, dtype=wire_dtype).element_size()
+
+
 class CastCodec(Codec):
     """Sends every element in `wire_dtype`; decodes back to fp32."""
 
@@ -26,16 +32,15 @@ class CastCodec(Codec):
         wire = values.to(self.wire_dtype)
         if not bool(torch.isfinite(wire).all()):
             raise CodecError(f"tensor {name!r} exceeds the range of {self.name}; use bf16 or identity.")
-        return Encoded({"codec": self.name, "shape": list(values.shape)}, tensor_to_bytes(wire))
+        return Encoded(self.layout(tuple(values.shape))[0], tensor_to_bytes(wire))
+
+    def layout(self, shape: tuple[int, ...], name: str = "") -> tuple[dict[str, Any], int]:
+        return {"codec": self.name, "shape": list(shape)}, payload_length(math.prod(shape), self.wire_dtype)
 
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:
         reader = DescriptionReader(description, self.decodes, _KEYS)
         shape = reader.shape(max_elements)
-        count = 1
-        for dim in shape:
-            count *= dim
-        element_size = torch.empty(0, dtype=self.wire_dtype).element_size()
-        view = payload_view(payload, count * element_size, self.name)
+        view = payload_view(payload, payload_length(math.prod(shape), self.wire_dtype), self.name)
         return tensor_from_bytes(view, self.wire_dtype).to(torch.float32).reshape(shape)
 
 

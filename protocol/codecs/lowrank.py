@@ -48,6 +48,12 @@ def matrix_view_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     return shape[0], math.prod(shape[1:])
 
 
+def payload_length(rows: int, cols: int, rank: int, bits: int) -> int:
+    """Bytes of the payload of a rank-`rank` P·Qᵀ of a rows × cols matrix: 2·rank fp32 scales,
+    then P's and Q's codes."""
+    return 8 * rank + packed_length(rows * rank, bits) + packed_length(cols * rank, bits)
+
+
 def outer_sum(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
     """P·Qᵀ from P's and Q's columns (`left` rank × rows, `right` rank × cols), in one fixed order:
 
@@ -139,6 +145,14 @@ class LowRankCodec(Codec):
                        "bits": self.bits}
         return Encoded(description, payload, energy_kept=energy)
 
+    def layout(self, shape: tuple[int, ...], name: str = "") -> tuple[dict[str, Any], int]:
+        if not self.uses_low_rank(shape, name):
+            return self._fallback.layout(shape, name)
+        rows, cols = matrix_view_shape(tuple(shape))
+        rank = min(self.rank_of(name), rows, cols)  # P's columns, as `_power_iterations` gives them
+        description = {"codec": self.name, "shape": list(shape), "rank": rank, "bits": self.bits}
+        return description, payload_length(rows, cols, rank, self.bits)
+
     def track(self, tensor: torch.Tensor, name: str = "") -> None:
         """A round not sent still turns the warm start: Q ← Mᵀ·orth(M·Q). A node that sends one
         round in many (a committee) otherwise starts from the subspace of its last send, rounds
@@ -186,8 +200,8 @@ class LowRankCodec(Codec):
                              "are sent as blockwise.")
         rank = reader.integer("rank", 1, min(rows, cols, MAX_RANK))
         bits = reader.choice("bits", SUPPORTED_BITS)
-        left_bytes, right_bytes = packed_length(rows * rank, bits), packed_length(cols * rank, bits)
-        view = payload_view(payload, 8 * rank + left_bytes + right_bytes, self.name)
+        left_bytes = packed_length(rows * rank, bits)
+        view = payload_view(payload, payload_length(rows, cols, rank, bits), self.name)
         left_scales = read_scales(view[:4 * rank], self.name)
         right_scales = read_scales(view[4 * rank:8 * rank], self.name)
         left_codes = unpack_codes(view[8 * rank:8 * rank + left_bytes], rows * rank, bits, self.name)

@@ -121,8 +121,7 @@ class TopKCodec(Codec):
     def _encode(self, values: torch.Tensor, name: str) -> Encoded:
         flat, chunk, k = values.reshape(-1), self.chunk, self.k_of(name)
         count, levels = flat.numel(), 1 << (self.bits - 1)
-        description = {"codec": self.name, "shape": list(values.shape), "chunk": chunk, "k": k,
-                       "bits": self.bits}
+        description = self.layout(tuple(values.shape), name)[0]
         if count == 0:
             return Encoded(description, b"", energy_kept=1.0)
         chunks = -(-count // chunk)
@@ -146,6 +145,11 @@ class TopKCodec(Codec):
         total = float(flat.square().sum())
         energy = min(1.0, float(kept.square().sum()) / total) if total > 0 else 1.0
         return Encoded(description, payload, energy_kept=energy)
+
+    def layout(self, shape: tuple[int, ...], name: str = "") -> tuple[dict[str, Any], int]:
+        description = {"codec": self.name, "shape": list(shape), "chunk": self.chunk,
+                       "k": self.k_of(name), "bits": self.bits}
+        return description, payload_length(math.prod(shape), self.chunk, self.k_of(name), self.bits)
 
     # ------------------------------------------------------------------ decode
     def _decode(self, description: Any, payload: Any, max_elements: int) -> torch.Tensor:

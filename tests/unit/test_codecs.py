@@ -32,6 +32,23 @@ def test_round_trip_keeps_shape_and_gives_fp32(name: str, params: dict, shape: t
         assert decoded.shape == tensor.shape and decoded.dtype == torch.float32
     assert encoded.size_bytes == len(encoded.payload) + len(msgpack.packb(encoded.description))
     assert msgpack.unpackb(msgpack.packb(encoded.description)) == encoded.description
+    assert codec.layout(shape, "t") == (encoded.description, len(encoded.payload))
+
+
+@pytest.mark.parametrize("name, params", ALL_CODECS)
+def test_a_layout_is_what_encode_gives_the_tensor_of_that_shape_and_name(name: str, params: dict) -> None:
+    """A message's size is known before it is encoded (node/rounds/traffic.py sizes a round's
+    exchange from it): with a rank or k set for one tensor name, and in the fallbacks."""
+    codec = get_codec(name, **params)
+    if name == "lowrank":
+        codec.set_rank("wide", 3)
+    if name == "topk":
+        codec.set_k("wide", 1)
+    for shape in [(96, 80), (5000,), (70, 65), (2, 3, 4)]:
+        for tensor_name in ("wide", "other"):
+            encoded = codec.encode(torch.randn(shape), tensor_name)
+            assert codec.layout(shape, tensor_name) == (encoded.description, len(encoded.payload)), \
+                (shape, tensor_name)
 
 
 def test_identity_is_bitwise_and_payload_lengths_are_exact() -> None:

@@ -273,3 +273,33 @@ def test_a_push_may_take_what_all_its_copies_take_over_our_uplink_at_the_swarms_
             assert need_by.seconds == pytest.approx(54.0, abs=0.5)
             assert need_by.why == "the 54 s that 3 copies of it take at the swarm's minimum link rate of 1 Mbit/s"
     asyncio.run(main())
+
+
+def test_a_send_slower_than_the_round_needs_says_in_one_sentence_that_the_link_cannot_carry_it():
+    """node/rounds/link_watch.py, fed by the sender: a link of 0.8 Mbit/s (at most: the pushes
+    sleep 10 µs a byte) against the tiny preset's low-rank message every 0.2 s round, which
+    needs 2.3 Mbit/s; without the controller the protocol cannot send less."""
+    import numpy as np
+
+    from node.config.manifest import load_manifest
+    from node.rounds.link_watch import LinkWatch
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        swarm = unit_swarm(loop, [member("a", 0)], transport=TransportAtAFixedRate())
+        judged: list = []
+        swarm.link_watch = LinkWatch(load_manifest("configs/swarms/local-dilocox.toml"), 256, judged.append)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
+        message = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
+        await ex.sender._send_all(0, message)
+        assert judged == []  # no round measured yet
+        ex.sender._round_durations = (0.2,)
+        await ex.sender._send_all(1, message)
+        assert [(e.level, e.round) for e in judged] == [("too_slow", 1)] and judged[0].measured_mbit <= 0.8
+        assert judged[0].text.startswith("this node's link, ")
+        assert "as its last send to its group measured it, cannot carry the exchange of swarm " \
+               "'local-dilocox': a dilocox round of 0.2 s moves 0.1 MB up and 0.1 MB down per node (its " \
+               "message, lowrank at rank 4 and 8 bits, to 1 members and 1 members' messages in), which " \
+               "needs 2.3 Mbit/s up and 2.3 Mbit/s down; and the protocol as configured cannot send less." \
+               in judged[0].text
+    asyncio.run(main())

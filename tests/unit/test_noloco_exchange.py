@@ -335,6 +335,7 @@ def test_blocking_waits_for_a_swap_under_way_past_the_partner_wait():
         partner = await asyncio.wait_for(finishing, 2.0)
         assert partner is not None and partner.peer == HIGHER and "swapped" in events
     asyncio.run(main())
+    asyncio.run(main())
 
 
 def test_overlap_gives_a_swap_the_rounds_it_may_outlast_its_own_by():
@@ -348,4 +349,43 @@ def test_overlap_gives_a_swap_the_rounds_it_may_outlast_its_own_by():
         need_by = ex._swap_need_by(0)
         assert need_by.seconds == pytest.approx(4 * 20.0 - 5.0, abs=0.5)  # to the end of round 3
         assert need_by.words.startswith("the 3 rounds it may outlast its own by (75 s")
+
+
+def test_a_node_whose_swaps_outlast_its_rounds_says_once_that_its_link_is_too_slow_for_the_swarm():
+    """node/rounds/link_watch.py, fed by the pacer's measurements: the tiny preset's int4
+    snapshot (1.05 MB) swapped in 25 s, 0.34 Mbit/s, against 10 s rounds that need 0.84 Mbit/s:
+    one sentence when the verdict changes (the node pairs less often), none while it holds,
+    and one when the swaps fit again."""
+    import numpy as np
+
+    from node.config.manifest import load_manifest
+    from node.rounds.link_watch import LinkWatch
+    from node.rounds.traffic import round_traffic
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        ex, _ = overlap_exchange(loop, max_swap_rounds=4)
+        manifest = load_manifest("configs/swarms/local.toml", {"protocol": {"wire_dtype": "int4"}})
+        judged: list = []
+        ex.swarm.link_watch = LinkWatch(manifest, 256, judged.append)
+        snapshot = round_traffic(manifest, 256).message_bytes
+        ex.offered = OutgoingMessage.from_arrays("noloco.snapshot", 0, {"t": np.zeros(snapshot, np.uint8)})
+
+        def next_round(r, swap_s):  # after a 10 s round
+            ex.pacer.record_swap(swap_s)
+            ex._round_started = loop.time() - 10.0
+            ex._next_round(r)
+        next_round(1, 25.0)
+        assert [(e.kind, e.level, e.round) for e in judged] == [("link_judged", "slower", 1)]
+        assert judged[0].text.startswith("this node's link, 0.3 Mbit/s as its last swaps measured it, is "
+                                         "too slow for swarm 'local' as configured, so this node will save "
+                                         "bytes: a noloco round of 10.0 s moves 1.1 MB up and 1.1 MB down")
+        assert judged[0].text.endswith("; pairing once every 4 rounds, the least the protocol allows, "
+                                       "needs 0.2 Mbit/s up and 0.2 Mbit/s down.")
+        assert judged[0].logged and ex.pacer.interval == 3
+        next_round(2, 25.0)
+        assert len(judged) == 1  # said once while it holds
+        for r in (3, 4, 5):
+            next_round(r, 1.0)  # then the median of the last five swaps is 1 s
+        assert [e.level for e in judged] == ["slower", "ok"]
     asyncio.run(main())

@@ -239,3 +239,18 @@ def test_display_is_live_on_a_terminal_and_logs_print_above_it():
         logger.handlers.clear()
     text = console.export_text()
     assert "live-swarm" in text and "41" in text and "a log line during the live view" in text
+
+
+def test_a_link_too_slow_for_the_swarm_is_shown_until_it_carries_the_rounds_again():
+    from node.events import EventBus, LinkJudged
+    from node.ops.status_feed import StatusFeed
+    status = NodeStatus(peer_id=PEER, swarm="tiny-swarm", protocol="noloco")
+    bus = EventBus()
+    StatusFeed(status, param_bytes=4, snapshot_sets=1, traffic=lambda: (0, 0),
+               peers_known=lambda: 0).subscribe(bus)
+    sentence = "this node's link, 0.3 Mbit/s as its last swaps measured it, is too slow for swarm 'x'."
+    bus.publish(LinkJudged(round=1, level="slower", measured_mbit=0.3, round_seconds=10.0, text=sentence))
+    assert status.to_dict()["link"] == sentence
+    assert sentence in " ".join(render(60, status.to_dict()).split())  # wrapped in the value column
+    bus.publish(LinkJudged(round=5, level="ok", measured_mbit=8.0, round_seconds=10.0, text="carries"))
+    assert status.to_dict()["link"] == "" and "measured it" not in render(60, status.to_dict())

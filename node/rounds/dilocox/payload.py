@@ -9,6 +9,7 @@ ValueError naming the sender.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import msgpack
@@ -16,6 +17,7 @@ import numpy as np
 
 from node.rounds.contributions import ContributionRefused
 from p2p.messages import OutgoingTensor
+from p2p.wire import TensorEntry
 from protocol.codecs.base import Encoded
 from protocol.dilocox import MAX_ROUNDS_CARRIED, PseudoGradientMessage
 
@@ -25,10 +27,24 @@ PAYLOAD = "c/"
 MAX_DESCRIPTIONS_BYTES = 1 << 20
 
 
+def descriptions_blob(descriptions: Mapping[str, Any]) -> bytes:
+    """The codec descriptions, name -> description, as the one msgpack blob a message carries."""
+    return msgpack.packb([[n, descriptions[n]] for n in sorted(descriptions)])
+
+
+def message_entries(layouts: Mapping[str, tuple[dict[str, Any], int]]) -> tuple[TensorEntry, ...]:
+    """The tensors `encode_message` puts on the wire for a one-round message whose tensors have
+    these codec layouts (name -> (description, payload bytes), `Codec.layout`), without
+    encoding it."""
+    blob = len(descriptions_blob({n: d for n, (d, _) in layouts.items()}))
+    return (TensorEntry(DESCRIPTIONS, "uint8", (blob,), blob),
+            *(TensorEntry(PAYLOAD + n, "uint8", (layouts[n][1],), layouts[n][1]) for n in sorted(layouts)))
+
+
 def encode_message(message: PseudoGradientMessage) -> list[OutgoingTensor]:
     """The codec descriptions as one msgpack blob, then each tensor's payload as raw bytes."""
     names = sorted(message.tensors)
-    descriptions = msgpack.packb([[n, message.tensors[n].description] for n in names])
+    descriptions = descriptions_blob({n: message.tensors[n].description for n in names})
     out = [OutgoingTensor(DESCRIPTIONS, "uint8", (len(descriptions),),
                           np.frombuffer(descriptions, dtype=np.uint8))]
     if message.rounds != 1:  # the common case costs no bytes

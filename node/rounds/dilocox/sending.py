@@ -148,4 +148,9 @@ class RoundSender:
                 beyond = (max(took.values()) - min(took.values())) / message.total_bytes
                 self._shared_costs = (*self._shared_costs, beyond * len(group))[-LINK_MEMORY:]
         self._sends_in_flight = {r: v for r, v in self._sends_in_flight.items() if r != round_index}
+        if took and self._round_durations and self.swarm.link_watch is not None:
+            self.swarm.link_watch.observe(round_index, moved_bytes=len(took) * message.total_bytes,
+                                          seconds=max(took.values()),
+                                          round_seconds=min(self._round_durations),
+                                          members=len(group) + 1, what="send to its group")
         self.swarm.publish(Sent(round=round_index, group=group, bytes=message.total_bytes))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import statistics
 import threading
 from contextlib import suppress
 
@@ -272,10 +273,20 @@ class NoLoCoExchange:
             self.publish(PairingPaced(round=next_round, interval=interval,
                                       swap_seconds=sorted(swaps)[len(swaps) // 2],
                                       round_seconds=sorted(rounds)[len(rounds) // 2]))
+        self._judge_link(next_round)
         pairs = self.pacer.pairs_in(next_round, swap_in_flight=bool(self.open_pairs))
         if not pairs:
             self.publish(Rested(round=next_round, interval=interval))
         return pairs
+
+    def _judge_link(self, next_round: int) -> None:
+        """The link, judged from the swaps the pacer measured (node/rounds/link_watch.py)."""
+        swaps, rounds = self.pacer.swap_seconds, self.pacer.round_seconds
+        if self.swarm.link_watch is not None and swaps and rounds and self.offered is not None:
+            self.swarm.link_watch.observe(next_round, moved_bytes=self.offered.total_bytes,
+                                          seconds=statistics.median(swaps),
+                                          round_seconds=statistics.median(rounds), members=2,
+                                          what="swaps")
 
     # ------------------------------------------------------------------ matching
     def _announcements(self) -> list[ReadyAnnouncement]:

@@ -13,7 +13,7 @@ from node.rounds.dilocox.sending import PGRAD
 from p2p.errors import Reason, RemoteRefused
 from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage, ReceivedMessage
-from p2p.origin import ORIGIN, sign_origin
+from p2p.origin import sign_origin
 from p2p.records import MemberRecord
 from tests.p2p_helpers import MANIFEST, SWARM, as_received
 from tests.swarm_parts import member as live_member
@@ -67,7 +67,7 @@ def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
 def relayed_copy(author: NodeIdentity, holder: NodeIdentity, round_index: int,
                  tamper: bool = False) -> ReceivedMessage:
     message = OutgoingMessage.from_arrays(PGRAD, round_index, {"c": np.arange(16, dtype=np.uint8)})
-    message.meta[ORIGIN] = sign_origin(author, SWARM, MANIFEST, message)
+    sign_origin(author, SWARM, MANIFEST, message)
     message.meta[AUTHOR] = author.peer_id.to_base58()
     if tamper:
         message.tensors[0].data[0] = 99

@@ -38,6 +38,9 @@ class Swarm:
     # our φ as the reference its checks judge by: what a DiLoCoX node that fell too far behind
     # its swarm adopts mid-run; None where there is none (benchmarks timing an exchange alone)
     adopt_state: Callable[[dict], Awaitable[Any]] | None = None
+    # the most payload bytes a member's round message may declare (node/rounds/message_sizes.py
+    # round_message_bytes); None: the transport's bound only
+    round_message_bytes: int | None = None
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

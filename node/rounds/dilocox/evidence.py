@@ -98,12 +98,12 @@ class Proof:
     @classmethod
     def from_message(cls, message: ReceivedMessage) -> Proof:
         """ValueError when the message does not hold two versions of one author's message."""
-        meta = message.meta
-        author = meta.get("author")
-        first = Version.of(author, message.round, meta) if isinstance(author, str) else None
-        second = Version.of(author, message.round, {ORIGIN_DIGEST: meta.get("digest2"),
-                                                     ORIGIN: meta.get("signature2")})
-        if first is None or second is None or first.digest == second.digest:
+        meta, author = message.meta, message.meta.get("author")
+        first, second = (Version.of(author, message.round, {ORIGIN_DIGEST: meta.get("digest" + n),
+                                                             ORIGIN: meta.get("signature" + n)})
+                         for n in ("", "2"))
+        if not isinstance(author, str) or first is None or second is None \
+                or first.digest == second.digest:
             raise ValueError("it does not hold two versions of one author's message")
         return cls(first, second)
 

@@ -118,7 +118,7 @@ class DiLoCoXExchange:
     def start(self, round_index: int) -> None:
         self._restart_at(round_index)
         self.transport.on_push(PGRAD, self._on_message, accept_round=lambda r: r >= self.oldest_wanted,
-                               accept_bytes=lambda n: n <= (self.swarm.round_message_bytes or n),
+                               accept_bytes=self._fits,
                                check_head=self._check_head)
         self.evidence.start()
         self.relay.start()
@@ -248,6 +248,11 @@ class DiLoCoXExchange:
         self.bound.check(author, header.round)
         self.evidence.check_push(author, header)
         self._refuse_if_held(author, header.round)
+
+    def _fits(self, declared: int) -> bool:
+        """A push declares at most the largest message the manifest's codec sends."""
+        bound = self.swarm.round_message_bytes
+        return bound is None or declared <= bound
 
     def _refuse_if_held(self, author: str, round_index: int) -> None:
         if author in self.inbox.get(round_index, {}):

@@ -10,7 +10,11 @@ a φ off the majority's is replayed or downloaded); the training thread adopts e
 next outer step. A node rounds behind the swarm takes the swarm's state (`catch_up`).
 
 Invariants:
-- a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
+- a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too),
+  and never from an author that signed two versions of one (evidence.py: banned everywhere the
+  proof reaches, its messages dropped);
+- a push, a report or a member record naming a round beyond the bound (bounds.py) is refused, or
+  left out of every wait, and a push declares at most the manifest codec's largest message;
 - `collect` waits at most one of our own rounds for a member's message (asking members that may
   hold the message of one that finished the round, its record says so or its message is
   arriving, for at least `ASKING_S`), and beyond it, up to its deadline, only for a message on

@@ -386,6 +386,23 @@ class Missing(Event, kind="missing"):
 
 
 @dataclass(frozen=True)
+class Equivocated(Event, kind="equivocated", logged=True):
+    """DiLoCoX: `author` signed two versions of its message of `round` (the proof came to us or
+    was made here): banned, its messages dropped (node/rounds/dilocox/evidence.py)."""
+    round: int
+    author: str
+
+
+@dataclass(frozen=True)
+class Stored(Event, kind="stored"):
+    """DiLoCoX, at each collect: the relay store's payload bytes and the furthest round it
+    holds a message of (node/rounds/dilocox/relay.py, bounds.py)."""
+    round: int
+    bytes: int
+    furthest_round: int
+
+
+@dataclass(frozen=True)
 class Relayed(Event, kind="relayed"):
     """DiLoCoX: the message of `author` for `round`, which had not come, fetched from `holder`
     and checked against the author's signature (node/rounds/dilocox/relay.py)."""

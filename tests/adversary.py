@@ -27,6 +27,11 @@ daemon. Kinds:
               matches its own signed announcement);
 - state-round:  its member record, its announcements and the state it serves claim rounds
               10^6 beyond its real ones;
+- equivocate: DiLoCoX: signs two versions of each round's message (the second says it carries
+              2 rounds of work, a valid message weighted twice) and pushes one to the first half of
+              its group by peer id, the other to the second half;
+- future:     DiLoCoX: its member record claims rounds 10^9 beyond its real ones, and in place of
+              each round's message it pushes a validly signed one of the round 10^9 later;
 - unlisted:   skips its own allowlist check (node.daemon.join.check_admission), so that in an
               allowlist swarm it joins with a key the manifest does not list: the members'
               refusal is what stops it.
@@ -46,11 +51,12 @@ import sys
 
 log = logging.getLogger("lowcomm.adversary")
 KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill",
-         "push-kill", "serve-kill", "unlisted", "state-poison", "state-round")
+         "push-kill", "serve-kill", "unlisted", "state-poison", "state-round", "equivocate", "future")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 ROUND_LIE = 10 ** 6
+FUTURE = 10 ** 9
 
 
 # ---------------------------------------------------------------------- poisoned tensors
@@ -333,6 +339,53 @@ def _flood() -> None:
     members.MemberCache.start = start
 
 
+# ---------------------------------------------------------------------- DiLoCoX messages
+def _dilocox_lies(kind: str) -> None:
+    import numpy as np
+
+    from node.daemon import members
+    from node.rounds.dilocox import sending
+    from node.rounds.dilocox.payload import ROUNDS
+    from p2p.messages import OutgoingMessage, OutgoingTensor
+
+    async def push_all(sender, pushes) -> None:
+        async def push(peer, message):
+            try:
+                await sender.swarm.transport.push(peer, message, timeout=sender.deadline_s)
+            except Exception as exc:  # noqa: BLE001 (refused, banned: what the test reads)
+                log.warning("adversary: round %d to %s refused: %s", message.round, peer, exc)
+        await asyncio.gather(*(push(peer, message) for peer, message in pushes))
+
+    async def equivocate(self, round_index, message):
+        group = sorted(self.group())
+        twin = OutgoingMessage(message.kind, round_index, [
+            *(t for t in message.tensors if t.name != ROUNDS),
+            OutgoingTensor(ROUNDS, "int32", (1,), np.array([2], dtype=np.int32))])
+        self.sign(twin)
+        half = group[: len(group) // 2]
+        log.warning("adversary: round %d: one version to %s, another to %s", round_index,
+                    half, group[len(half):])
+        await push_all(self, [(p, message if p in half else twin) for p in group])
+
+    async def far_future(self, round_index, message):
+        far = OutgoingMessage(message.kind, round_index + FUTURE, list(message.tensors))
+        self.sign(far)
+        log.warning("adversary: pushing a message of round %d", far.round)
+        await push_all(self, [(p, far) for p in self.group()])
+
+    if kind == "equivocate":
+        sending.RoundSender._send_all = equivocate
+        return
+    sending.RoundSender._send_all = far_future
+    honest_update = members.MemberCache.update
+
+    def update(self, **fields):
+        if "round" in fields:
+            fields["round"] += FUTURE
+        return honest_update(self, **fields)
+    members.MemberCache.update = update
+
+
 # kind -> (message kind on the wire, what the log says): a SIGKILL halfway through the first
 # frame of the first such message this node writes
 KILL_MID_SEND = {"swap-kill": ("noloco.snapshot", "SIGKILL mid-swap"),
@@ -381,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         _checkpoint_kill()
     elif args.kind in ("state-poison", "state-round"):
         _lie_about_state(args.kind)
+    elif args.kind in ("equivocate", "future"):
+        _dilocox_lies(args.kind)
     elif args.kind == "unlisted":
         from node.daemon import daemon
         daemon.check_admission = lambda manifest, peer_id: log.warning(

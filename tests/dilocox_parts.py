@@ -13,7 +13,7 @@ from node.rounds.dilocox.sending import PGRAD
 from p2p.errors import Reason, RemoteRefused
 from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage, ReceivedMessage
-from p2p.origin import ORIGIN, sign_origin
+from p2p.origin import sign_origin
 from p2p.records import MemberRecord
 from tests.p2p_helpers import MANIFEST, SWARM, as_received
 from tests.swarm_parts import member as live_member
@@ -34,7 +34,7 @@ class HoldingTransport:
         parallel_streams = 1
 
     def __init__(self, copies: dict):
-        self.copies, self.asked, self.banned = copies, [], []
+        self.copies, self.asked, self.banned, self.pushed = copies, [], [], []
         self.arriving: set[tuple[str, int]] = set()  # (peer, round): a push of it is coming in
 
     def receiving(self, peer, kind, round_index) -> bool:
@@ -42,6 +42,9 @@ class HoldingTransport:
 
     def ban(self, peer, seconds) -> None:
         self.banned.append(peer)
+
+    async def push(self, peer, message, *, need_by=None):
+        self.pushed.append((peer, message))
 
     async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
         assert kind == RELAY
@@ -65,9 +68,12 @@ def deliver(ex: DiLoCoXExchange, round_index: int, peer: str) -> None:
 
 
 def relayed_copy(author: NodeIdentity, holder: NodeIdentity, round_index: int,
-                 tamper: bool = False) -> ReceivedMessage:
-    message = OutgoingMessage.from_arrays(PGRAD, round_index, {"c": np.arange(16, dtype=np.uint8)})
-    message.meta[ORIGIN] = sign_origin(author, SWARM, MANIFEST, message)
+                 tamper: bool = False, version: int = 0) -> ReceivedMessage:
+    """`author`'s signed message of `round_index` as `holder` delivers it; another `version`
+    is another content, signed all the same."""
+    message = OutgoingMessage.from_arrays(PGRAD, round_index,
+                                          {"c": np.arange(16, dtype=np.uint8) + version})
+    sign_origin(author, SWARM, MANIFEST, message)
     message.meta[AUTHOR] = author.peer_id.to_base58()
     if tamper:
         message.tensors[0].data[0] = 99

@@ -60,6 +60,19 @@ def joined(events: list[dict]) -> bool:
     return any(e["event"] == "joined" for e in events)
 
 
+def start_swarm(harness, honest: int, kind: str, extra=()):
+    """`honest` honest nodes and one adversary of `kind`; every node waits for all the others
+    before round 0, so they start together (a node rounds ahead could not pair)."""
+    extra = [*extra, "--min-peers", str(honest)]
+    first = harness.start_node(0, extra=extra)
+    first.wait_for(joined, 90, "joining")
+    nodes = [first] + [harness.start_node(i, [first.address], extra) for i in range(1, honest)]
+    bad = harness.start_node(honest, [first.address], extra, adversary=kind)
+    for node in [*nodes[1:], bad]:
+        node.wait_for(joined, 90, "joining")
+    return nodes, bad
+
+
 def finished(events: list[dict]) -> bool:
     return any(e["event"] == "left" for e in events)
 

@@ -41,7 +41,7 @@ from node.events import (Checkpointed, EventBus, Joined, PairCorrected, RoundEnd
                          Stopping, log_event)
 from node.loop import BackgroundTasks, LoopBridge
 from node.ops.status_feed import StatusFeed
-from node.rounds.message_sizes import transport_limits
+from node.rounds.message_sizes import round_message_bytes, transport_limits
 from node.rounds.policy import RoundPolicy
 from node.rounds.swarm import Swarm
 from node.train.checkpoint import CheckpointStore
@@ -66,6 +66,7 @@ class Daemon:
         # drives join.connect with payloads of its own, benchmarks/sync_time.py)
         self.transport_limits = None
         self.vocab_size = 256  # the corpus's, once loaded
+        self.round_message_bytes: int | None = None  # a round message's bound, once known
 
     def bind_loop(self) -> None:
         """Takes the running event loop, and the bridge the training thread calls it through.
@@ -92,6 +93,7 @@ class Daemon:
             # a swarm whose messages cannot fit the transport stops here, in one sentence
             self.transport_limits = transport_limits(m, corpus.vocab_size, transfer=self.settings.transfer)
             self.vocab_size = corpus.vocab_size
+            self.round_message_bytes = round_message_bytes(m, corpus.vocab_size)
             trainer = InnerTrainer(m.model, train_config, corpus, m.data.seq_len,
                                    stream_seed(identity.public_key_bytes, train_config.seed),
                                    pick_device(train_config.device))

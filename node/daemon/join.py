@@ -95,6 +95,7 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     host.validator.on_forgery = forged_record
     return Swarm(node.loop, transport, cache, bans, identity.peer_id.to_base58(), m.digest,
                  node.bridge, node.tasks, node.events.publish, settings.timeouts,
+                 round_message_bytes=node.round_message_bytes,
                  adopt_state=lambda reference: StateAdoption(transport, cache, bans, m,
                                                              settings.timeouts, reference).run(),
                  link_watch=LinkWatch(m, node.vocab_size, node.events.publish))

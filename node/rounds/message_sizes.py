@@ -70,13 +70,25 @@ def message_bounds(manifest: Manifest, shapes: dict[str, tuple[int, ...]]) -> li
             tuple(e for g in SNAPSHOT_GROUPS[protocol.snapshot]
                   for e in _entries(shapes, g + "/", protocol.wire_dtype))))
     else:
-        codec = [TensorEntry(PAYLOAD + e.name, "uint8", (e.nbytes + CODEC_SLACK_BYTES,),
-                             e.nbytes + CODEC_SLACK_BYTES) for e in _entries(shapes, "", "fp32")]
-        descriptions = TensorEntry(DESCRIPTIONS, "uint8", (MAX_DESCRIPTIONS_BYTES,),
-                                   MAX_DESCRIPTIONS_BYTES)
-        bounds.append(MessageBound(f"a DiLoCoX message (codec {protocol.codec})",
-                                   (descriptions, *codec)))
+        bounds.append(dilocox_message_bound(manifest, shapes))
     return bounds
+
+
+def dilocox_message_bound(manifest: Manifest, shapes: dict[str, tuple[int, ...]]) -> MessageBound:
+    """The largest DiLoCoX message (a round's pseudo-gradient) the manifest's codec sends."""
+    codec = [TensorEntry(PAYLOAD + e.name, "uint8", (e.nbytes + CODEC_SLACK_BYTES,),
+                         e.nbytes + CODEC_SLACK_BYTES) for e in _entries(shapes, "", "fp32")]
+    descriptions = TensorEntry(DESCRIPTIONS, "uint8", (MAX_DESCRIPTIONS_BYTES,), MAX_DESCRIPTIONS_BYTES)
+    return MessageBound(f"a DiLoCoX message (codec {manifest.protocol.codec})", (descriptions, *codec))
+
+
+def round_message_bytes(manifest: Manifest, vocab_size: int) -> int | None:
+    """The most payload bytes a member's round message of the manifest's protocol may declare
+    (the exchange refuses a larger push unread); None where the protocol checks its own
+    (a NoLoCo snapshot has exactly the bytes of ours)."""
+    if manifest.protocol.name != "dilocox":
+        return None
+    return dilocox_message_bound(manifest, parameter_shapes(manifest, vocab_size)).total_bytes
 
 
 def machine_memory_bytes() -> int | None:

@@ -41,6 +41,9 @@ class Swarm:
     # judges the link from what the exchange measured (node/rounds/link_watch.py); None where
     # no one is told (the simulator, benchmarks timing an exchange alone)
     link_watch: Any = None
+    # the most payload bytes a member's round message may declare (node/rounds/message_sizes.py
+    # round_message_bytes); None: the transport's bound only
+    round_message_bytes: int | None = None
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

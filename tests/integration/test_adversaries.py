@@ -10,26 +10,13 @@ import time
 
 import pytest
 
-from tests.faults import FaultHarness, adversary_manifest, finished, joined, stop_all
+from tests.faults import FaultHarness, adversary_manifest, finished, joined, start_swarm, stop_all
 from tests.swarm_harness import assert_phi_heals
 
 pytestmark = pytest.mark.integration
 
 REFUSAL_TEXT = {"nan": "holds NaN or Inf", "inf": "holds NaN or Inf", "scale": "more than 10x",
                 "noise": "below the noise floor"}
-
-
-def start_swarm(harness, honest: int, kind: str, extra=()):
-    """`honest` honest nodes and one adversary of `kind`; every node waits for all the others
-    before round 0, so they start together (a node rounds ahead could not pair)."""
-    extra = [*extra, "--min-peers", str(honest)]
-    first = harness.start_node(0, extra=extra)
-    first.wait_for(joined, 90, "joining")
-    nodes = [first] + [harness.start_node(i, [first.address], extra) for i in range(1, honest)]
-    bad = harness.start_node(honest, [first.address], extra, adversary=kind)
-    for node in [*nodes[1:], bad]:
-        node.wait_for(joined, 90, "joining")
-    return nodes, bad
 
 
 def swapped_with(peer: str, after: float):

@@ -43,7 +43,7 @@ from node.rounds.dilocox.sending import PGRAD
 from node.rounds.state import STATE_KIND, announcement, encode_state
 from p2p.membership import Membership
 from p2p.messages import OutgoingMessage, ReceivedMessage
-from p2p.origin import ORIGIN, sign_origin
+from p2p.origin import sign_origin
 from p2p.streams import Transport
 from protocol.tensors import weights_digest
 from tests.p2p_helpers import as_received, run, wait_until
@@ -298,8 +298,7 @@ def test_a_diverged_dilocox_node_replays_its_step_over_real_streams_instead_of_d
 
     def signed(author: Member, delivered_by: Member) -> ReceivedMessage:
         message = OutgoingMessage.from_arrays(PGRAD, target, {"c": np.arange(16, dtype=np.uint8)})
-        message.meta[ORIGIN] = sign_origin(author.host.identity, manifest.swarm.id,
-                                           manifest.digest, message)
+        sign_origin(author.host.identity, manifest.swarm.id, manifest.digest, message)
         return as_received(message, delivered_by.host.identity)
 
     async def body():

@@ -119,6 +119,7 @@ def test_a_push_of_a_message_a_member_already_handed_on_is_refused_unread_and_st
         author = NodeIdentity.generate()
         name = author.peer_id.to_base58()
         ex = exchange(loop, [member(name, 6)])
+        ex.first_round = 5  # we train round 5 too
         deliver(ex, 5, name)  # a relayed copy came first
         with pytest.raises(Refusal) as refused:
             ex._check_head(make_header(author, b"me", kind=PGRAD, round=5))

@@ -8,7 +8,7 @@ import pytest
 
 from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage
-from p2p.origin import ORIGIN, origin_holds, sign_origin
+from p2p.origin import ORIGIN, ORIGIN_DIGEST, origin_holds, origin_signed, sign_origin
 from tests.p2p_helpers import MANIFEST, SWARM, as_received
 
 
@@ -16,7 +16,7 @@ def signed(author: NodeIdentity, round_index: int = 7) -> OutgoingMessage:
     message = OutgoingMessage.from_arrays("dilocox.pgrad", round_index,
                                           {"a": np.arange(10, dtype=np.uint8),
                                            "b": np.ones(3, dtype=np.float32)})
-    message.meta[ORIGIN] = sign_origin(author, SWARM, MANIFEST, message)
+    sign_origin(author, SWARM, MANIFEST, message)
     return message
 
 
@@ -29,7 +29,7 @@ def test_a_copy_delivered_by_a_relay_proves_its_author():
 
 
 @pytest.mark.parametrize("change", ["payload", "shape", "round", "swarm", "manifest", "kind",
-                                    "signature", "no signature", "not an id"])
+                                    "signature", "digest", "no signature", "not an id"])
 def test_any_change_breaks_the_origin_signature(change):
     author = NodeIdentity.generate()
     copy = as_received(signed(author), delivered_by=NodeIdentity.generate())
@@ -47,7 +47,10 @@ def test_any_change_breaks_the_origin_signature(change):
     elif change == "signature":
         forged = bytes(64)
         copy = dataclasses.replace(copy, header=dataclasses.replace(
-            copy.header, meta={ORIGIN: forged}))
+            copy.header, meta={**copy.header.meta, ORIGIN: forged}))
+    elif change == "digest":  # a signature over another content than the one it came with
+        copy = dataclasses.replace(copy, header=dataclasses.replace(
+            copy.header, meta={**copy.header.meta, ORIGIN_DIGEST: bytes(32)}))
     elif change == "no signature":
         copy = dataclasses.replace(copy, header=dataclasses.replace(copy.header, meta={}))
     elif change == "not an id":
@@ -56,3 +59,16 @@ def test_any_change_breaks_the_origin_signature(change):
         swarm, manifest, kind = {"swarm": ("other", MANIFEST, kind), "manifest": (SWARM, "f" * 32, kind),
                                  "kind": (SWARM, MANIFEST, "noloco.snapshot")}[change]
     assert not origin_holds(who, swarm, manifest, kind, copy)
+
+
+def test_the_signed_digest_proves_the_content_from_the_header_alone():
+    """What a frame's header carries (the content digest and the signature over it) checks
+    without the payload, and binds the author, the round and the digest."""
+    author, other = NodeIdentity.generate(), NodeIdentity.generate()
+    meta = signed(author).meta
+    digest, signature = meta[ORIGIN_DIGEST], meta[ORIGIN]
+    assert origin_signed(author.peer_id, SWARM, MANIFEST, "dilocox.pgrad", 7, digest, signature)
+    assert not origin_signed(other.peer_id, SWARM, MANIFEST, "dilocox.pgrad", 7, digest, signature)
+    assert not origin_signed(author.peer_id, SWARM, MANIFEST, "dilocox.pgrad", 8, digest, signature)
+    assert not origin_signed(author.peer_id, SWARM, MANIFEST, "dilocox.pgrad", 7, bytes(32), signature)
+    assert not origin_signed(author.peer_id, SWARM, MANIFEST, "dilocox.pgrad", 7, "text", signature)

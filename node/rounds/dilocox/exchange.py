@@ -10,7 +10,11 @@ a φ off the majority's is replayed or downloaded); the training thread adopts e
 next outer step. A node rounds behind the swarm takes the swarm's state (`catch_up`).
 
 Invariants:
-- a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too);
+- a message is accepted at most once per (sender, round) (protocol/dilocox.py enforces it too),
+  and never from an author that signed two versions of one (evidence.py: banned everywhere the
+  proof reaches, its messages dropped);
+- a push, a report or a member record naming a round beyond the bound (bounds.py) is refused, or
+  left out of every wait, and a push declares at most the manifest codec's largest message;
 - `collect` waits at most one of our own rounds for a member's message (asking members that may
   hold the message of one that finished the round, its record says so or its message is
   arriving, for at least `ASKING_S`), and beyond it, up to its deadline, only for a message on
@@ -54,9 +58,11 @@ import math
 import random
 
 from node.config.manifest import ProtocolSection
-from node.events import CaughtUp, Missing
+from node.events import CaughtUp, Equivocated, Missing, Stored
+from node.rounds.dilocox.bounds import RoundBound
 from node.rounds.dilocox.catch_up import CATCH_UP_LAG, SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
+from node.rounds.dilocox.evidence import Equivocations, Proof
 from node.rounds.dilocox.link import GroupMessage, SwarmState
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
@@ -92,7 +98,11 @@ class DiLoCoXExchange:
         self.tenure = config.senders_tenure
         self.inbox: dict[int, dict[str, ReceivedMessage]] = {}
         self.heard: dict[str, int] = {}  # member -> the latest round whose message came from it
-        self.relay = Relay(swarm, PGRAD)  # signs, keeps, serves, fetches
+        # rounds no member may name (bounds.py); versions of one message compared (evidence.py)
+        self.bound = RoundBound(swarm, own_round=lambda: max(self.collected + 2, self.first_round))
+        self.evidence = Equivocations(swarm, PGRAD, members=self._members,
+                                      check_round=self.bound.check, on_proof=self._equivocated)
+        self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted)  # signs, keeps, serves, fetches
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
         self.sender = RoundSender(swarm, self.group, self.relay.sign)
         self.replay = StepReplay(swarm, self.relay, self._members)
@@ -111,7 +121,9 @@ class DiLoCoXExchange:
     def start(self, round_index: int) -> None:
         self._restart_at(round_index)
         self.transport.on_push(PGRAD, self._on_message, accept_round=lambda r: r >= self.oldest_wanted,
+                               accept_bytes=self._fits,
                                check_head=self._check_head)
+        self.evidence.start()
         self.relay.start()
         self.replay.start()
         self._watch = self.swarm.tasks.spawn(self._watch_missing(), "dilocox missing messages")
@@ -231,9 +243,19 @@ class DiLoCoXExchange:
 
     # ------------------------------------------------------------------ loop side
     def _check_head(self, header) -> None:
-        """A push of a message a member already handed us is refused before its payload is read:
-        HELD, which strikes no one (an honest author's push and a relayed copy may cross)."""
-        self._refuse_if_held(peer_name(header.sender), header.round)
+        """Before a push's payload is read: refused with a strike when its round is beyond
+        what an honest member can be in (bounds.py); BANNED when its header is a second signed
+        version of the author's message of the round (proof: evidence.py); and HELD, which
+        strikes no one, when we hold the message (an author's push and a relayed copy may cross)."""
+        author = peer_name(header.sender)
+        self.bound.check(author, header.round)
+        self.evidence.check_push(author, header)
+        self._refuse_if_held(author, header.round)
+
+    def _fits(self, declared: int) -> bool:
+        """A push declares at most the largest message the manifest's codec sends."""
+        bound = self.swarm.round_message_bytes
+        return bound is None or declared <= bound
 
     def _refuse_if_held(self, author: str, round_index: int) -> None:
         if author in self.inbox.get(round_index, {}):
@@ -256,9 +278,12 @@ class DiLoCoXExchange:
             self._accept(author, copy)
 
     def _accept(self, author: str, message: ReceivedMessage) -> None:
-        """Into the inbox, the relay's store, and our view of the author's round."""
+        """Into the relay's store, the inbox, and our view of the author's round; not a second
+        version of the author's message of the round, nor any message of an author proven to
+        have signed two (evidence.py)."""
+        if not self.relay.accepted(author, message):
+            return
         self.inbox.setdefault(message.round, {})[author] = message
-        self.relay.accepted(author, message)
         self.heard[author] = max(self.heard.get(author, -1), message.round)
         self.arrived.set()
 
@@ -267,6 +292,7 @@ class DiLoCoXExchange:
         the round and did not send them to us, so that they are here before the round's end."""
         while True:
             await asyncio.sleep(WATCH_S)
+            self.evidence.report()  # the versions we accepted, to the members (evidence.py)
             # not the round a collect waits for: it asks for that one itself, and stops asking
             # past one of our rounds
             for round_index in range(max(self.oldest_wanted, self.first_round, self.collected + 1),
@@ -297,7 +323,7 @@ class DiLoCoXExchange:
         none, ran ahead and refused their every message as stale (benchmarks/RESULTS.md, "The
         same slow-link DiLoCoX run with relayed messages", runs A and B)."""
         return {r.peer_id: max(r.round, self.heard.get(r.peer_id, -1) + 1)
-                for r in self.members.eligible()
+                for r in self.bound.plausible(self.members.eligible())
                 if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
     def _finished(self, round_index: int) -> set[str]:
@@ -409,6 +435,9 @@ class DiLoCoXExchange:
         self.ran_ahead_s = ahead_until - now
         self.relay.stop_asking(round_index)
         self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)
+        self.evidence.forget_before(round_index - KEEP_ROUNDS + 1)
+        self.publish(Stored(round=round_index, bytes=self.relay.store.bytes,
+                            furthest_round=max((r for r, _ in self.relay.store.messages), default=-1)))
         box = self.inbox.pop(round_index, {})
         if missing := (missing | given_up) - set(box):
             self.publish(Missing(round=round_index, peers=sorted(missing)))
@@ -416,6 +445,17 @@ class DiLoCoXExchange:
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
             del self.inbox[old]
         return [GroupMessage(peer, round_index, msg) for peer, msg in sorted(box.items())]
+
+    def _equivocated(self, proof: Proof) -> None:
+        """`proof.author` signed two versions of its message of a round: banned, and its
+        messages dropped from the rounds not collected and from the store (evidence.py)."""
+        author = proof.author
+        self.swarm.bans.ban_now(author, "equivocation", f"{author} signed two versions of its "
+                                f"message of round {proof.first.round}", self.transport.ban)
+        for box in self.inbox.values():
+            box.pop(author, None)
+        self.relay.store.drop(author)
+        self.publish(Equivocated(round=proof.first.round, author=author))
 
     def _after_round(self, round_index: int, digest: str,
                      applied: tuple[int, tuple[str, ...]] | None = None) -> None:

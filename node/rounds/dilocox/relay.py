@@ -33,7 +33,7 @@ from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
-from p2p.origin import ORIGIN, origin_holds, sign_origin
+from p2p.origin import ORIGIN, ORIGIN_DIGEST, origin_holds, sign_origin
 
 log = logging.getLogger("lowcomm.dilocox")
 RELAY = "dilocox.relay"
@@ -68,12 +68,20 @@ class MessageStore:
         for key in [k for k in self.messages if k[0] < round_index]:
             self.bytes -= len(self.messages.pop(key).payload)
 
+    def drop(self, author: str) -> None:
+        """Forgets every message of `author` (proven to equivocate: evidence.py)."""
+        for key in [k for k in self.messages if k[1] == author]:
+            self.bytes -= len(self.messages.pop(key).payload)
+
 
 class Relay:
     """Signs our messages, checks and keeps those we accept, serves and fetches copies."""
 
-    def __init__(self, swarm: Swarm, kind: str):
-        self.swarm, self.kind = swarm, kind
+    def __init__(self, swarm: Swarm, kind: str,
+                 witness: Callable[[str, ReceivedMessage], bool]):
+        """`witness(author, message)`: False for a checked message that must not be kept, a
+        second version of its author's message of the round (evidence.py `accepted`)."""
+        self.swarm, self.kind, self.witness = swarm, kind, witness
         self.transport = swarm.transport
         self.store = MessageStore()
         self._asking: dict[tuple[int, str], asyncio.Task] = {}
@@ -86,15 +94,19 @@ class Relay:
     # ------------------------------------------------------------------ our messages and theirs
     def sign(self, message: OutgoingMessage) -> None:
         """Puts our origin signature in `message`'s meta (hashes its payload: any thread)."""
-        message.meta[ORIGIN] = sign_origin(self.transport.identity, self.transport.swarm,
-                                           self.transport.manifest, message)
+        sign_origin(self.transport.identity, self.transport.swarm, self.transport.manifest, message)
 
     def authored_by(self, author: str, message: ReceivedMessage) -> bool:
         return origin_holds(author, self.transport.swarm, self.transport.manifest, self.kind,
                             message)
 
-    def accepted(self, author: str, message: ReceivedMessage) -> None:
+    def accepted(self, author: str, message: ReceivedMessage) -> bool:
+        """Keeps a message whose origin signature we checked, unless `witness` refuses it:
+        then False, and it must not be used."""
+        if not self.witness(author, message):
+            return False
         self.store.keep(message.round, author, message)
+        return True
 
     # ------------------------------------------------------------------ serving
     async def _respond(self, header) -> OutgoingMessage:
@@ -105,7 +117,8 @@ class Relay:
         tensors = [OutgoingTensor(entry.name, entry.dtype, entry.shape, view)
                    for entry, view in message.tensor_views().values()]
         return OutgoingMessage(RELAY, header.round, tensors,
-                               {AUTHOR: author, ORIGIN: message.meta[ORIGIN]})
+                               {AUTHOR: author, ORIGIN: message.meta[ORIGIN],
+                                ORIGIN_DIGEST: message.meta[ORIGIN_DIGEST]})
 
     # ------------------------------------------------------------------ asking
     def ask(self, round_index: int, authors: Iterable[str], holders: Callable[[str], list[str]],

@@ -152,9 +152,9 @@ class StepReplay:
             order = [h for h in holders if h != author]
             order += [m for m in self.members() if m not in order and m != author] + [author]
             copy = await self.relay.fetch(target, author, order)
-            if copy is not None:
+            # kept, ours to hand on and for a later recipe, unless its author equivocated
+            if copy is not None and self.relay.accepted(author, copy):
                 copies[author] = (copy, True)
-                self.relay.accepted(author, copy)  # ours to hand on, and for a later recipe
         await asyncio.gather(*(fetch(a) for a in missing))
         if any(a not in copies for a in missing):
             log.info("round %d: the messages of %s to replay it could not be had", target,

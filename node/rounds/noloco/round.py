@@ -19,7 +19,11 @@ tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignm
 it with "theta". So does the noise check (node/rounds/noise_check.py, noise_ratio): on θ alone,
 θ_j − φ_i mixes the partner's honest φ_j − φ_i into a noise sender's Δ, and honest and noise
 scores overlapped in simulation (benchmarks/RESULTS.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
-theta_only_snapshot). No partner, or a refused one, gives the local update of G = {self}, counted.
+theta_only_snapshot), after the pull bound (protocol/pull_bound.py): a θ further from the node's
+own than contributions.pull_clip_ratio times the median distance of its recent partners is clipped
+to that distance, and refused past pull_refuse_ratio times it, so that no pairing moves φ by more
+than (β/2)·pull_clip_ratio of that median. No partner, or a refused one, gives the local update of
+G = {self}, counted.
 
 A node more than max_staleness rounds behind its swarm (it started late, or stalled) or ahead of
 it (it ran alone faster, through a cut link) could pair with nobody; at a round's end it moves to
@@ -47,8 +51,9 @@ from node.rounds.contributions import ContributionRefused, check_contribution, g
 from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
-from node.rounds.wire_tensors import QUANTIZED_BITS
+from node.rounds.wire_tensors import QUANTIZED_BITS, rounding_error_norm
 from node.train.trainer import InnerTrainer
+from protocol import pull_bound
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, theta_only_snapshot
 from protocol.tensors import shift_in_place, weights_digest
 
@@ -150,6 +155,9 @@ class NoLoCoRound:
         # (link.take_partner), decoding, the contribution checks, φ's digest
         self._held = dict.fromkeys(("wait", "decode", "check", "digest"), 0.0)
         self.noise_check = NoiseCheck(contributions.noise_ratio)
+        self.pull_bound = pull_bound.PullBound(contributions.pull_clip_ratio,
+                                               contributions.pull_refuse_ratio)
+        self.pulls_clipped = 0  # partner θs clipped to the pull bound (not refusals: no strike)
         self.rounding = None  # rounding to nearest
         if config.wire_rounding == "stochastic" and config.wire_dtype in QUANTIZED_BITS:
             self.rounding = torch.Generator(device=self.device or "cpu").manual_seed(rounding_seed)
@@ -266,7 +274,8 @@ class NoLoCoRound:
                 checking = time.monotonic()
                 self._held["decode"] += checking - decoding
             if self.config.snapshot == "theta":
-                checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
+                own_theta = reference.fast_weights()
+                checks = [("fast weights", groups["theta"], own_theta, 0.0)]
             else:  # the alignment check compares progress only (node/rounds/contributions.py)
                 checks = [("slow weights", groups["phi"], reference.slow_weights, 0.0),
                           ("progress", groups["delta"], reference.local_progress,
@@ -275,6 +284,12 @@ class NoLoCoRound:
                 for what, theirs, mine, sigmas in checks:
                     check_contribution(partner.peer, theirs, mine, global_norm(mine),
                                        self.contributions.max_norm_ratio, f"NoLoCo {what}", sigmas)
+                if self.config.snapshot == "theta" and self.pull_bound.enabled:
+                    # m's floor: our progress, plus what the wire alone puts between two θs
+                    seed = global_norm(reference.local_progress) \
+                        + rounding_error_norm(own_theta, self.config.wire_dtype)
+                    groups["theta"] = self._bound_pull(partner.peer, groups["theta"], own_theta,
+                                                       seed)
             finally:  # a norm is read on the host: the device's queue is drained by here
                 self._held["check"] += time.monotonic() - checking
             if self.config.snapshot == "theta":
@@ -289,6 +304,20 @@ class NoLoCoRound:
             reason = getattr(exc, "reason", "malformed")
             self.link.refused(partner.peer, reason, str(exc))
             return _Pair(partner, [], [str(exc)])
+
+    def _bound_pull(self, peer: str, theirs: dict, mine: dict, floor: float) -> dict:
+        """The pull bound (protocol/pull_bound.py) on a partner's θ: `theirs`, or it clipped, or
+        ContributionRefused("distance") past the refusal bound."""
+        verdict = self.pull_bound.judge(pull_bound.distance(theirs, mine), floor)
+        if verdict.refused:
+            raise ContributionRefused(
+                "distance", f"NoLoCo fast weights from {peer} lie {verdict.distance:.4g} from this "
+                f"node's, more than {self.contributions.pull_refuse_ratio:g}x the median distance "
+                f"of its recent partners ({verdict.reference:.4g}); dropped")
+        if verdict.scale < 1.0:
+            self.pulls_clipped += 1
+            return pull_bound.clip_towards(theirs, mine, verdict.scale)
+        return theirs
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.

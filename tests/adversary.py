@@ -33,6 +33,9 @@ daemon. Kinds:
               matches its own signed announcement);
 - state-round:  its member record, its announcements and the state it serves claim rounds
               10^6 beyond its real ones;
+- slow-members: not an adversary, a fault of its DHT: its member lookups answer "no member"
+              for the first SLOW_MEMBERS_S seconds (LOWCOMM_TEST_SLOW_MEMBERS_S), as a DHT slow
+              to show the records already stored, or split at start, does; then the truth;
 - unlisted:   skips its own allowlist check (node.daemon.join.check_admission), so that in an
               allowlist swarm it joins with a key the manifest does not list: the members'
               refusal is what stops it.
@@ -52,13 +55,14 @@ import sys
 
 log = logging.getLogger("lowcomm.adversary")
 THETA_KINDS = ("theta-random", "theta-negate", "theta-target")
-KINDS = ("nan", "inf", "scale", "noise", *THETA_KINDS, "replay", "stall", "flood", "ckpt-kill", "swap-kill",
+KINDS = ("nan", "inf", "scale", "noise", *THETA_KINDS, "slow-members", "replay", "stall", "flood", "ckpt-kill", "swap-kill",
          "push-kill", "serve-kill", "unlisted", "state-poison", "state-round")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 ROUND_LIE = 10 ** 6
 TARGET_SEED = 1234
+SLOW_MEMBERS_S = 10.0
 
 
 def target_push() -> float:
@@ -170,6 +174,27 @@ def _poison(kind: str):
             return honest_message(dataclasses.replace(message, tensors=tensors))
 
         dilocox_payload.encode_message = encode_message
+
+
+# ---------------------------------------------------------------------- a slow DHT
+def _slow_members() -> None:
+    import time
+
+    from p2p.membership import Membership
+
+    honest, slow_s = Membership.peers, float(os.environ.get("LOWCOMM_TEST_SLOW_MEMBERS_S",
+                                                           SLOW_MEMBERS_S))
+    first: list[float] = []
+
+    async def peers(self, include_self=False, timeout_s=10.0):
+        first.append(first[0] if first else time.monotonic())
+        answer = await honest(self, include_self, timeout_s)
+        if time.monotonic() - first[0] < slow_s:
+            log.warning("adversary: member lookup answered no member (%d stored)", len(answer))
+            return {}
+        return answer
+
+    Membership.peers = peers
 
 
 # ---------------------------------------------------------------------- lying state servers
@@ -431,6 +456,8 @@ def main(argv: list[str] | None = None) -> int:
         _poison(args.kind)
     elif args.kind in THETA_KINDS:
         _theta_adversary(args.kind)
+    elif args.kind == "slow-members":
+        _slow_members()
     elif args.kind == "replay":
         _replay()
     elif args.kind == "stall":

@@ -28,8 +28,13 @@ class NodeTimeouts:
     state_download_attempts: int = 3
     state_download_s: float = 120.0
     state_announce_wait_s: float = 10.0
-    # at start: how long the DHT may take to show existing members before we think we are first
+    # at start, without a checkpoint: how long the DHT may take to show existing members before
+    # a node given no peer thinks it is the first
     first_members_s: float = 2.0
+    # ...and how long one given peers (--peer, or the manifest's bootstrap peers) waits to see a
+    # member of its swarm: it is joining one, so it never starts its own; past this it stops
+    # with an error (node/daemon/join.py)
+    join_members_s: float = 120.0
     member_refresh_s: float = 0.5       # the member cache's DHT lookups
     alone_before_redial_s: float = 10.0  # seeing no member this long, the node redials...
     redial_every_s: float = 10.0         # ...this often, while alone

@@ -231,8 +231,9 @@ class LateJoined(Event, kind="late_join", logged=True):
 
 @dataclass(frozen=True)
 class CaughtUp(Event, kind="caught_up", logged=True):
-    """DiLoCoX: this node fell too far behind its swarm for its messages to count and adopted
-    the swarm's state mid-run, replayed or downloaded (node/rounds/dilocox/catch_up.py)."""
+    """This node fell too far behind its swarm and adopted the swarm's state mid-run: DiLoCoX,
+    its messages no longer counting, replayed or downloaded (node/rounds/dilocox/catch_up.py);
+    NoLoCo, on its first jump to the swarm's round (node/rounds/noloco/round.py)."""
     source: str
     from_round: int        # the round this node would have trained next
     round: int             # the round it trains next instead

@@ -10,6 +10,12 @@ daemon. Kinds:
 - scale:      its Δ is multiplied by 1000 (a poisoned or runaway update);
 - noise:      its Δ is replaced by Gaussian noise of the same per-tensor norm (NoLoCo: in its
               snapshot; DiLoCoX: before compression, so with any codec);
+- theta-random, theta-negate, theta-target: its NoLoCo snapshot's θ is replaced (`corrupt_theta`):
+              by random weights of θ's norm, tensor by tensor; by −θ; or by θ plus a push
+              towards a fixed other model (random weights of θ's per-tensor norms, drawn once
+              from a fixed seed) of TARGET_PUSH times the pull bound's floor f (its progress
+              norm plus the wire's rounding: protocol/pull_bound.py), so that the default
+              bound clips it and never refuses it: the most a partner can pull unpunished;
 - replay:     after each message it sends a peer, it sends that peer the very first signed
               message of the same kind again (same nonce, same signature: a byte-exact replay);
 - stall:      it keeps opening streams to every member and never writes a byte on them;
@@ -32,6 +38,9 @@ daemon. Kinds:
               its group by peer id, the other to the second half;
 - future:     DiLoCoX: its member record claims rounds 10^9 beyond its real ones, and in place of
               each round's message it pushes a validly signed one of the round 10^9 later;
+- slow-members: not an adversary, a fault of its DHT: its member lookups answer "no member"
+              for the first SLOW_MEMBERS_S seconds (LOWCOMM_TEST_SLOW_MEMBERS_S), as a DHT slow
+              to show the records already stored, or split at start, does; then the truth;
 - unlisted:   skips its own allowlist check (node.daemon.join.check_admission), so that in an
               allowlist swarm it joins with a key the manifest does not list: the members'
               refusal is what stops it.
@@ -50,13 +59,69 @@ import signal
 import sys
 
 log = logging.getLogger("lowcomm.adversary")
-KINDS = ("nan", "inf", "scale", "noise", "replay", "stall", "flood", "ckpt-kill", "swap-kill",
-         "push-kill", "serve-kill", "unlisted", "state-poison", "state-round", "equivocate", "future")
+THETA_KINDS = ("theta-random", "theta-negate", "theta-target")
+KINDS = ("nan", "inf", "scale", "noise", *THETA_KINDS, "slow-members", "replay", "stall", "flood",
+         "ckpt-kill", "swap-kill", "push-kill", "serve-kill", "unlisted", "state-poison",
+         "state-round", "equivocate", "future")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
 ROUND_LIE = 10 ** 6
 FUTURE = 10 ** 9
+TARGET_SEED = 1234
+SLOW_MEMBERS_S = 10.0
+
+
+def target_push() -> float:
+    """theta-target's ‖push‖ / f: below the default refusal ratio, above its clipping ratio."""
+    from node.config.manifest import ContributionSection
+
+    default = ContributionSection()
+    return (default.pull_clip_ratio + default.pull_refuse_ratio) / 2
+
+
+def corrupt_theta(kind: str, theta: dict, floor: float, target: dict) -> dict:
+    """The θ a `kind` adversary sends in place of its `theta` (see the module docstring);
+    `target` (theta-target) is filled on first use and reused: the same model every round."""
+    import torch
+
+    if kind == "theta-negate":
+        return {name: -t for name, t in theta.items()}
+    if kind == "theta-random":
+        out = {}
+        for name, t in theta.items():
+            z = torch.randn_like(t)
+            out[name] = z * (t.norm() / z.norm().clamp_min(1e-12))
+        return out
+    if not target:
+        generator = torch.Generator().manual_seed(TARGET_SEED)
+        for name, t in theta.items():
+            z = torch.randn(t.shape, generator=generator)
+            target[name] = z * (t.norm() / z.norm().clamp_min(1e-12))
+    push = {name: target[name] - t for name, t in theta.items()}
+    push_norm = float(sum(p.pow(2).sum() for p in push.values())) ** 0.5
+    scale = target_push() * floor / max(push_norm, 1e-12)
+    return {name: t + scale * push[name] for name, t in theta.items()}
+
+
+def _theta_adversary(kind: str) -> None:
+    from node.rounds.noloco import payload as noloco_payload
+
+    honest, target = noloco_payload.encode_snapshot, {}
+
+    def encode_snapshot(snapshot, wire_dtype, layout, rounding=None):
+        from node.rounds.wire_tensors import rounding_error_norm
+        from protocol.pull_bound import distance
+
+        theta = snapshot.fast_weights()
+        floor = distance(theta, snapshot.slow_weights) + rounding_error_norm(theta, wire_dtype)
+        bad = corrupt_theta(kind, theta, floor, target)
+        delta = {name: bad[name] - snapshot.slow_weights[name].float() for name in bad}
+        log.warning("adversary: offering a %s snapshot", kind)
+        return honest(dataclasses.replace(snapshot, local_progress=delta), wire_dtype, layout,
+                      rounding)
+
+    noloco_payload.encode_snapshot = encode_snapshot
 
 
 # ---------------------------------------------------------------------- poisoned tensors
@@ -116,6 +181,27 @@ def _poison(kind: str):
             return honest_message(dataclasses.replace(message, tensors=tensors))
 
         dilocox_payload.encode_message = encode_message
+
+
+# ---------------------------------------------------------------------- a slow DHT
+def _slow_members() -> None:
+    import time
+
+    from p2p.membership import Membership
+
+    honest, slow_s = Membership.peers, float(os.environ.get("LOWCOMM_TEST_SLOW_MEMBERS_S",
+                                                           SLOW_MEMBERS_S))
+    first: list[float] = []
+
+    async def peers(self, include_self=False, timeout_s=10.0):
+        first.append(first[0] if first else time.monotonic())
+        answer = await honest(self, include_self, timeout_s)
+        if time.monotonic() - first[0] < slow_s:
+            log.warning("adversary: member lookup answered no member (%d stored)", len(answer))
+            return {}
+        return answer
+
+    Membership.peers = peers
 
 
 # ---------------------------------------------------------------------- lying state servers
@@ -422,6 +508,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(ours)
     if args.kind in ("nan", "inf", "scale", "noise"):
         _poison(args.kind)
+    elif args.kind in THETA_KINDS:
+        _theta_adversary(args.kind)
+    elif args.kind == "slow-members":
+        _slow_members()
     elif args.kind == "replay":
         _replay()
     elif args.kind == "stall":

@@ -67,6 +67,8 @@ class ScriptedNoLoCoLink:
         self.offered: list[tuple[int, list, float]] = []
         self.refusals: list[tuple[str, str]] = []
         self.catch_up: int | None = None
+        self.swarm: object | None = None  # what swarm_state answers (a JoinState, or None)
+        self.asked_state: list[int] = []  # the rounds whose end asked for the swarm's state
 
     def partner_landed(self) -> bool:
         return any(self.waiting.values())  # None: a pair formed, its snapshot not landed yet
@@ -88,6 +90,10 @@ class ScriptedNoLoCoLink:
 
     def catch_up_round(self, round_index: int) -> int | None:
         return self.catch_up
+
+    def swarm_state(self, reference: dict, from_round: int):
+        self.asked_state.append(from_round - 1)
+        return self.swarm
 
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.refusals.append((peer, reason))

@@ -201,6 +201,16 @@ class ContributionSection:
                               "progress less than this fraction of the median of the swarm's "
                               "recent contributions, or no better than random noise (0: off)",
                               min=0.0, max=1.0)
+    # How far one NoLoCo pairing may pull a node (protocol/pull_bound.py): a partner's θ further
+    # from the node's own than these multiples of m (the median distance of its recent partners,
+    # at least its own progress norm) is clipped to pull_clip_ratio·m, or refused past
+    # pull_refuse_ratio·m. Measured in benchmarks/RESULTS.md ("A bound on a partner's θ").
+    pull_clip_ratio: float = spec(2.0, "NoLoCo θ snapshots: clip a partner's θ to this multiple of "
+                                  "the median distance of recent partners (at least this node's "
+                                  "own progress norm) from this node's θ (0: off)", min=0.0, max=1e6)
+    pull_refuse_ratio: float = spec(5.0, "NoLoCo θ snapshots: refuse a partner's θ further than "
+                                    "this multiple of that median distance (at least "
+                                    "pull_clip_ratio)", min=1.0, max=1e6)
     ban_after: int = spec(3, "refused contributions before a peer is banned", min=1, max=1000)
     ban_seconds: float = spec(600.0, "how long a ban lasts", min=0.0, max=1e7)
 
@@ -252,8 +262,14 @@ def check_snapshot(protocol: ProtocolSection, contributions: ContributionSection
     """NoLoCo's protocol.snapshot against the keys it depends on; ConfigError in one sentence.
 
     "theta" sends θ alone, which is exact only with β = γ, and carries no progress Δ for the
-    alignment check to compare; "phi_delta" fits every setting.
+    alignment check to compare; "phi_delta" fits every setting. The pull bound's refusal
+    ratio may not lie below its clipping ratio.
     """
+    if 0 < contributions.pull_refuse_ratio < contributions.pull_clip_ratio:
+        raise ConfigError(f"manifest key 'contributions.pull_refuse_ratio' = "
+                          f"{contributions.pull_refuse_ratio} is below pull_clip_ratio = "
+                          f"{contributions.pull_clip_ratio}: a partner would be refused before "
+                          f"it could be clipped; raise it to at least pull_clip_ratio")
     if protocol.name != "noloco" or protocol.snapshot != "theta":
         return
     if protocol.progress_weight != protocol.consensus_weight:

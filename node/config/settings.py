@@ -40,8 +40,13 @@ class NodeTimeouts:
                                     "(one is given up when it could not finish by then)")
     state_announce_wait_s: float = _wait(10.0, "seconds: the late join, how long an announcement "
                                          "lagging the state it describes is waited for")
-    first_members_s: float = _wait(2.0, "seconds: at start, how long the DHT may take to show "
-                                   "existing members before we think we are first")
+    first_members_s: float = _wait(2.0, "seconds: at start, without a checkpoint, how long the "
+                                   "DHT may take to show existing members before a node given no "
+                                   "peer thinks it is the first")
+    join_members_s: float = _wait(120.0, "seconds: a node given peers (--peer, or the manifest's "
+                                  "bootstrap peers) waits this long to see a member of its swarm: it "
+                                  "is joining one, so it never starts its own; past this it stops "
+                                  "with an error (node/daemon/join.py)")
     member_refresh_s: float = _wait(0.5, "seconds: between the member cache's DHT lookups")
     alone_before_redial_s: float = _wait(10.0, "seconds: seeing no member this long, the node "
                                          "redials its bootstrap peers...")

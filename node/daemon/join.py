@@ -9,7 +9,9 @@
   contribution, a lying server banned). Nothing is written until the state is complete and
   verified. A node resuming too far behind its swarm to pair (NoLoCo) or share φ (DiLoCoX)
   joins late the same way, keeping its inner optimizer and data position.
-- A fresh swarm: the first node waits (bounded) for --min-peers others before round 0.
+- A fresh swarm: the first node waits (bounded) for --min-peers others before round 0. Only a
+  node given no peer to join through may be that first node: one given peers (--peer, the
+  manifest's bootstrap peers) waits (bounded: `join_members_s`) until it sees a member.
 """
 
 from __future__ import annotations
@@ -123,7 +125,10 @@ async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolic
         if lag <= max(1, node.manifest.protocol.max_staleness):
             return trainer.step // H
     else:
-        await wait_for_members(cache, timeouts.first_members_s)
+        if joining_through_peers(node):
+            await wait_to_see_members(cache, timeouts.join_members_s, node.manifest.swarm.id)
+        else:
+            await wait_for_members(cache, timeouts.first_members_s)
         if agreed_round(cache.eligible()) == 0:
             await wait_min_peers(node, cache)
             return 0
@@ -163,6 +168,26 @@ async def wait_min_peers(node: Daemon, cache: MemberCache) -> None:
             break
     if len(cache.eligible()) < wanted:
         node.events.publish(MinPeersTimeout(wanted=wanted, found=len(cache.eligible())))
+
+
+def joining_through_peers(node: Daemon) -> bool:
+    """Whether this node was given peers to join through (--peer, the manifest's bootstrap
+    peers) other than itself: then a swarm exists, and the node must not start one."""
+    own = f"/p2p/{node.network.host.peer_id.to_base58()}"
+    return any(not address.rstrip("/").endswith(own)
+               for address in [*node.settings.peers, *node.manifest.network.bootstrap_peers])
+
+
+async def wait_to_see_members(cache: MemberCache, timeout_s: float, swarm: str) -> None:
+    """Waits until the cache shows a member of the swarm (any round, even 0: a swarm starting
+    together); RuntimeError in one sentence when none shows within `timeout_s`. A node joining
+    through peers never decides from one look that it is the first: a DHT slow to answer, or
+    split at start, would have it train alone from its initial weights."""
+    await wait_for_members(cache, timeout_s)
+    if not cache.peers():
+        raise RuntimeError(f"no member of swarm {swarm!r} appeared within {timeout_s:g} s of "
+                           f"joining through the given peers: check that they run this swarm "
+                           f"(or start without --peer to begin a new one)")
 
 
 async def wait_for_members(cache: MemberCache, timeout_s: float) -> None:

@@ -51,6 +51,26 @@ def tensor_wire_bytes(count: int, dtype: str) -> int:
     return count * torch.empty(0, dtype=WIRE_DTYPES[dtype]).element_size()
 
 
+def rounding_error_norm(tensors: Mapping[str, torch.Tensor], dtype: str) -> float:
+    """How far these tensors, sent in `dtype`, typically arrive from what was sent: the root of
+    the summed per-element variance bound of their rounding, (s/L)²/4 an element of a block
+    of absmax s (stochastic rounding; to nearest, (s/L)²/12), relative 2^-8 of each element
+    in bf16 (2^-11 fp16), 0 in fp32. What two honest snapshots of one model differ by, on
+    the wire alone (protocol/pull_bound.py seeds its reference with it)."""
+    if dtype in QUANTIZED_BITS:
+        levels, total = 2 ** (QUANTIZED_BITS[dtype] - 1) - 1, 0.0
+        for t in tensors.values():
+            flat = t.detach().float().reshape(-1)
+            pad = -flat.numel() % QUANT_BLOCK
+            blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, QUANT_BLOCK)
+            total += float(blocks.abs().amax(dim=1).pow(2).sum()) * QUANT_BLOCK
+        return math.sqrt(total / 4) / levels
+    relative = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}.get(dtype, 0.0)
+    if relative == 0.0:
+        return 0.0
+    return relative * math.sqrt(sum(float(t.detach().float().pow(2).sum()) for t in tensors.values()))
+
+
 def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "",
             rounding: torch.Generator | None = None) -> list[OutgoingTensor]:
     """Casts to the wire dtype, or quantizes, where the tensors are (on a GPU, only the wire's

@@ -115,6 +115,9 @@ class NoLoCoMemoryLink:
     def catch_up_round(self, round_index: int) -> int | None:
         return None  # lockstep: no replica falls behind
 
+    def swarm_state(self, reference: dict, from_round: int) -> None:
+        return None  # never asked: no replica falls behind
+
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         self.network.refused[reason] += 1
         self.network.strikes[(self.name, peer)] += 1

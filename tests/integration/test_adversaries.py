@@ -166,3 +166,29 @@ def test_dilocox_nan_pseudo_gradients_are_refused_and_honest_phi_agrees(harness_
     assert len(refused) >= 4 and all(bad_id in s and "nan or inf" in s.lower() for s in refused)
     common = assert_phi_heals(honest, min_rounds=2)
     print(f"dilocox nan: {len(refused)} refusals; honest φ checked over rounds {common}")
+
+
+@pytest.mark.parametrize("kind", ["theta-random", "theta-negate"])
+def test_a_theta_far_from_the_swarms_is_refused_and_its_sender_banned(harness_factory, kind):
+    """θ-only snapshots (the default layout and int4 wire): random weights of θ's norm, or −θ,
+    pass the norm check but lie many times the honest partners' distance away (the pull
+    bound: protocol/pull_bound.py): refused as "distance", the sender banned, no honest node
+    refused, and the honest nodes keep swapping with each other."""
+    manifest = adversary_manifest(f"t-adv-{kind}")
+    manifest.protocol.snapshot, manifest.protocol.wire_dtype = "theta", "int4"
+    harness = harness_factory(manifest, harness_class=FaultHarness)
+    honest, bad = start_swarm(harness, 3, kind)
+    bad_id = bad.peer_id
+    banner, _ = wait_any_log(honest, f"banned {bad_id}", 240)
+    banned_at = time.time()
+    other = next(n for n in honest if n is not banner)
+    banner.wait_for(swapped_with(other.peer_id, banned_at), 120,
+                    "a swap with an honest peer after the ban")
+    stop_all([*honest, bad])
+    refused = [s for n in honest for r in n.events("round") for s in r.get("refused") or []]
+    assert len(refused) >= 2, refused
+    assert all(bad_id in s and "median distance of its recent partners" in s for s in refused), \
+        refused
+    assert "adversary: offering" in bad.log_tail(100_000)
+    for node in honest:
+        assert finished(node.events())

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from node.config.manifest import ContributionSection, ProtocolSection
+from node.daemon.state_quorum import JoinState
 from node.events import PairCorrected
 from node.rounds.noloco import payload as noloco_payload
 from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot, rounding_seed
@@ -266,12 +267,39 @@ def test_a_malformed_quantized_snapshot_is_refused_and_the_round_goes_on_locally
 
 
 def test_a_node_too_far_behind_jumps_to_the_swarms_round(config, corpus):
+    """No state agreed by the swarm: the node keeps its own weights and jumps."""
     policy, link, model = noloco(config, corpus, "overlap")
     train_round(model, policy, 0)
     link.catch_up = 7
     outcome = policy.end_round(0)
     assert outcome.caught_up_to == 7 and model.step == 7 * H
-    assert link.offered[0][0] == 0
+    assert link.offered[0][0] == 0 and link.asked_state == [0]
+
+
+@pytest.mark.parametrize("timing", ["overlap", "blocking"])
+def test_the_first_jump_forward_adopts_the_swarms_state(config, corpus, timing):
+    """A node that far behind from its start trained alone: on its first jump it takes the
+    state the late-join quorum agreed on (its own progress dropped), offers that φ, and trains
+    the agreed round next; later jumps keep its own weights, as every jump did before."""
+    member, _, member_model = noloco(config, corpus, "overlap", stream=3)
+    for r in range(3):
+        train_round(member_model, member, r)
+        member.end_round(r)
+    state_round, groups, digest = member.export_state()
+    policy, link, model = noloco(config, corpus, timing, wire_dtype="fp32")
+    train_round(model, policy, 0)
+    link.catch_up = 4
+    link.swarm = JoinState(4, groups, {"phi_round": state_round, "phi": digest}, "member")
+    outcome = policy.end_round(0)
+    assert outcome.caught_up_to == 4 and model.step == 4 * H and link.asked_state == [0]
+    assert outcome.phi_digest == digest == weights_digest(model.named_parameters())
+    assert policy.export_state()[0] == state_round == 2 and outcome.local_update
+    offered = noloco_payload.decode_snapshot(received(0, link.offered[0][1]), "theta", "me", "fp32")
+    assert weights_digest(offered["theta"]) == digest  # θ = the adopted φ
+    train_round(model, policy, 4)
+    link.catch_up = 9
+    policy.end_round(4)
+    assert link.asked_state == [0] and model.step == 9 * H
 
 
 def test_a_node_too_far_ahead_goes_back_to_the_swarms_round(config, corpus):

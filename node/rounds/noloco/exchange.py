@@ -33,8 +33,8 @@ import threading
 from contextlib import suppress
 
 from node.config.manifest import ProtocolSection
-from node.events import (NoPartner, PairCancelled, Paired, PairingPaced, Rested, SwapFailed,
-                         SwapLate, Swapped)
+from node.events import (CaughtUp, NoPartner, PairCancelled, Paired, PairingPaced, Rested,
+                         SwapFailed, SwapLate, Swapped)
 from node.rounds.noloco.pacing import SwapPacer
 from node.rounds.noloco.round import PartnerSnapshot
 from node.rounds.state import round_bound, settled
@@ -155,6 +155,31 @@ class NoLoCoExchange:
                 return None
             return swarm_round
         return self.swarm.bridge.call("the swarm's round", decide)
+
+    def swarm_state(self, reference: dict, from_round: int):
+        """The swarm's state by the late-join quorum (node/daemon/state_quorum.py), for a node
+        whose catch-up jump leaves its own weights behind; None when none was agreed in time
+        (it then keeps its own, as before). `reference`: our φ, what a state is checked against."""
+        if self.swarm.adopt_state is None:
+            return None
+        timeouts = self.swarm.timeouts
+        budget = timeouts.state_download_attempts * timeouts.state_download_s \
+            + timeouts.state_announce_wait_s
+
+        async def take():
+            try:
+                joined = await asyncio.wait_for(self.swarm.adopt_state(reference), timeout=budget)
+            except Exception as exc:  # no state agreed, a download failed: keep our own
+                log.warning("could not take the swarm's state on catching up: %s",
+                            failure_sentence(exc))
+                return None
+            if joined is not None:
+                self.publish(CaughtUp(source=joined.source, from_round=from_round,
+                                      round=joined.round_index,
+                                      state_round=joined.meta.get("phi_round"),
+                                      digest=joined.meta.get("phi")))
+            return joined
+        return self.swarm.bridge.call("the swarm's state", take, wait_s=budget)
 
     def _plausible_rounds(self) -> list[int]:
         """The members' rounds, less any past what this node could have seen pass: at most

@@ -19,13 +19,20 @@ tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignm
 it with "theta". So does the noise check (node/rounds/noise_check.py, noise_ratio): on θ alone,
 θ_j − φ_i mixes the partner's honest φ_j − φ_i into a noise sender's Δ, and honest and noise
 scores overlapped in simulation (benchmarks/RESULTS.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
-theta_only_snapshot). No partner, or a refused one, gives the local update of G = {self}, counted.
+theta_only_snapshot), after the pull bound (protocol/pull_bound.py): a θ further from the node's
+own than contributions.pull_clip_ratio times the median distance of its recent partners is clipped
+to that distance, and refused past pull_refuse_ratio times it, so that no pairing moves φ by more
+than (β/2)·pull_clip_ratio of that median. No partner, or a refused one, gives the local update of
+G = {self}, counted.
 
 A node more than max_staleness rounds behind its swarm (it started late, or stalled) or ahead of
 it (it ran alone faster, through a cut link) could pair with nobody; at a round's end it moves to
 the swarm's round (protocol/matching.py catch_up_round): its step counter and schedule move
 forward or back, and its φ, δ, θ, inner optimizer and data position stay its own, for the pairs
-to come to average. (A checkpoint saved after going back replaces those numbered above it:
+to come to average. Except the first jump forward of its life: a node that far behind from the
+start trained alone (a first look at the DHT that found nobody), so its weights are near its
+initial ones; it adopts the swarm's state by the late-join quorum (node/daemon/state_quorum.py,
+through its link), and keeps its own only when none is agreed. (A checkpoint saved after going back replaces those numbered above it:
 node/train/checkpoint.py.)
 
 What travels is encoded in node/rounds/noloco/payload.py.
@@ -47,8 +54,9 @@ from node.rounds.contributions import ContributionRefused, check_contribution, g
 from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
-from node.rounds.wire_tensors import QUANTIZED_BITS
+from node.rounds.wire_tensors import QUANTIZED_BITS, rounding_error_norm
 from node.train.trainer import InnerTrainer
+from protocol import pull_bound
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, theta_only_snapshot
 from protocol.tensors import shift_in_place, weights_digest
 
@@ -86,6 +94,10 @@ class NoLoCoLink(Protocol):
     def refused(self, peer: str, reason: str, sentence: str) -> None:
         """Counts a refused contribution against `peer` (and may ban it)."""
 
+    def swarm_state(self, reference: dict, from_round: int) -> Any:
+        """The swarm's state (round_index, tensors {"phi", "momentum"}, meta) agreed by the
+        late-join quorum, checked against `reference` (our φ); None if none was agreed."""
+
 
 @dataclass(frozen=True)
 class NoLoCoOutcome(RoundOutcome):
@@ -96,6 +108,7 @@ class NoLoCoOutcome(RoundOutcome):
     partner_updates: int
     caught_up_to: int | None      # the swarm's round this node moved to (forward or back)
     pair_shift: float | None      # overlap: the norm of what the pair's correction added to θ
+    pulls_clipped: int = 0        # running total: partner θs clipped to the pull bound
 
     @property
     def partners(self) -> list[str]:
@@ -150,6 +163,10 @@ class NoLoCoRound:
         # (link.take_partner), decoding, the contribution checks, φ's digest
         self._held = dict.fromkeys(("wait", "decode", "check", "digest"), 0.0)
         self.noise_check = NoiseCheck(contributions.noise_ratio)
+        self.pull_bound = pull_bound.PullBound(contributions.pull_clip_ratio,
+                                               contributions.pull_refuse_ratio)
+        self.pulls_clipped = 0  # partner θs clipped to the pull bound (not refusals: no strike)
+        self.caught_up = False  # moved to the swarm's round before (the first jump adopts its state)
         self.rounding = None  # rounding to nearest
         if config.wire_rounding == "stochastic" and config.wire_dtype in QUANTIZED_BITS:
             self.rounding = torch.Generator(device=self.device or "cpu").manual_seed(rounding_seed)
@@ -175,6 +192,10 @@ class NoLoCoRound:
 
     def end_round(self, round_index: int) -> NoLoCoOutcome:
         next_round = self.link.catch_up_round(round_index)  # None: round_index + 1, as usual
+        adopted = None  # the round of the swarm's state taken instead of our own
+        if next_round is not None and next_round > round_index + 1 and not self.caught_up:
+            next_round, adopted = self._take_swarm_state(round_index, next_round)
+        self.caught_up = self.caught_up or next_round is not None
         if self.config.timing == "overlap":
             pairs, self._applied = self._applied + self._overlap_corrections(round_index), []
             own = self.outer.snapshot(self.trainer.named_parameters())
@@ -183,9 +204,10 @@ class NoLoCoRound:
             self.link.finish_round(round_index, encoded, 0.0, next_round)
             waited = time.monotonic() - waited
             keep = self.link.pending_pair_rounds()
-            with self.lock:
-                phi = self.outer.outer_step(own)  # the local update; the pair's comes next round
-                self.state_round, self.phi_digest = round_index, weights_digest(phi)
+            with self.lock:  # the local update; the pair's comes next round
+                phi = self.outer.outer_step(own) if adopted is None else self.outer.slow_weights
+                self.state_round = round_index if adopted is None else adopted
+                self.phi_digest = weights_digest(phi)
             pair_round = round_index + 1 if next_round is None else next_round
             self.offered = {r: s for r, s in self.offered.items() if r in keep}
             self.offered[pair_round] = own
@@ -197,10 +219,12 @@ class NoLoCoRound:
             partner = self.link.finish_round(round_index, encoded, self.config.pair_deadline_s,
                                              next_round)
             waited = time.monotonic() - waited
-            pair = self._checked(partner, own)
+            pair = self._checked(partner, own) if adopted is None else _Pair(None, [], [])
             with self.lock:
-                phi = self.outer.outer_step(own, pair.used)
-                self.state_round, self.phi_digest = round_index, weights_digest(phi)
+                phi = self.outer.outer_step(own, pair.used) if adopted is None \
+                    else self.outer.slow_weights
+                self.state_round = round_index if adopted is None else adopted
+                self.phi_digest = weights_digest(phi)
         self.trainer.load_parameters(phi)
         if next_round is not None:
             self.trainer.start_at(next_round * self.config.inner_steps)
@@ -214,7 +238,23 @@ class NoLoCoRound:
             partner=partner.peer if partner else None,
             partner_round=partner.round_index if partner else None,
             local_update=not pair.used, local_updates=self.local_updates,
-            partner_updates=self.partner_updates, caught_up_to=next_round, pair_shift=pair.shift)
+            partner_updates=self.partner_updates, caught_up_to=next_round, pair_shift=pair.shift,
+            pulls_clipped=self.pulls_clipped)
+
+    def _take_swarm_state(self, round_index: int, swarm_round: int) -> tuple[int, int | None]:
+        """The first jump forward to the swarm's round: (the round to train next, the round of
+        the swarm's state adopted in place of ours), or (`swarm_round`, None) keeping ours when
+        the quorum agreed on none. Adopted, this round's own progress is dropped: the round
+        offers the adopted φ (Δ = 0) and takes no outer step."""
+        self.caught_up = True
+        with self.lock:
+            reference = {name: t.clone() for name, t in self.outer.slow_weights.items()}
+        joined = self.link.swarm_state(reference, round_index + 1)
+        if joined is None:
+            return swarm_round, None
+        self.adopt(joined.tensors)
+        self._applied = []  # pairs formed on what we offered before cannot correct this
+        return joined.round_index, int(joined.meta.get("phi_round", joined.round_index - 1))
 
     def _encoded(self, own: NoLoCoSnapshot) -> list:
         return payload.encode_snapshot(own, self.config.wire_dtype, self.config.snapshot,
@@ -266,7 +306,8 @@ class NoLoCoRound:
                 checking = time.monotonic()
                 self._held["decode"] += checking - decoding
             if self.config.snapshot == "theta":
-                checks = [("fast weights", groups["theta"], reference.fast_weights(), 0.0)]
+                own_theta = reference.fast_weights()
+                checks = [("fast weights", groups["theta"], own_theta, 0.0)]
             else:  # the alignment check compares progress only (node/rounds/contributions.py)
                 checks = [("slow weights", groups["phi"], reference.slow_weights, 0.0),
                           ("progress", groups["delta"], reference.local_progress,
@@ -275,6 +316,12 @@ class NoLoCoRound:
                 for what, theirs, mine, sigmas in checks:
                     check_contribution(partner.peer, theirs, mine, global_norm(mine),
                                        self.contributions.max_norm_ratio, f"NoLoCo {what}", sigmas)
+                if self.config.snapshot == "theta" and self.pull_bound.enabled:
+                    # m's floor: our progress, plus what the wire alone puts between two θs
+                    seed = global_norm(reference.local_progress) \
+                        + rounding_error_norm(own_theta, self.config.wire_dtype)
+                    groups["theta"] = self._bound_pull(partner.peer, groups["theta"], own_theta,
+                                                       seed)
             finally:  # a norm is read on the host: the device's queue is drained by here
                 self._held["check"] += time.monotonic() - checking
             if self.config.snapshot == "theta":
@@ -289,6 +336,20 @@ class NoLoCoRound:
             reason = getattr(exc, "reason", "malformed")
             self.link.refused(partner.peer, reason, str(exc))
             return _Pair(partner, [], [str(exc)])
+
+    def _bound_pull(self, peer: str, theirs: dict, mine: dict, floor: float) -> dict:
+        """The pull bound (protocol/pull_bound.py) on a partner's θ: `theirs`, or it clipped, or
+        ContributionRefused("distance") past the refusal bound."""
+        verdict = self.pull_bound.judge(pull_bound.distance(theirs, mine), floor)
+        if verdict.refused:
+            raise ContributionRefused(
+                "distance", f"NoLoCo fast weights from {peer} lie {verdict.distance:.4g} from this "
+                f"node's, more than {self.contributions.pull_refuse_ratio:g}x the median distance "
+                f"of its recent partners ({verdict.reference:.4g}); dropped")
+        if verdict.scale < 1.0:
+            self.pulls_clipped += 1
+            return pull_bound.clip_towards(theirs, mine, verdict.scale)
+        return theirs
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": δ}, digest of φ) for a late joiner; any thread.

@@ -35,7 +35,6 @@ SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # How one machine runs, not what the swarm computes: members may differ in these.
 # protocol.wire_dtype; the quantized ones are node/rounds/wire_tensors.py QUANTIZED_BITS
 WIRE_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
-DATA_PINS = ("tokenizer_digest", "shards_digest")  # node/data/shards.py load_token_dir
 NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
                          "eval_batches", "min_step_seconds", "activation_checkpointing")
 

@@ -187,6 +187,14 @@ def _swarm_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds to checkpoint and leave after SIGINT/SIGTERM (default 25)")
 
 
+def _version_line() -> str:
+    """`lowcomm-node --version`: the release, and the versions a peer must share to exchange."""
+    from node.config.manifest import SCHEMA_VERSIONS
+    from p2p.version import WIRE_VERSION, release
+    schemas = ", ".join(f"{name} {version}" for name, version in sorted(SCHEMA_VERSIONS.items()))
+    return f"lowcomm-node {release()} (wire protocol {WIRE_VERSION}; manifest schemas: {schemas})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from node.ops.cli import add_ops_commands
     from node.simulator.cli import add_simulate_command
@@ -196,6 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="A peer-to-peer volunteer training node. Trains a language model locally "
                     "and exchanges with peers of its swarm (NoLoCo, DiLoCoX).",
         epilog=f"Config presets live in {CONFIG_DIR}. Every subcommand has its own --help.")
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     train = sub.add_parser(

@@ -24,6 +24,7 @@ from hivemind.dht.routing import DHTID
 from hivemind.dht.validation import DHTRecord, RecordValidatorBase
 
 from p2p.identity import SIGNATURE_BYTES, NodeIdentity, verify_signature
+from p2p.version import UNNAMED_RECORD_VERSION, WIRE_VERSION
 
 RECORD_DOMAIN = b"lowcomm/dht-record/v1\x00"
 SIGNED_MARKER = b"LCs1"
@@ -117,7 +118,12 @@ _SCALAR_TYPES = (bool, int, float, str, bytes, type(None))
 
 @dataclass(frozen=True)
 class MemberRecord:
-    """What a swarm member publishes about itself (the owner-signed value of its subkey)."""
+    """What a swarm member publishes about itself (the owner-signed value of its subkey).
+
+    "v" is the value's layout, "wire" the member's wire protocol (p2p/version.py): a reader
+    parses any member's record of layout 1 and leaves one of another wire version out of its
+    view (node/daemon/members.py), naming both versions. A later layout keeps these keys
+    readable by adding keys, never changing them, so that older nodes can name its version."""
 
     peer_id: str
     addrs: tuple[str, ...]
@@ -129,6 +135,7 @@ class MemberRecord:
     extra: dict[str, Any] = field(default_factory=dict)   # a few small fields, e.g. a state digest
     updated: float = 0.0     # the member's clock when it wrote the record
     expires: float = 0.0     # DHT expiration time of the record (filled in on reading)
+    wire: int = WIRE_VERSION  # the member's wire protocol version
 
     @property
     def left(self) -> bool:
@@ -137,7 +144,7 @@ class MemberRecord:
     def to_value(self) -> dict:
         return {"v": 1, "addrs": list(self.addrs), "protocol": self.protocol, "manifest": self.manifest,
                 "round": self.round, "status": self.status, "throughput": float(self.throughput),
-                "extra": dict(self.extra), "updated": float(self.updated)}
+                "extra": dict(self.extra), "updated": float(self.updated), "wire": self.wire}
 
     @classmethod
     def from_value(cls, peer_id: str, value: Any, expires: float) -> "MemberRecord | None":
@@ -146,16 +153,17 @@ class MemberRecord:
             if type(value) is not dict or value.get("v") != 1:
                 return None
             addrs, extra = value["addrs"], value["extra"]
+            wire = value.get("wire", UNNAMED_RECORD_VERSION)
             ok = (type(addrs) is list and len(addrs) <= 16 and all(type(a) is str and len(a) <= 256 for a in addrs)
                   and type(value["protocol"]) is str and type(value["manifest"]) is str
                   and type(value["round"]) is int and value["round"] >= 0
                   and value["status"] in STATUSES and type(value["throughput"]) in (int, float)
                   and type(extra) is dict and len(extra) <= 16
                   and all(type(k) is str and type(v) in _SCALAR_TYPES for k, v in extra.items())
-                  and type(value["updated"]) in (int, float))
+                  and type(value["updated"]) in (int, float) and type(wire) is int)
             if not ok:
                 return None
             return cls(peer_id, tuple(addrs), value["protocol"], value["manifest"], value["round"], value["status"],
-                       float(value["throughput"]), dict(extra), float(value["updated"]), float(expires))
+                       float(value["throughput"]), dict(extra), float(value["updated"]), float(expires), wire)
         except (KeyError, TypeError, ValueError):
             return None

@@ -32,12 +32,14 @@ from typing import Any
 
 import blake3
 import msgpack
+from hivemind.p2p import PeerID
 
 from p2p.errors import Reason, Refusal
 from p2p.identity import SIGNATURE_BYTES, verify_signature
 from p2p.limits import WireLimits
+from p2p.version import WIRE_VERSION, incompatibility
 
-VERSION = 2  # 2: payload digests are BLAKE3 (1 used BLAKE2b)
+VERSION = WIRE_VERSION  # the header's "v" (p2p/version.py: what a change of it means)
 TAG_FRAME = b"F"
 TAG_STATUS = b"S"
 FRAME_PREFIX = struct.Struct(">cI")      # tag, header length
@@ -208,8 +210,11 @@ def _blob(value: Any, name: str, size: int | None = None, limit: int = MAX_ID_BY
     return value
 
 
-def decode_header_bytes(raw: bytes, limits: WireLimits) -> MessageHeader:
-    """Decode and type-check a header; raise Refusal(MALFORMED/WRONG_VERSION/TOO_LARGE)."""
+def decode_header_bytes(raw: bytes, limits: WireLimits, sender: bytes | None = None) -> MessageHeader:
+    """Decode and type-check a header; raise Refusal(MALFORMED/WRONG_VERSION/TOO_LARGE).
+
+    The version is checked before the fields, so a header of another release, whatever its
+    fields, is refused with the sentence that names both versions (`sender`: the stream's peer)."""
     if len(raw) > limits.max_header_bytes:
         raise _fail(Reason.TOO_LARGE, f"header of {len(raw)} bytes exceeds {limits.max_header_bytes}")
     try:
@@ -225,8 +230,9 @@ def decode_header_bytes(raw: bytes, limits: WireLimits) -> MessageHeader:
         raise _fail(Reason.MALFORMED, f"header is not valid msgpack ({type(error).__name__})") from None
     if type(obj) is not dict:
         raise _fail(Reason.MALFORMED, "header is not a msgpack map")
-    if obj.get("v") != VERSION or type(obj.get("v")) is not int:
-        raise _fail(Reason.WRONG_VERSION, f"header version {obj.get('v')!r} is not {VERSION}")
+    if incompatibility("", obj.get("v")) is not None:
+        peer = PeerID(sender).to_base58() if sender else "(unnamed)"
+        raise _fail(Reason.WRONG_VERSION, incompatibility(peer, obj.get("v")))
     if obj.keys() != _FIELDS:
         missing, extra = sorted(_FIELDS - obj.keys()), sorted(map(str, obj.keys() - _FIELDS))[:5]
         raise _fail(Reason.MALFORMED, f"header fields differ: missing {missing}, unexpected {extra}")
@@ -346,7 +352,7 @@ def check_head(raw_header: bytes, signature: bytes, stream_peer: bytes, expect: 
         raise _fail(Reason.TOO_LARGE, f"header of {len(raw_header)} bytes exceeds {expect.limits.max_header_bytes}")
     if len(signature) != SIGNATURE_BYTES or not verify_signature(stream_peer, signing_input(raw_header), signature):
         raise _fail(Reason.BAD_SIGNATURE, "header signature is not valid for the stream's peer")
-    header = decode_header_bytes(raw_header, expect.limits)
+    header = decode_header_bytes(raw_header, expect.limits, stream_peer)
     if header.sender != stream_peer:
         raise _fail(Reason.WRONG_SENDER, "header names a sender other than the stream's peer")
     if header.swarm != expect.swarm:

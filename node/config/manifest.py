@@ -1,10 +1,21 @@
 """Swarm manifests: what every member of a swarm must agree on, in configs/swarms/<id>.toml.
 
 A manifest fixes the model, the data recipe, the inner optimizer, the protocol and its
-hyper-parameters, the bootstrap peers and admission. Its digest (BLAKE2b of the canonical JSON of
-everything but the bootstrap peers and how one machine runs, which may differ between members) travels in every message
-header: a peer on another manifest is refused, and `differences` names the fields that differ.
+hyper-parameters, the bootstrap peers and admission. Its digest travels in every message header:
+a peer on another manifest is refused, and `differences` names the fields that differ.
 Manifests are validated by the same typed machinery as run configs (node/config/schema.py).
+
+The digest (`Manifest.agreed`, then BLAKE2b-128 of its canonical JSON) covers what members agree
+on and nothing else, so two members on adjacent releases with the same file agree:
+- the swarm protocol's schema version, "<protocol>/<n>" (`SCHEMA_VERSIONS`), and
+- the values the swarm's own protocol reads (all sections but the network, the swarm's
+  description, node-local train keys, and the other protocol's keys, `READ_ONLY_BY`) that differ
+  from that protocol's defaults; data.path too is left out where the shards are pinned by digest.
+A default is thus part of the schema version: changing one of a protocol's defaults changes
+what its manifests that leave the key out compute, so it bumps that protocol's schema version
+(tests/unit/test_manifest_digest.py pins each version's defaults and fails otherwise). Adding a
+key with a default leaves every existing manifest's digest as it was, unless the file sets it to
+another value; a key the other protocol alone reads never enters this protocol's digest.
 """
 
 from __future__ import annotations
@@ -12,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +35,6 @@ SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # How one machine runs, not what the swarm computes: members may differ in these.
 # protocol.wire_dtype; the quantized ones are node/rounds/wire_tensors.py QUANTIZED_BITS
 WIRE_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
-DATA_PINS = ("tokenizer_digest", "shards_digest")  # node/data/shards.py load_token_dir
 NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
                          "eval_batches", "min_step_seconds", "activation_checkpointing")
 
@@ -229,24 +239,63 @@ class Manifest:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def defaults(self) -> dict[str, Any]:
+        """`to_dict()` of a manifest of the same section types with every key at its default."""
+        return {f.name: asdict(type(getattr(self, f.name))()) for f in fields(self)}
+
     def agreed(self) -> dict[str, Any]:
-        """What every member must share: all but bootstrap peers and node-local train keys
-        (and data.path, where the shards are pinned by digest)."""
-        values = self.to_dict()
-        values.pop("network")
-        for key in NODE_LOCAL_TRAIN_KEYS:
-            values["train"].pop(key)
-        data = values["data"]
-        for pin in DATA_PINS:  # unset pins leave the digests of older manifests as they were
-            if not data[pin]:
-                data.pop(pin)
-        if data.get("shards_digest"):  # the content is pinned: where it lies is local
-            data.pop("path")
-        return values
+        """What every member must share (the module's rule): {"schema": "<protocol>/<n>", and per
+        section the keys the protocol reads whose values differ from its defaults}."""
+        name = self.protocol.name
+        values, defaults = read_by(name, self.to_dict()), read_by(name, self.defaults())
+        if values["data"].get("shards_digest"):  # the content is pinned: where it lies is local
+            del values["data"]["path"], defaults["data"]["path"]
+        agreed: dict[str, Any] = {"schema": schema_tag(name)}
+        for section, keys in values.items():
+            changed = {key: value for key, value in keys.items() if value != defaults[section][key]}
+            if changed:
+                agreed[section] = changed
+        return agreed
 
     @property
     def digest(self) -> str:
         return digest_of(self.agreed())
+
+
+# ---------------------------------------------------------------- what the digest covers
+# A protocol's schema version: bump it when one of the defaults it reads changes (module doc).
+SCHEMA_VERSIONS = {"noloco": 1, "dilocox": 1}
+# Keys of a section one protocol alone reads; every key not named here is read by both, so a
+# new key enters both protocols' digests (when a file sets it) until it is named here.
+READ_ONLY_BY: dict[str, dict[str, tuple[str, ...]]] = {
+    "noloco": {
+        "protocol": ("momentum", "progress_weight", "consensus_weight", "timing", "pair_deadline_s",
+                     "max_swap_rounds", "wire_dtype", "wire_rounding", "snapshot"),
+        "contributions": ("min_alignment_sigmas",),
+    },
+    "dilocox": {
+        "protocol": ("outer_lr", "outer_momentum", "delay", "codec", "rank", "bits", "power_iterations",
+                     "topk_k", "topk_chunk", "topk_bits", "overlap", "apply_on_arrival",
+                     "residual_decay", "clip_to_median", "noise_filter", "controller",
+                     "controller_energy_target", "controller_energy_high", "controller_send_budget",
+                     "max_density", "fan_out", "senders", "senders_tenure", "kept_decay",
+                     "message_deadline_s"),
+    },
+}
+NOT_AGREED = {"swarm": ("description",), "train": NODE_LOCAL_TRAIN_KEYS}  # and the network section
+
+
+def schema_tag(protocol: str) -> str:
+    return f"{protocol}/{SCHEMA_VERSIONS[protocol]}"
+
+
+def read_by(protocol: str, values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sections and keys of a manifest's `to_dict()` that `protocol` reads and members agree on."""
+    others = [READ_ONLY_BY[other] for other in READ_ONLY_BY if other != protocol]
+    skipped = {section: set(NOT_AGREED.get(section, ())).union(*(o.get(section, ()) for o in others))
+               for section in values}
+    return {section: {key: value for key, value in keys.items() if key not in skipped[section]}
+            for section, keys in values.items() if section != "network"}
 
 
 def canonical_json(agreed: dict[str, Any]) -> str:
@@ -256,6 +305,19 @@ def canonical_json(agreed: dict[str, Any]) -> str:
 def digest_of(agreed: dict[str, Any]) -> str:
     """The manifest digest of an `agreed()` dict (ours, or one a peer published)."""
     return hashlib.blake2b(canonical_json(agreed).encode(), digest_size=16).hexdigest()
+
+
+def _with_defaults(agreed: dict[str, Any]) -> dict[str, Any]:
+    """An `agreed()` dict with the keys left out at their defaults filled in, where it is of
+    one of this release's schema versions (otherwise as it is: its defaults are unknown here)."""
+    tag = agreed.get("schema")
+    protocol = next((name for name in SCHEMA_VERSIONS if schema_tag(name) == tag), None)
+    if protocol is None:
+        return agreed
+    full: dict[str, Any] = read_by(protocol, Manifest().defaults())
+    for section, keys in agreed.items():
+        full[section] = {**full[section], **keys} if isinstance(keys, dict) and section in full else keys
+    return full
 
 
 def check_snapshot(protocol: ProtocolSection, contributions: ContributionSection) -> None:
@@ -324,13 +386,19 @@ def find_manifest(swarm_id: str) -> Path:
     return path
 
 
-def differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str = "") -> list[str]:
-    """The dotted names of fields whose values differ, e.g. ['protocol.inner_steps (50 vs 20)']."""
+def differences(ours: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """The dotted names of fields whose values differ between two `agreed()` dicts, defaults
+    filled in, e.g. ['protocol.inner_steps (50 here vs 20 there)'] (and 'schema' first where
+    the schema versions differ)."""
+    return _dict_differences(_with_defaults(ours), _with_defaults(theirs), "")
+
+
+def _dict_differences(ours: dict[str, Any], theirs: dict[str, Any], prefix: str) -> list[str]:
     found = []
-    for key in sorted(set(ours) | set(theirs)):
+    for key in sorted(set(ours) | set(theirs), key=lambda key: (key != "schema", key)):
         a, b = ours.get(key), theirs.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            found.extend(differences(a, b, f"{prefix}{key}."))
+            found.extend(_dict_differences(a, b, f"{prefix}{key}."))
         elif a != b:
             found.append(f"{prefix}{key} ({a!r} here vs {b!r} there)")
     return found

@@ -22,9 +22,11 @@ from node.loop import BackgroundTasks
 from node.rounds.contributions import BanList
 from node.rounds.state import announcement
 from p2p.records import MemberRecord
+from p2p.version import incompatibility
 
 log = logging.getLogger("lowcomm.members")
 REMEMBERED_ADDRESSES = 64  # members whose addresses a node keeps to redial, the latest seen
+TOLD_INCOMPATIBLE = 256     # members of another wire version already logged, the latest seen
 
 
 class MemberCache:
@@ -44,6 +46,7 @@ class MemberCache:
         # first round had none to redial, and stayed alone a minute: CI, 2026-11-26)
         self.addresses: dict[str, tuple[str, ...]] = {}
         self.extra: dict[str, Any] = {}  # our record's small fields, merged here in call order
+        self.incompatible: dict[str, int] = {}  # peer id -> the wire version its record named
         self.refreshed = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._updates: set[asyncio.Task] = set()
@@ -68,7 +71,7 @@ class MemberCache:
         # unless the lookup found it left
         kept = {peer: self.records[peer] for peer in self.vouched
                 if peer in self.records and peer not in self.membership.left}
-        records = {**kept, **records}
+        records = self._compatible({**kept, **records})
         self.records = records if self.admit is None else \
             {peer: record for peer, record in records.items() if self.admit(peer)}
         for peer, record in self.records.items():
@@ -77,6 +80,23 @@ class MemberCache:
         while len(self.addresses) > REMEMBERED_ADDRESSES:
             del self.addresses[next(iter(self.addresses))]
         self.refreshed.set()
+
+    def _compatible(self, records: dict[str, MemberRecord]) -> dict[str, MemberRecord]:
+        """Records of members speaking this node's wire protocol; each other member's sentence
+        (p2p/version.py) is logged once per version it names. Such a member is not in the view:
+        never paired with, sent to or counted, nor redialled."""
+        kept = {}
+        for peer, record in records.items():
+            refused = incompatibility(peer, record.wire)
+            if refused is None:
+                kept[peer] = record
+            elif self.incompatible.get(peer) != record.wire:
+                self.incompatible.pop(peer, None)
+                self.incompatible[peer] = record.wire
+                while len(self.incompatible) > TOLD_INCOMPATIBLE:
+                    del self.incompatible[next(iter(self.incompatible))]
+                log.warning("%s; it is left out of this node's member view", refused)
+        return kept
 
     async def _loop(self) -> None:
         failing_since = None

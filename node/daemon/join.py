@@ -79,7 +79,8 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     gate = NewcomerGate(m.admission.new_members_per_hour) if m.admission.new_members_per_hour else None
     network.cache = cache = MemberCache(network.membership, node.tasks, manifest=m.digest, bans=bans,
                                         refresh_s=settings.timeouts.member_refresh_s, admit=admit,
-                                        gate=gate, vouch_s=settings.member_ttl_s)
+                                        gate=gate, vouch_s=settings.member_ttl_s,
+                                        clock=network.membership.clocks.monotonic)
     await cache.start()
     transport.on_heard = cache.vouch  # a member whose stream came is alive while its lookups lag
     await publish_manifest(host.dht, m)

@@ -30,13 +30,16 @@ REMEMBERED_ADDRESSES = 64  # members whose addresses a node keeps to redial, the
 class MemberCache:
     def __init__(self, membership, tasks: BackgroundTasks, *, manifest: str, bans: BanList,
                  refresh_s: float, admit: Callable[[str], bool] | None = None,
-                 gate: NewcomerGate | None = None, vouch_s: float = 15.0):
+                 gate: NewcomerGate | None = None, vouch_s: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic):
         """`manifest`: our manifest's digest; `admit`: in an allowlist swarm, records of unlisted
         keys are left out of the view, so nothing here ever pairs with or sends to them; `gate`:
         new identities become eligible at its rate only (admission.new_members_per_hour);
-        `vouch_s`: how long a member whose signed stream came stays in the view (`vouch`)."""
+        `vouch_s`: how long a member whose signed stream came stays in the view (`vouch`);
+        `clock`: the monotonic clock the records' `live_until` is on (Membership.clocks)."""
         self.membership, self.tasks, self.manifest, self.bans = membership, tasks, manifest, bans
         self.refresh_s, self.admit, self.gate, self.vouch_s = refresh_s, admit, gate, vouch_s
+        self.clock = clock
         self.records: dict[str, MemberRecord] = {}
         self.vouched: dict[str, float] = {}  # peer id -> until when its messages say it is alive
         # peer id -> addresses of the members last seen, kept after their records leave the
@@ -62,7 +65,7 @@ class MemberCache:
 
     async def refresh(self) -> None:
         records = await self.membership.peers()
-        now = time.time()
+        now = self.clock()
         self.vouched = {peer: until for peer, until in self.vouched.items() if until > now}
         # a member whose record the lookup missed but whose stream just came stays in the view,
         # unless the lookup found it left
@@ -99,9 +102,9 @@ class MemberCache:
         behind a cut link) keeps the last answer: filtering here lets those members expire on
         time, so the node sees itself alone and the Reconnector redials (measured: a node
         behind a cut link saw 2 peers alive for 80 s and never paired again)."""
-        now = time.time()
+        now = self.clock()
         return [record for record in self.records.values()
-                if record.expires > now or self.vouched.get(record.peer_id, 0.0) > now]
+                if record.live_until > now or self.vouched.get(record.peer_id, 0.0) > now]
 
     def vouch(self, peer: str) -> None:
         """A stream whose head `peer` signed just came to us (Transport.on_heard): it is alive,
@@ -110,7 +113,7 @@ class MemberCache:
         their messages kept coming, and it sent its round's message to no one
         (benchmarks/RESULTS.md, issue 18, R5). A member that stops sending still expires on time."""
         if peer in self.records:
-            self.vouched[peer] = time.time() + self.vouch_s
+            self.vouched[peer] = self.clock() + self.vouch_s
 
     def eligible(self) -> list[MemberRecord]:
         """The members this node may pair with, send to, count the vote of or download state

@@ -15,7 +15,7 @@ import pytest
 from hivemind.dht.validation import DHTRecord
 
 from p2p.errors import HostError
-from p2p.membership import Membership, members_key
+from p2p.membership import Clocks, Membership, members_key
 from p2p.records import SIGNED_MARKER, _record_signing_input
 from tests.p2p_helpers import MANIFEST, run, wait_until
 
@@ -134,6 +134,48 @@ def test_killed_node_disappears_within_its_ttl(tmp_path, p2p_cleanup):
             await member_a.stop()
             print(f"\nkilled node gone after {gone_after:.2f} s (TTL {ttl_s} s)")
     run(scenario(), timeout_s=90)
+
+
+class SteppedClock:
+    """A reader's monotonic clock that the test moves (a fake for time itself, nothing else)."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_members_whose_clocks_differ_by_60_s_see_each_other_and_the_dead_vanish_by_the_readers_clock(
+        tmp_path, p2p_cleanup):
+    """b's clock runs 60 s behind a's, c's 60 s ahead: all three see each other (a writer 60 s
+    behind stores records that the DHT nodes would otherwise drop as expired). When c stops
+    beating, a drops it `ttl_s` after it first saw c's last heartbeat by a's own clock, although
+    c's record, stamped by a clock 60 s ahead, stays in the DHT long after."""
+    ttl_s = 10.0
+
+    async def scenario():
+        async with p2p_cleanup.hosts(tmp_path, 3) as (a, b, c):
+            stepped = SteppedClock()
+            member_a = membership(a, ttl_s=ttl_s, clocks=Clocks(monotonic=stepped))
+            member_b = membership(b, ttl_s=ttl_s, clocks=Clocks(wall=lambda: time.time() - 60))
+            member_c = membership(c, ttl_s=ttl_s, clocks=Clocks(wall=lambda: time.time() + 60))
+            for member in (member_a, member_b, member_c):
+                await member.start()
+            ids = {host.peer_id.to_base58() for host in (a, b, c)}
+
+            async def everyone_sees_everyone():
+                views = [set(await member.peers()) for member in (member_a, member_b, member_c)]
+                return all(len(view) == 2 for view in views)
+            await wait_until(everyone_sees_everyone, timeout_s=5.0, what="discovery across skewed clocks")
+            await member_c.stop()  # c dies: no heartbeat, no tombstone
+            assert set(await member_a.peers()) == ids - {a.peer_id.to_base58()}
+            stepped.now += ttl_s + 0.01
+            await member_b.update(round=1)  # a new heartbeat of b, first seen from now
+            assert set(await member_a.peers()) == {b.peer_id.to_base58()}
+            for member in (member_a, member_b):
+                await member.stop()
+    run(scenario(), timeout_s=60)
 
 
 def test_another_peer_cannot_write_our_subkey(tmp_path, p2p_cleanup):

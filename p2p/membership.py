@@ -137,7 +137,10 @@ class Membership:
         """
         try:
             async with asyncio.timeout(timeout_s):
-                found = await self.host.dht.get(self.key, latest=True)
+                # the latest record among the nodes that store it (the key's num_replicas nearest):
+                # hivemind's default beam (bucket_size, 20) asked nearly every node of a small
+                # swarm for the whole dictionary on every lookup
+                found = await self.host.dht.get(self.key, latest=True, beam_size=self.host.dht.num_replicas)
         except TimeoutError:
             raise HostError(f"the DHT did not answer a member lookup of swarm {self.swarm!r} "
                             f"within {timeout_s:.0f} s.") from None

@@ -1,7 +1,10 @@
 """A cached view of the swarm's members, refreshed from the DHT in the background, and our own record.
 
 The matching and the DiLoCoX group read members on every decision; a DHT query each time would
-put network latency in their path, so they read this cache (at most `refresh_s` old) instead.
+put network latency in their path, so they read this cache instead. A lookup fetches every
+member's record, so its cadence follows demand: every `refresh_s` while a decision waits on the
+view (a caller of `want_fresh`: a node looking for a partner, a vote being counted, --min-peers),
+every `idle_refresh_s` otherwise (one heartbeat: what a record changes by on its own).
 `eligible()` is the one answer to "whom may this node pair with, send to, count the vote of or
 download state from". Our own record's changes are published in the background, in the order
 they were made; `PhiAnnouncer` keeps the digest of our φ in it.
@@ -13,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 from node.config.settings import NodeTimeouts
@@ -31,15 +35,19 @@ class MemberCache:
     def __init__(self, membership, tasks: BackgroundTasks, *, manifest: str, bans: BanList,
                  refresh_s: float, admit: Callable[[str], bool] | None = None,
                  gate: NewcomerGate | None = None, vouch_s: float = 15.0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, idle_refresh_s: float | None = None):
         """`manifest`: our manifest's digest; `admit`: in an allowlist swarm, records of unlisted
         keys are left out of the view, so nothing here ever pairs with or sends to them; `gate`:
         new identities become eligible at its rate only (admission.new_members_per_hour);
         `vouch_s`: how long a member whose signed stream came stays in the view (`vouch`);
-        `clock`: the monotonic clock the records' `live_until` is on (Membership.clocks)."""
+        `clock`: the monotonic clock the records' `live_until` is on (Membership.clocks);
+        `idle_refresh_s`: the lookups' cadence while nobody `want_fresh` (default `refresh_s`)."""
         self.membership, self.tasks, self.manifest, self.bans = membership, tasks, manifest, bans
         self.refresh_s, self.admit, self.gate, self.vouch_s = refresh_s, admit, gate, vouch_s
         self.clock = clock
+        self.idle_refresh_s = refresh_s if idle_refresh_s is None else max(refresh_s, idle_refresh_s)
+        self._wanted_until = -float("inf")  # on `clock`: until then the fast cadence holds
+        self._wanted = asyncio.Event()
         self.records: dict[str, MemberRecord] = {}
         self.vouched: dict[str, float] = {}  # peer id -> until when its messages say it is alive
         # peer id -> addresses of the members last seen, kept after their records leave the
@@ -81,10 +89,23 @@ class MemberCache:
             del self.addresses[next(iter(self.addresses))]
         self.refreshed.set()
 
+    def want_fresh(self) -> None:
+        """A decision waits on the view: look up now (if the idle cadence was on) and every
+        `refresh_s` for the next `idle_refresh_s`; callers that poll call it on every poll."""
+        idle = self.clock() >= self._wanted_until
+        self._wanted_until = self.clock() + self.idle_refresh_s
+        if idle:
+            self._wanted.set()
+
     async def _loop(self) -> None:
         failing_since = None
         while True:
-            await asyncio.sleep(self.refresh_s)
+            if self.clock() < self._wanted_until:
+                await asyncio.sleep(self.refresh_s)
+            else:
+                self._wanted.clear()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._wanted.wait(), self.idle_refresh_s)
             try:
                 await self.refresh()
             except Exception as exc:  # the DHT can hiccup; the next refresh retries

@@ -202,3 +202,38 @@ def test_the_min_peers_wait_reports_members_it_sees_but_does_not_count():
     assert (status.peers_alive, status.peers_known) == (2, 2) and waited >= 0.5
     events, _, waited = asyncio.run(wait(members, None, 30.0))
     assert [e["eligible"] for e in events] == [1, 2] and waited < 5.0
+
+
+class CountingLookup:
+    """Stands in for p2p.membership.Membership: counts lookups, answers nobody."""
+
+    left: frozenset[str] = frozenset()
+
+    def __init__(self):
+        self.calls = 0
+
+    async def peers(self) -> dict[str, MemberRecord]:
+        self.calls += 1
+        return {}
+
+
+def test_lookups_follow_demand_fast_while_a_decision_waits_and_at_the_idle_cadence_otherwise():
+    """Nothing waits: no lookup within 0.2 s at a fast cadence of 0.01 s (only slowness could
+    lower the count, never raise it). `want_fresh` looks up at once and every 0.01 s until its
+    window, on the injected clock, has passed; then the lookups stop again."""
+    async def scenario():
+        clock, lookup = ManualClock(), CountingLookup()
+        cache = MemberCache(lookup, BackgroundTasks(), manifest="m", bans=BanList(2, 60.0),
+                            refresh_s=0.01, idle_refresh_s=3600.0, clock=clock)
+        await cache.start()  # its first lookup
+        await asyncio.sleep(0.2)
+        assert lookup.calls == 1, "the cache looked up while nothing waited on it"
+        cache.want_fresh()
+        await lookups_made(lookup, 6)
+        clock.now += 3600.0  # the wait is over: no caller asked again
+        await lookups_made(lookup, lookup.calls + 1)  # the iteration that sees it
+        settled = lookup.calls
+        await asyncio.sleep(0.2)
+        assert lookup.calls <= settled + 1, "the fast cadence outlived its demand"
+        await cache.stop(1.0)
+    asyncio.run(scenario())

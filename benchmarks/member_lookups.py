@@ -1,7 +1,10 @@
 """Member-lookup traffic per node per minute: N bare members on loopback, each with the daemon's
 real member cache (node/daemon/members.py) over real Membership records on real p2pd + DHT
-nodes (no training, no exchanges: the lookups the cache makes by itself, plus, with --demand-every,
-a fresh view asked for by every node that often, as a waiting round asks for one).
+nodes, no training and no exchanges. Two loads bound what a daemon does: `idle`, nobody waits on
+the view (a NoLoCo node between its pairings), and `--demand`, every node asks for a fresh view
+twice a second all along (`MemberCache.want_fresh`: a NoLoCo node looking for a partner, a
+DiLoCoX node, which asks between every two steps). Code without `want_fresh` looks up at one
+cadence under both.
 
 The members run in --procs processes (one event loop each carries N/procs DHT nodes; one loop
 for 24 nodes measured its own lag, not the lookups). Counted per node: the cache's DHT lookups
@@ -89,16 +92,16 @@ def metered(host: P2PHost, meter: Meter) -> None:
     host.dht.get = lookup
 
 
-async def demand(cache: MemberCache, every_s: float) -> None:
-    """Asks for a fresh view every `every_s`, where the cache offers it (`fresh`)."""
-    fresh = getattr(cache, "fresh", None)
-    while fresh is not None:
-        await asyncio.sleep(every_s)
-        await fresh()
+async def demand(cache: MemberCache) -> None:
+    """Asks for a fresh view twice a second, where the cache offers it (`want_fresh`)."""
+    want_fresh = getattr(cache, "want_fresh", None)
+    while want_fresh is not None:
+        want_fresh()
+        await asyncio.sleep(0.5)
 
 
 async def group(base: Path, count: int, bootstrap: str | None, swarm_size: int, seconds: float,
-                demand_every_s: float) -> list[Meter]:
+                demanded: bool) -> list[Meter]:
     hosts, caches, meters, tasks = [], [], [], BackgroundTasks()
     try:
         for index in range(count):
@@ -111,8 +114,10 @@ async def group(base: Path, count: int, bootstrap: str | None, swarm_size: int, 
             membership = Membership(host, "bench", protocol="noloco", manifest=MANIFEST,
                                     ttl_s=NodeSettings.member_ttl_s)
             await membership.start()
+            idle = getattr(NodeTimeouts(), "member_idle_refresh_s", None)  # absent before it was
             cache = MemberCache(membership, tasks, manifest=MANIFEST, bans=BanList(2, 60.0),
-                                refresh_s=NodeTimeouts().member_refresh_s)
+                                refresh_s=NodeTimeouts().member_refresh_s,
+                                **({} if idle is None else {"idle_refresh_s": idle}))
             meters.append(Meter())
             metered(host, meters[-1])
             await cache.start()
@@ -122,8 +127,7 @@ async def group(base: Path, count: int, bootstrap: str | None, swarm_size: int, 
                 await asyncio.sleep(0.5)
         for meter in meters:
             meter.reset()
-        demands = [tasks.spawn(demand(cache, demand_every_s), "demand") for cache in caches] \
-            if demand_every_s > 0 else []
+        demands = [tasks.spawn(demand(cache), "demand") for cache in caches] if demanded else []
         ends = time.monotonic() + seconds
         while time.monotonic() < ends:
             await asyncio.sleep(1.0)
@@ -142,7 +146,7 @@ async def group(base: Path, count: int, bootstrap: str | None, swarm_size: int, 
 
 def run_group(args) -> None:
     meters = run_event_loop(group(Path(args.base), args.count, args.bootstrap, args.nodes, args.seconds,
-                                  args.demand_every))
+                                  args.demand))
     print(json.dumps({"meters": [asdict(m) for m in meters]}), flush=True)
 
 
@@ -151,8 +155,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--procs", type=int, default=4)
-    parser.add_argument("--demand-every", type=float, default=0.0,
-                        help="each node asks for a fresh view this often (s); 0: never")
+    parser.add_argument("--demand", action="store_true", help="every node wants a fresh view all along")
     parser.add_argument("--group", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
@@ -161,8 +164,8 @@ def main() -> None:
     if args.group:
         return run_group(args)
     sizes = [args.nodes // args.procs + (i < args.nodes % args.procs) for i in range(args.procs)]
-    script, common = str(Path(__file__).resolve()), ["--nodes", str(args.nodes), "--seconds", str(args.seconds),
-                                                       "--demand-every", str(args.demand_every)]
+    script = str(Path(__file__).resolve())
+    common = ["--nodes", str(args.nodes), "--seconds", str(args.seconds), *(["--demand"] if args.demand else [])]
     with tempfile.TemporaryDirectory(prefix="lowcomm-lookups-") as scratch, dead_sockets_removed():
         first = subprocess.Popen([sys.executable, script, "--group", "--count", str(sizes[0]),
                                   "--base", f"{scratch}/g0", *common], stdout=subprocess.PIPE, text=True)
@@ -178,7 +181,7 @@ def main() -> None:
     per_node = {field: sum(getattr(m, field) for m in meters) / len(meters) / minutes
                 for field in ("lookups", "rpcs", "sent_bytes", "received_bytes")}
     full = sum(m.full_views for m in meters) / max(1, sum(m.samples for m in meters))
-    print(json.dumps({"nodes": args.nodes, "seconds": args.seconds, "demand_every_s": args.demand_every,
+    print(json.dumps({"nodes": args.nodes, "seconds": args.seconds, "demand": args.demand,
                       "refresh_s": NodeTimeouts().member_refresh_s, "per_node_per_minute": per_node,
                       "full_view_share": round(full, 4)}))
 

@@ -33,7 +33,7 @@ class NodeTimeouts:
     # the member cache's DHT lookups: this often while a decision waits on the view (a pairing,
     # a vote, --min-peers), else every member_idle_refresh_s (node/daemon/members.py)
     member_refresh_s: float = 0.5
-    member_idle_refresh_s: float = 5.0
+    member_idle_refresh_s: float = 3.0
     alone_before_redial_s: float = 10.0  # seeing no member this long, the node redials...
     redial_every_s: float = 10.0         # ...this often, while alone
     watch_every_s: float = 2.0           # the daemon's look at p2pd, stop requests and members

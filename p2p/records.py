@@ -136,6 +136,9 @@ class MemberRecord:
     updated: float = 0.0     # the member's clock when it wrote the record
     expires: float = 0.0     # DHT expiration time of the record (filled in on reading)
     wire: int = WIRE_VERSION  # the member's wire protocol version
+    # until when the reader counts the member alive, on the reader's monotonic clock (filled
+    # in by Membership.peers; a record built by hand is alive)
+    live_until: float = math.inf
 
     @property
     def left(self) -> bool:

@@ -150,7 +150,8 @@ class SwarmHarness:
         self.sockets_before = socket_paths()
 
     def start_node(self, index: int, peers: list[str] = (), extra: list[str] = (),
-                   data_dir: Path | None = None) -> NodeHandle:
+                   data_dir: Path | None = None, env: dict[str, str] | None = None) -> NodeHandle:
+        """`env`: variables added to the node's environment (e.g. libfaketime's, to skew its clock)."""
         data_dir = data_dir or self.base / f"node-{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
         DataDir(data_dir).address.unlink(missing_ok=True)
@@ -160,7 +161,7 @@ class SwarmHarness:
             command += ["--peer", peer]
         with open(DataDir(data_dir).log, "ab") as log:
             process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         node = NodeHandle(index, data_dir, process)
         self.nodes.append(node)
         return node

@@ -8,7 +8,6 @@ wants the node to see go into `swarm.members.records`. Events are collected in `
 from __future__ import annotations
 
 import asyncio
-import time
 
 from node.config.settings import NodeTimeouts
 from node.daemon.members import MemberCache
@@ -35,9 +34,8 @@ class RecordedMembership:
 
 def member(peer_id: str, round_index: int, protocol: str = "noloco", status: str = "ready",
            manifest: str = "m", **extra) -> MemberRecord:
-    """A live member record (it expires in an hour)."""
-    return MemberRecord(peer_id, (), protocol, manifest, round_index, status, 0.0, dict(extra),
-                        expires=time.time() + 3600)
+    """A live member record (built by hand: alive until a test replaces it)."""
+    return MemberRecord(peer_id, (), protocol, manifest, round_index, status, 0.0, dict(extra))
 
 
 def unit_swarm(loop: asyncio.AbstractEventLoop, records=(), *, peer_id: str = "me",

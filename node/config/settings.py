@@ -47,7 +47,10 @@ class NodeTimeouts:
                                   "bootstrap peers) waits this long to see a member of its swarm: it "
                                   "is joining one, so it never starts its own; past this it stops "
                                   "with an error (node/daemon/join.py)")
-    member_refresh_s: float = _wait(0.5, "seconds: between the member cache's DHT lookups")
+    member_refresh_s: float = _wait(0.5, "seconds: between the member cache's DHT lookups while "
+                                    "a decision waits on the view (a pairing, a vote, --min-peers)")
+    member_idle_refresh_s: float = _wait(3.0, "seconds: between the member cache's DHT lookups "
+                                         "while no decision waits on the view")
     alone_before_redial_s: float = _wait(10.0, "seconds: seeing no member this long, the node "
                                          "redials its bootstrap peers...")
     redial_every_s: float = _wait(10.0, "seconds: ...this often, while alone")

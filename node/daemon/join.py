@@ -82,7 +82,9 @@ async def connect(node: Daemon, identity: NodeIdentity) -> Swarm:
     gate = NewcomerGate(m.admission.new_members_per_hour) if m.admission.new_members_per_hour else None
     network.cache = cache = MemberCache(network.membership, node.tasks, manifest=m.digest, bans=bans,
                                         refresh_s=settings.timeouts.member_refresh_s, admit=admit,
-                                        gate=gate, vouch_s=settings.member_ttl_s)
+                                        gate=gate, vouch_s=settings.member_ttl_s,
+                                        clock=network.membership.clocks.monotonic,
+                                        idle_refresh_s=settings.timeouts.member_idle_refresh_s)
     await cache.start()
     transport.on_heard = cache.vouch  # a member whose stream came is alive while its lookups lag
     await publish_manifest(host.dht, m)
@@ -161,6 +163,7 @@ async def wait_min_peers(node: Daemon, cache: MemberCache) -> None:
             shown = seen.fields()
         if seen.eligible >= wanted:
             break
+        cache.want_fresh()
         cache.refreshed.clear()
         try:
             await asyncio.wait_for(cache.refreshed.wait(), timeout=deadline - node.loop.time())
@@ -194,6 +197,7 @@ async def wait_for_members(cache: MemberCache, timeout_s: float) -> None:
     """Gives the DHT a moment to show existing members before deciding we are the first."""
     deadline = time.monotonic() + timeout_s
     while not cache.peers() and time.monotonic() < deadline:
+        cache.want_fresh()
         cache.refreshed.clear()
         try:
             await asyncio.wait_for(cache.refreshed.wait(), timeout=max(0.05, deadline - time.monotonic()))

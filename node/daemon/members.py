@@ -1,7 +1,10 @@
 """A cached view of the swarm's members, refreshed from the DHT in the background, and our own record.
 
 The matching and the DiLoCoX group read members on every decision; a DHT query each time would
-put network latency in their path, so they read this cache (at most `refresh_s` old) instead.
+put network latency in their path, so they read this cache instead. A lookup fetches every
+member's record, so its cadence follows demand: every `refresh_s` while a decision waits on the
+view (a caller of `want_fresh`: a node looking for a partner, a vote being counted, --min-peers),
+every `idle_refresh_s` otherwise (one heartbeat: what a record changes by on its own).
 `eligible()` is the one answer to "whom may this node pair with, send to, count the vote of or
 download state from". Our own record's changes are published in the background, in the order
 they were made; `PhiAnnouncer` keeps the digest of our φ in it.
@@ -13,6 +16,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 from node.config.settings import NodeTimeouts
@@ -32,13 +36,20 @@ TOLD_INCOMPATIBLE = 256     # members of another wire version already logged, th
 class MemberCache:
     def __init__(self, membership, tasks: BackgroundTasks, *, manifest: str, bans: BanList,
                  refresh_s: float, admit: Callable[[str], bool] | None = None,
-                 gate: NewcomerGate | None = None, vouch_s: float = 15.0):
+                 gate: NewcomerGate | None = None, vouch_s: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic, idle_refresh_s: float | None = None):
         """`manifest`: our manifest's digest; `admit`: in an allowlist swarm, records of unlisted
         keys are left out of the view, so nothing here ever pairs with or sends to them; `gate`:
         new identities become eligible at its rate only (admission.new_members_per_hour);
-        `vouch_s`: how long a member whose signed stream came stays in the view (`vouch`)."""
+        `vouch_s`: how long a member whose signed stream came stays in the view (`vouch`);
+        `clock`: the monotonic clock the records' `live_until` is on (Membership.clocks);
+        `idle_refresh_s`: the lookups' cadence while nobody `want_fresh` (default `refresh_s`)."""
         self.membership, self.tasks, self.manifest, self.bans = membership, tasks, manifest, bans
         self.refresh_s, self.admit, self.gate, self.vouch_s = refresh_s, admit, gate, vouch_s
+        self.clock = clock
+        self.idle_refresh_s = refresh_s if idle_refresh_s is None else max(refresh_s, idle_refresh_s)
+        self._wanted_until = -float("inf")  # on `clock`: until then the fast cadence holds
+        self._wanted = asyncio.Event()
         self.records: dict[str, MemberRecord] = {}
         self.vouched: dict[str, float] = {}  # peer id -> until when its messages say it is alive
         # peer id -> addresses of the members last seen, kept after their records leave the
@@ -65,7 +76,7 @@ class MemberCache:
 
     async def refresh(self) -> None:
         records = await self.membership.peers()
-        now = time.time()
+        now = self.clock()
         self.vouched = {peer: until for peer, until in self.vouched.items() if until > now}
         # a member whose record the lookup missed but whose stream just came stays in the view,
         # unless the lookup found it left
@@ -98,10 +109,23 @@ class MemberCache:
                 log.warning("%s; it is left out of this node's member view", refused)
         return kept
 
+    def want_fresh(self) -> None:
+        """A decision waits on the view: look up now (if the idle cadence was on) and every
+        `refresh_s` for the next `idle_refresh_s`; callers that poll call it on every poll."""
+        idle = self.clock() >= self._wanted_until
+        self._wanted_until = self.clock() + self.idle_refresh_s
+        if idle:
+            self._wanted.set()
+
     async def _loop(self) -> None:
         failing_since = None
         while True:
-            await asyncio.sleep(self.refresh_s)
+            if self.clock() < self._wanted_until:
+                await asyncio.sleep(self.refresh_s)
+            else:
+                self._wanted.clear()
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._wanted.wait(), self.idle_refresh_s)
             try:
                 await self.refresh()
             except Exception as exc:  # the DHT can hiccup; the next refresh retries
@@ -119,9 +143,9 @@ class MemberCache:
         behind a cut link) keeps the last answer: filtering here lets those members expire on
         time, so the node sees itself alone and the Reconnector redials (measured: a node
         behind a cut link saw 2 peers alive for 80 s and never paired again)."""
-        now = time.time()
+        now = self.clock()
         return [record for record in self.records.values()
-                if record.expires > now or self.vouched.get(record.peer_id, 0.0) > now]
+                if record.live_until > now or self.vouched.get(record.peer_id, 0.0) > now]
 
     def vouch(self, peer: str) -> None:
         """A stream whose head `peer` signed just came to us (Transport.on_heard): it is alive,
@@ -130,7 +154,7 @@ class MemberCache:
         their messages kept coming, and it sent its round's message to no one
         (benchmarks/RESULTS.md, issue 18, R5). A member that stops sending still expires on time."""
         if peer in self.records:
-            self.vouched[peer] = time.time() + self.vouch_s
+            self.vouched[peer] = self.clock() + self.vouch_s
 
     def eligible(self) -> list[MemberRecord]:
         """The members this node may pair with, send to, count the vote of or download state

@@ -23,8 +23,7 @@ from node.config.manifest import Manifest
 from node.ops.doctor_link import LinkOptions
 
 CHECKPOINT_BYTES_PER_PARAM = 24  # θ, AdamW's two moments, the outer φ and momentum, with margin
-CLOCK_WARN_S = 30.0              # peers refuse messages stamped more than 300 s off (WireLimits)
-CLOCK_FAIL_S = 300.0
+CLOCK_FAIL_S = 300.0             # peers refuse messages stamped more than 300 s off (WireLimits)
 
 
 @dataclass
@@ -213,16 +212,31 @@ async def _check_peers(host, peers: list[str], timeout_s: float) -> list[Finding
     if not [f for f in findings if f.level == "ok"]:
         findings.append(Finding("bootstrap", "fail", "no bootstrap peer answered: this node cannot join; "
                                                      "check the addresses with the swarm's operator."))
-    if offsets:
-        _, offset, text = max(offsets)
-        level = "ok" if abs(offset) < CLOCK_WARN_S else "warn" if abs(offset) < CLOCK_FAIL_S else "fail"
-        advice = "" if level == "ok" else ": set the clock (NTP), peers refuse messages stamped 300 s off"
-        findings.append(Finding("clock", level, f"this clock differs from peer {text}'s by {-offset:+.2f} s"
-                                                f"{advice}."))
-    else:
-        findings.append(Finding("clock", "warn", "no peer told its time: the clock was not compared; "
-                                                 "keep it synchronised (NTP)."))
+    findings.append(clock_finding([(offset, text) for _, offset, text in offsets]))
     return findings
+
+
+def clock_finding(offsets: list[tuple[float, str]], member_ttl_s: float | None = None) -> Finding:
+    """The clock against the peers': `offsets` holds (the peer's clock minus ours, the peer's
+    name) as the dial-back measured them. Membership tolerates skews up to its skew tolerance
+    (p2p/membership.py: a member's record lives `ttl` + that tolerance in the DHT); this warns
+    from a third of that lifetime on, and fails where membership or the wire would refuse us."""
+    from node.config.settings import NodeSettings
+    from p2p.membership import CLOCK_SKEW_TOLERANCE_S
+
+    if not offsets:
+        return Finding("clock", "warn", "no peer told its time: the clock was not compared; "
+                                        "keep it synchronised (NTP).")
+    ttl_s = NodeSettings.member_ttl_s if member_ttl_s is None else member_ttl_s
+    warn_s, fail_s = (ttl_s + CLOCK_SKEW_TOLERANCE_S) / 3, min(CLOCK_SKEW_TOLERANCE_S, CLOCK_FAIL_S)
+    offset, peer = max(offsets, key=lambda found: abs(found[0]))
+    level = "ok" if abs(offset) < warn_s else "warn" if abs(offset) < fail_s else "fail"
+    advice = {"ok": "",
+              "warn": f": set the clock (NTP); members drift out of each other's view beyond "
+                      f"{fail_s:.0f} s",
+              "fail": f": set the clock (NTP); peers drop the member records, or refuse the messages, "
+                      f"of a node {fail_s:.0f} s off"}[level]
+    return Finding("clock", level, f"this clock differs from peer {peer}'s by {-offset:+.2f} s{advice}.")
 
 
 async def run_doctor(manifest: Manifest, options: DoctorOptions) -> list[Finding]:

@@ -27,23 +27,39 @@ class LookupThatFailsAfterOneAnswer:
         return self.records
 
 
-def record(peer: str, expires: float) -> MemberRecord:
-    return MemberRecord(peer, (), "noloco", "m", 3, "ready", 0.0, expires=expires)
+class ManualClock:
+    """The cache's monotonic clock, moved by the test: no window of wall-clock time."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def record(peer: str, live_until: float) -> MemberRecord:
+    return MemberRecord(peer, (), "noloco", "m", 3, "ready", 0.0, live_until=live_until)
+
+
+async def lookups_made(lookup, count: int, timeout_s: float = 5.0) -> None:
+    """Waits (bounded) until the cache's background loop has made `count` lookups."""
+    async with asyncio.timeout(timeout_s):
+        while lookup.calls < count:
+            await asyncio.sleep(0.01)
 
 
 def test_members_expire_on_time_while_refreshes_fail():
     async def scenario():
-        soon, later = time.time() + 0.6, time.time() + 60
-        lookup = LookupThatFailsAfterOneAnswer({"a": record("a", soon), "b": record("b", later)})
+        clock = ManualClock()
+        lookup = LookupThatFailsAfterOneAnswer({"a": record("a", clock.now + 0.6),
+                                                "b": record("b", clock.now + 60)})
         cache = MemberCache(lookup, BackgroundTasks(), manifest="m", bans=BanList(2, 60.0),
-                            refresh_s=0.05)
+                            refresh_s=0.01, clock=clock)
         await cache.start()
         assert {r.peer_id for r in cache.peers()} == {"a", "b"}
-        deadline = time.monotonic() + 5
-        while len(cache.peers()) > 1 and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        await lookups_made(lookup, 3)  # two failed refreshes
+        clock.now += 1.0
         await cache.stop(5.0)
-        assert lookup.calls > 2, "the cache stopped refreshing"
         # "a" expired although no refresh succeeded; "b" is still alive; both stay known
         assert [r.peer_id for r in cache.peers()] == ["b"]
         assert set(cache.records) == {"a", "b"}
@@ -66,22 +82,24 @@ class LookupThatLosesRecords:
 
 def test_a_member_whose_message_came_stays_in_the_view_while_lookups_miss_it():
     async def scenario():
-        soon = time.time() + 0.3
+        clock = ManualClock()
+        soon = clock.now + 0.3
         cache = MemberCache(LookupThatLosesRecords({"a": record("a", soon), "b": record("b", soon)}),
                             BackgroundTasks(), manifest="m", bans=BanList(2, 60.0), refresh_s=60.0,
-                            vouch_s=0.6)
+                            vouch_s=0.6, clock=clock)
         await cache.refresh()
         cache.vouch("a")  # a's message came; nothing from b
         cache.vouch("stranger")  # no record of it: nothing to keep
         await cache.refresh()  # the lookup lost both records
-        await asyncio.sleep(0.35)  # and their own expiry passed
+        clock.now += 0.35  # and their own expiry passed
         assert [r.peer_id for r in cache.peers()] == ["a"] and "stranger" not in cache.vouched
-        await asyncio.sleep(0.3)  # no message from a since: it expires on time
+        clock.now += 0.3  # no message from a since: it expires on time
         await cache.refresh()
         assert cache.peers() == [] and cache.records == {}
         # a member that left is dropped at its tombstone, streams or not
         cache = MemberCache(LookupThatLosesRecords({"a": record("a", soon + 60)}, leaving=frozenset({"a"})),
-                            BackgroundTasks(), manifest="m", bans=BanList(2, 60.0), refresh_s=60.0)
+                            BackgroundTasks(), manifest="m", bans=BanList(2, 60.0), refresh_s=60.0,
+                            clock=clock)
         await cache.refresh()
         cache.vouch("a")
         await cache.refresh()
@@ -111,13 +129,13 @@ def test_a_member_seen_only_before_the_first_check_is_still_redialled():
     from node.daemon.members import Reconnector
 
     async def scenario():
-        gone = time.time() + 0.2
+        clock = ManualClock()
         seen = MemberRecord("b", ("/ip4/127.0.0.1/tcp/4001",), "noloco", "m", 0, "ready", 0.0,
-                            expires=gone)
+                            live_until=clock.now + 0.2)
         cache = MemberCache(LookupThatFailsAfterOneAnswer({"b": seen}), BackgroundTasks(),
-                            manifest="m", bans=BanList(2, 60.0), refresh_s=60.0)
+                            manifest="m", bans=BanList(2, 60.0), refresh_s=60.0, clock=clock)
         await cache.refresh()
-        await asyncio.sleep(0.3)  # its record expired before the reconnector ever looked
+        clock.now += 0.3  # its record expired before the reconnector ever looked
         assert cache.peers() == []
         host = HostThatRecordsRedials()
         reconnector = Reconnector(host, cache, NodeTimeouts(alone_before_redial_s=0.0))
@@ -174,7 +192,7 @@ def test_the_min_peers_wait_reports_members_it_sees_but_does_not_count():
         await cache.stop(1.0)
         return [e.record() for e in seen], feed.status, time.monotonic() - began
 
-    later = time.time() + 60
+    later = time.monotonic() + 3600
     members = [record(p, later) for p in ("a", "bad", "c")]
     events, status, waited = asyncio.run(wait(members[:2], "bad", 0.5))
     assert [{k: e[k] for k in ("event", "eligible", "alive", "known")} for e in events[:2]] == [
@@ -184,3 +202,38 @@ def test_the_min_peers_wait_reports_members_it_sees_but_does_not_count():
     assert (status.peers_alive, status.peers_known) == (2, 2) and waited >= 0.5
     events, _, waited = asyncio.run(wait(members, None, 30.0))
     assert [e["eligible"] for e in events] == [1, 2] and waited < 5.0
+
+
+class CountingLookup:
+    """Stands in for p2p.membership.Membership: counts lookups, answers nobody."""
+
+    left: frozenset[str] = frozenset()
+
+    def __init__(self):
+        self.calls = 0
+
+    async def peers(self) -> dict[str, MemberRecord]:
+        self.calls += 1
+        return {}
+
+
+def test_lookups_follow_demand_fast_while_a_decision_waits_and_at_the_idle_cadence_otherwise():
+    """Nothing waits: no lookup within 0.2 s at a fast cadence of 0.01 s (only slowness could
+    lower the count, never raise it). `want_fresh` looks up at once and every 0.01 s until its
+    window, on the injected clock, has passed; then the lookups stop again."""
+    async def scenario():
+        clock, lookup = ManualClock(), CountingLookup()
+        cache = MemberCache(lookup, BackgroundTasks(), manifest="m", bans=BanList(2, 60.0),
+                            refresh_s=0.01, idle_refresh_s=3600.0, clock=clock)
+        await cache.start()  # its first lookup
+        await asyncio.sleep(0.2)
+        assert lookup.calls == 1, "the cache looked up while nothing waited on it"
+        cache.want_fresh()
+        await lookups_made(lookup, 6)
+        clock.now += 3600.0  # the wait is over: no caller asked again
+        await lookups_made(lookup, lookup.calls + 1)  # the iteration that sees it
+        settled = lookup.calls
+        await asyncio.sleep(0.2)
+        assert lookup.calls <= settled + 1, "the fast cadence outlived its demand"
+        await cache.stop(1.0)
+    asyncio.run(scenario())

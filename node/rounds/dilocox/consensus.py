@@ -112,7 +112,8 @@ class PhiConsensus:
             complete = sum(votes.values()) > len(self.finished(round_index - 1))
             if complete or self._waited_enough(round_index, self.loop.time() - began):
                 break  # everyone who could vote has voted, or we waited long enough
-            await asyncio.sleep(self.members.refresh_s)  # votes arrive with the member cache
+            self.members.want_fresh()  # votes arrive with the member cache
+            await asyncio.sleep(self.members.refresh_s)
         majority = winning_digest(votes)
         if majority == digest:
             # agreed (another vote for our φ), or nothing known (no other vote came): either

@@ -182,6 +182,9 @@ class DiLoCoXExchange:
         return self.swarm.bridge.call("the swarm's round", self._behind, round_index)
 
     def _behind(self, round_index: int) -> bool:
+        # asked between every two steps: the swarm's rounds must be as fresh as a waiting
+        # decision's, so a DiLoCoX node keeps the cache's fast cadence while it trains
+        self.members.want_fresh()
         lag = agreed_round(self.members.eligible()) - (round_index + 1)  # as catch_up counts it
         return 1 <= lag < CATCH_UP_LAG
 

@@ -336,6 +336,7 @@ class NoLoCoExchange:
             wait = 1.0  # membership changes arrive by the cache's refresh: look again soon
             if self.accepting and self.offered is not None and self.matching.wants_partner:
                 wait = MATCH_POLL_S  # a partner may have just become ready: every poll counts
+                self.membership.want_fresh()
                 early = self.propose_after - self.loop.time()
                 if early > 0:
                     wait = min(wait, early)

@@ -78,7 +78,7 @@ def tiny_manifest(protocol: str, steps: int, eval_every: int, threads: int,
 
 
 def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
-    """Each method at its best settings in the simulated grids (benchmarks/RESULTS.md "What
+    """Each method at its best settings in the simulated grids (benchmarks/NOTEBOOK.md "What
     DiLoCoX's gap to DiLoCo is made of" and the NoLoCo grid); NoLoCo at the manifest defaults,
     which its tuned step (α 0.6, β = γ 1.1) did not beat."""
     m = tiny_manifest(method, method_steps(method, args), args.eval_every or args.inner_steps,

@@ -1,4 +1,4 @@
-"""Per-round adaptation of DiLoCoX's compression strength, bits and H (PROTOCOLS.md §3 "Adaptation").
+"""Per-round adaptation of DiLoCoX's compression strength, bits and H (docs/protocols.md §3 "Adaptation").
 
 The strength of a tensor is its rank with the low-rank codec, its k (entries per chunk) with
 the top-k codec; the rules below call both "rank". bits are the low-rank factors' (4, 8) or

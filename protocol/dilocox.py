@@ -1,4 +1,4 @@
-"""DiLoCoX's outer loop (PROTOCOLS.md §3, arXiv 2506.21263) as lowcomm-node realises it.
+"""DiLoCoX's outer loop (docs/protocols.md §3, arXiv 2506.21263) as lowcomm-node realises it.
 
 Per node: φ and the outer momentum m (DiLoCo's outer Nesterov, reused from protocol/diloco.py,
 not copied), the error-feedback residual e (starts at 0), and f, this node's own decoded
@@ -34,7 +34,7 @@ messages alone, so every node leaves out the same senders and φ stays identical
 With delay 0, the identity codec, β = 1 and no clipping, e = 0 and f is empty at every round
 start: exactly DiLoCo.
 
-Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from θ ← φ.
+Where this differs from docs/protocols.md §3, and why: §3 restarts every round from θ ← φ.
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
   progress and the outer step then applies both (each message once, but the same progress
   twice): measured, the delay alone cost +18.2% final loss against DiLoCo (benchmarks/
@@ -502,7 +502,7 @@ class DiLoCoX:
         return self._outer.state_dict()
 
     def adopt_outer_state(self, state: Mapping[str, Any], *, rejoin: bool = False) -> None:
-        """Replace φ and m by a peer's `outer_state()` (PROTOCOLS.md §3 "Consistency").
+        """Replace φ and m by a peer's `outer_state()` (docs/protocols.md §3 "Consistency").
 
         A resync within the same round keeps f: our messages of those rounds are still applied
         by every node. `rejoin=True` (a late join or catch-up to another round) drops f and our

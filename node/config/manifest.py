@@ -39,7 +39,7 @@ class SwarmSection:
 class ProtocolSection:
     name: str = spec("noloco", "the outer protocol", choices=("noloco", "dilocox"))
     inner_steps: int = spec(50, "H: inner steps per round", min=1, max=1_000_000)
-    # NoLoCo (PROTOCOLS.md §1)
+    # NoLoCo (docs/protocols.md §1)
     momentum: float = spec(0.5, "NoLoCo α", min=0.0, max=1.0)
     progress_weight: float = spec(0.7, "NoLoCo β", min=0.0, max=10.0, min_exclusive=True)
     consensus_weight: float = spec(0.7, "NoLoCo γ", min=0.0, max=10.0)
@@ -74,7 +74,7 @@ class ProtocolSection:
                          "(needs progress_weight = consensus_weight), or phi_delta, φ and Δ "
                          "(twice the bytes; needed when they differ)",
                          choices=("theta", "phi_delta"))
-    # DiLoCoX (PROTOCOLS.md §3)
+    # DiLoCoX (docs/protocols.md §3)
     outer_lr: float = spec(0.7, "DiLoCoX outer learning rate η", min=0.0, max=10.0,
                            min_exclusive=True)
     # 0.3, not DiLoCo's 0.9: with delay 1 a linear model's iteration diverges at μ = 0.9

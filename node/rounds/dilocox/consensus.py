@@ -1,5 +1,5 @@
 """Is our φ the majority's? The check after each DiLoCoX outer step, the event loop's side
-(PROTOCOLS.md §3: "the agreed state is bitwise identical on honest nodes").
+(docs/protocols.md §3: "the agreed state is bitwise identical on honest nodes").
 
 After each outer step the node announces the digest of φ (the member record's `phi`); the check
 waits for the members that reach the same round to announce theirs and compares. When the

@@ -1,4 +1,4 @@
-"""DiLoCoX over the swarm, the event loop's side (PROTOCOLS.md §3).
+"""DiLoCoX over the swarm, the event loop's side (docs/protocols.md §3).
 
 The training thread hands each round's compressed message to `send_round`, which pushes it to
 the round's group (every live member on our manifest, at most `fan_out`, a random subset beyond)

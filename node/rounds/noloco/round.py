@@ -1,4 +1,4 @@
-"""NoLoCo's end of a round in the training thread (PROTOCOLS.md §1; the math is protocol/noloco.py).
+"""NoLoCo's end of a round in the training thread (docs/protocols.md §1; the math is protocol/noloco.py).
 
 At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), encodes it as the
 manifest's protocol.snapshot says (θ alone, the default, exact when β = γ; or φ and Δ: see

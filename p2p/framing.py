@@ -27,7 +27,7 @@ READER_BUFFER_LIMIT = 1 << 20 # asyncio pauses the socket at 2x this; 64 KiB (th
 # A stream idle for its whole timeout while at least this much came on our other streams: our
 # downlink was full, not the peer silent. Measured: a node on 512 kbit/s saw honest members'
 # pushes idle 30 s behind a state download, struck them TIMEOUT and banned all three for 600 s
-# (benchmarks/RESULTS.md, "The same slow-link DiLoCoX run with relayed messages", run C).
+# (benchmarks/NOTEBOOK.md, "The same slow-link DiLoCoX run with relayed messages", run C).
 CONGESTED_BYTES = 64 << 10
 
 

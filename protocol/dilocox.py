@@ -38,7 +38,7 @@ Where this differs from docs/protocols.md §3, and why: §3 restarts every round
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
   progress and the outer step then applies both (each message once, but the same progress
   twice): measured, the delay alone cost +18.2% final loss against DiLoCo (benchmarks/
-  RESULTS.md, "DiLoCoX diagnostics"); a linear model's iteration has spectral radius 0.99
+  NOTEBOOK.md, "DiLoCoX diagnostics"); a linear model's iteration has spectral radius 0.99
   instead of 0.30. So the round in flight stays in the node's own weights, at weight λ, until
   the group's mean of that round replaces it. λ = 1 (θ continues where the round ended) fixes
   the repetition, but then the replicas keep their whole last round apart, and in directions
@@ -57,7 +57,7 @@ Where this differs from docs/protocols.md §3, and why: §3 restarts every round
   `kept_decay` = 1, and it lost to sending the fresh round alone: at 32 replicas, 8 senders a
   round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.1891,
   the fresh round alone 2.1000, against local-only 2.2528 and DiLoCo (everyone, every round)
-  2.0813 (benchmarks/RESULTS.md, issue 18). A round kept waits N/k rounds on average before
+  2.0813 (benchmarks/NOTEBOOK.md, issue 18). A round kept waits N/k rounds on average before
   it is sent, and φ stepping on work that stale costs more than the work gives. So by default
   (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size, more
   senders' rounds add little (DiLoCo at 8 replicas 2.1055, at 32 2.0813).

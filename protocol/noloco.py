@@ -23,7 +23,7 @@ unchanged (the proof is in its docstring); with β ≠ γ it refuses, and both t
 
 Overlap timing, where this differs from docs/protocols.md §1 and why: §1 has a node use, at the end of
 round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that ended +5.85%
-above DiLoCo and above local-only training (benchmarks/RESULTS.md): the consensus term pulls
+above DiLoCo and above local-only training (benchmarks/NOTEBOOK.md): the consensus term pulls
 each node towards a φ one outer step old, and the mean mixes progress of two rounds. Here the
 round ends with the local update, and when the partner's round-(r−1) snapshot arrives (during
 round r) `late_pair_correction` adds what that pair's update would have added, to φ, δ and θ:

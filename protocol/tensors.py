@@ -116,7 +116,7 @@ def squared_norm(tensors: Mapping[str, torch.Tensor]) -> float:
 
     torch's sum() accumulates in an order its kernel picks for the CPU's vector width, so two
     nodes on different hardware could scale the same message differently and split φ
-    (benchmarks/RESULTS.md, issue 18, median clipping). A square and an elementwise add are
+    (benchmarks/NOTEBOOK.md, issue 18, median clipping). A square and an elementwise add are
     each one IEEE operation, rounded the same whatever the vector width or device.
     """
     total = 0.0

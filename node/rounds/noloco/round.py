@@ -18,7 +18,7 @@ tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignm
 (min_alignment_sigmas) compares progress Δ only, so it needs "phi_delta"; the manifest refuses
 it with "theta". So does the noise check (node/rounds/noise_check.py, noise_ratio): on θ alone,
 θ_j − φ_i mixes the partner's honest φ_j − φ_i into a noise sender's Δ, and honest and noise
-scores overlapped in simulation (benchmarks/RESULTS.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
+scores overlapped in simulation (benchmarks/NOTEBOOK.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
 theta_only_snapshot). No partner, or a refused one, gives the local update of G = {self}, counted.
 
 A node more than max_staleness rounds behind its swarm (it started late, or stalled) or ahead of

@@ -34,7 +34,7 @@ messages alone, so every node leaves out the same senders and φ stays identical
 With delay 0, the identity codec, β = 1 and no clipping, e = 0 and f is empty at every round
 start: exactly DiLoCo.
 
-Where this differs from docs/protocols.md §3, and why: §3 restarts every round from θ ← φ.
+Why a round does not start from φ (docs/protocols.md §3), as a first design had it (θ ← φ):
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
   progress and the outer step then applies both (each message once, but the same progress
   twice): measured, the delay alone cost +18.2% final loss against DiLoCo (benchmarks/

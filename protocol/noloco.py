@@ -21,9 +21,9 @@ both formulas only through β·θ_j, so its fast weights θ_j = φ_j + Δ_j alon
 instead of two. `theta_only_snapshot` turns such a θ_j into a snapshot the formulas below take
 unchanged (the proof is in its docstring); with β ≠ γ it refuses, and both tensors must travel.
 
-Overlap timing, where this differs from docs/protocols.md §1 and why: §1 has a node use, at the end of
-round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that ended +5.85%
-above DiLoCo and above local-only training (benchmarks/NOTEBOOK.md): the consensus term pulls
+Overlap timing, and why a correction (docs/protocols.md §1): a first design had a node use, at
+the end of round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that
+ended +5.85% above DiLoCo and above local-only training (benchmarks/NOTEBOOK.md): the consensus term pulls
 each node towards a φ one outer step old, and the mean mixes progress of two rounds. Here the
 round ends with the local update, and when the partner's round-(r−1) snapshot arrives (during
 round r) `late_pair_correction` adds what that pair's update would have added, to φ, δ and θ:

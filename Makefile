@@ -1,11 +1,16 @@
-# The two commands a newcomer needs: `make run` and `make test`. Both set everything up first.
-.PHONY: setup run test
+# The two commands a newcomer needs: `make run` and `make test`. Each sets up what it needs first:
+# run only the node (.ci/setup-run: .venv, torch, lowcomm-node; no Debian package), test the node
+# and the suite's tools too (.ci/setup: extras, mosquitto, tmux, docker.io, ... as root).
+.PHONY: setup setup-run run test
+
+setup-run:
+	bash .ci/setup-run
 
 setup:
 	bash .ci/setup
 
 # A 3-node NoLoCo swarm on loopback: tiny model, this interpreter's stdlib as the corpus.
-run: setup
+run: setup-run
 	.venv/bin/lowcomm-node local-swarm --swarm local --nodes 3 --max-steps 300
 
 # Two workers, each taking whole test files (tests/conftest.py): most integration tests wait on

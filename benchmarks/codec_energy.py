@@ -10,7 +10,7 @@ e ← x − D(c)), and we report per message:
   over rounds (the same measure for every codec: quantization error counts);
 - caught up: 1 − ‖e_R‖² / ‖Σ Δ‖², how much of all rounds' work was sent by the end.
 
-    nice -n 10 .venv/bin/python benchmarks/codec_energy.py            # writes RESULTS.md block
+    nice -n 10 .venv/bin/python benchmarks/codec_energy.py            # writes NOTEBOOK.md block
     nice -n 10 .venv/bin/python benchmarks/codec_energy.py --rounds 4 --no-results   # a pilot
 """
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=HERE / "codec_energy.json")
-    p.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md (pilots)")
+    p.add_argument("--no-results", action="store_true", help="do not touch NOTEBOOK.md (pilots)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         markdown_table(rows), "", "Command:", "", f"    {command}"])
     print(report)
     if not args.no_results:
-        write_block(HERE / "RESULTS.md", "codec-energy", report)
+        write_block(HERE / "NOTEBOOK.md", "codec-energy", report)
     return 0
 
 

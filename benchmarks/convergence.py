@@ -4,7 +4,7 @@ Main comparison (tiny model, embedded stdlib corpus, 8 replicas, equal tokens pe
 seeds and batch streams): data-parallel, DiLoCo (H=100, the NoLoCo paper's baseline μ=0.3),
 NoLoCo (H=50, blocking and overlap, and overlap with a swap that takes 10 of the 50 steps),
 DiLoCoX (H=100, low-rank + 8-bit, delay 1) and local-only.
-Writes benchmarks/convergence.{png,json} and its block of benchmarks/RESULTS.md.
+Writes benchmarks/convergence.{png,json} and its block of benchmarks/NOTEBOOK.md.
 
     .venv/bin/python benchmarks/convergence.py
     .venv/bin/python benchmarks/convergence.py --scale   # NoLoCo and DiLoCoX, 64 replicas of a
@@ -81,8 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra node-config override (repeatable)")
     p.add_argument("--out-dir", type=Path, default=HERE, help="where the PNG and JSON go")
-    p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
-    p.add_argument("--no-results", action="store_true", help="do not touch RESULTS.md (pilots)")
+    p.add_argument("--results", type=Path, default=HERE / "NOTEBOOK.md")
+    p.add_argument("--no-results", action="store_true", help="do not touch NOTEBOOK.md (pilots)")
     args = p.parse_args(argv)
     defaults = {"workers": (8, 64), "steps": (800, 400), "micro_batch": (3, 4), "lr": (1e-3, 3e-3)}
     for name, (main, scale) in defaults.items():
@@ -309,7 +309,7 @@ def lr_sweep_report(results: dict, args, command: str, seconds: float) -> str:
 
 
 def write_block(results_md: Path, block: str, text: str) -> None:
-    """Replace this benchmark's block (between its markers) in RESULTS.md, adding the section
+    """Replace this benchmark's block (between its markers) in NOTEBOOK.md, adding the section
     and the block if absent; everything else in the file is left as it is."""
     start, end = f"<!-- convergence:{block}:start -->", f"<!-- convergence:{block}:end -->"
     content = results_md.read_text(encoding="utf-8") if results_md.exists() else "# Benchmark results\n"

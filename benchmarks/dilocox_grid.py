@@ -10,7 +10,7 @@ its φ digests (no wire headers), DiLoCo's fp32 ring all-reduce.
     .venv/bin/python benchmarks/dilocox_grid.py --processes 1   # the runs not yet finished
     .venv/bin/python benchmarks/dilocox_grid.py --report        # the tables from finished runs
 
-Writes benchmarks/dilocox_grid.json and its block of benchmarks/RESULTS.md.
+Writes benchmarks/dilocox_grid.json and its block of benchmarks/NOTEBOOK.md.
 """
 
 from __future__ import annotations

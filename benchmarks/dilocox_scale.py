@@ -12,7 +12,7 @@ DiLoCoX's bytes sent per node per round (every encoded message to the N − 1 ot
 digests, as the simulator counts them) against an fp32 ring all-reduce of the model, and the
 rounds whose φ was not the same on every replica. Each run is written to grid_runs/ as it ends
 (a rerun takes what is there); the table goes to benchmarks/dilocox_scale.json and its block of
-RESULTS.md.
+NOTEBOOK.md.
 
     .venv/bin/python benchmarks/dilocox_scale.py                   # N = 32 and 64, both methods
     .venv/bin/python benchmarks/dilocox_scale.py --workers 32 --rounds 3 --no-results  # a pilot
@@ -83,8 +83,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--only", help="comma-separated run keys (pilots)")
     p.add_argument("--out", type=Path, default=HERE / "dilocox_scale.json")
     p.add_argument("--runs-dir", type=Path, default=HERE / "grid_runs")
-    p.add_argument("--results", type=Path, default=HERE / "RESULTS.md")
-    p.add_argument("--no-results", action="store_true", help="touch neither RESULTS.md nor --out")
+    p.add_argument("--results", type=Path, default=HERE / "NOTEBOOK.md")
+    p.add_argument("--no-results", action="store_true", help="touch neither NOTEBOOK.md nor --out")
     args = p.parse_args(argv)
     args.workers = [int(n) for n in args.workers.split(",")]
     args.kept_decays = [float(v) for v in args.kept_decay.split(",")] if args.kept_decay else [None]

@@ -153,11 +153,11 @@ def run_jobs(jobs: list[Job], out_dir: Path, processes: int) -> None:
 
 def publish(name: str, text: str, summary: dict, write_results: bool) -> None:
     """Prints a grid's table, writes its summary to benchmarks/<name>.json and, unless told not
-    to, its block of benchmarks/RESULTS.md (marker "<name with - for _>")."""
+    to, its block of benchmarks/NOTEBOOK.md (marker "<name with - for _>")."""
     print(text)
     (HERE / f"{name}.json").write_text(json.dumps(summary, indent=1) + "\n", encoding="utf-8")
     if write_results:
-        write_block(HERE / "RESULTS.md", name.replace("_", "-"), text)
+        write_block(HERE / "NOTEBOOK.md", name.replace("_", "-"), text)
 
 
 def load_finished(out_dir: Path) -> dict[str, dict]:

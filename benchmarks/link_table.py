@@ -10,7 +10,7 @@ presets of configs/models/, and a swarm of --members nodes. "dilocox + controlle
 with protocol.controller on: its least is the controller's floor (rank 1, 4 bits).
 
 A round lasts H steps; a step's seconds per device (STEP_SOURCES):
-- `h100`: measured for `small` on one H100 (benchmarks/RESULTS.md, "The CUDA path on one
+- `h100`: measured for `small` on one H100 (benchmarks/NOTEBOOK.md, "The CUDA path on one
   H100": 234,781 tokens/s, 16,384 tokens a step, so 0.070 s a step at 18.3% MFU); the other
   presets at 16,384 tokens a step and the same MFU, scaled by FLOPs a token (6·N + 12·L·d·T,
   benchmarks/trainer_throughput.py): an estimate, larger models usually run at a higher MFU
@@ -18,7 +18,7 @@ A round lasts H steps; a step's seconds per device (STEP_SOURCES):
 - `consumer`: an assumed RTX 4090-class GPU, 165 TFLOP/s dense bf16 at the same 18.3% MFU, not
   measured; `large` does not fit its 24 GB (16 bytes a parameter of weights, gradients and
   AdamW moments, before activations) and is left out; `medium` (21.5 GB of them) barely does;
-- `cpu`: `tiny` only, measured on this project's 2-core machine (benchmarks/RESULTS.md, "Inner
+- `cpu`: `tiny` only, measured on this project's 2-core machine (benchmarks/NOTEBOOK.md, "Inner
   trainer throughput": 8,092 tokens/s at 2,048 tokens a step, 0.253 s a step).
 
     .venv/bin/python benchmarks/link_table.py [--members 8] [--json out.json]
@@ -43,7 +43,7 @@ H100_PEAK_FLOPS = 989.4e12           # dense bf16, SXM
 CONSUMER_PEAK_FLOPS = 165.2e12       # assumed: RTX 4090, dense bf16 with fp32 accumulation
 CONSUMER_MEMORY_BYTES = 24 * 2**30
 TRAINING_BYTES_PER_PARAM = 16        # fp32 weights, gradients, AdamW's two moments
-CPU_TINY_TOKENS_PER_S = 8_092        # measured, 2 cores (benchmarks/RESULTS.md, issue 2)
+CPU_TINY_TOKENS_PER_S = 8_092        # measured, 2 cores (benchmarks/NOTEBOOK.md, "Inner trainer throughput")
 GPU_TOKENS_PER_STEP, GPU_SEQ_LEN, GPU_VOCAB = 16_384, 1024, 32_000   # the H100 run's shape
 CPU_TOKENS_PER_STEP, CPU_SEQ_LEN, CPU_VOCAB = 2_048, 128, 256        # the tiny swarms' shape
 PROTOCOLS = {"noloco": {"name": "noloco"}, "dilocox": {"name": "dilocox"},

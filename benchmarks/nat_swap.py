@@ -22,7 +22,7 @@ the dial-back check) and signed Transport. Measured paths, one after the other, 
 
 per path: `push` (one direction) and `swap` (both halves at once, as a NoLoCo swap). A forwarded
 byte crosses the forwarder's access link twice (in, then out), and in a swap both halves share
-it. The JSON with every timing lands beside RESULTS.md (benchmarks/nat_swap.json).
+it. The JSON with every timing lands beside NOTEBOOK.md (benchmarks/nat_swap.json).
 """
 
 from __future__ import annotations

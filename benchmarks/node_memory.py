@@ -218,7 +218,7 @@ def measure(model: str, device_name: str, batch: int, seq_len: int, recompute: b
 # Bytes per parameter of each part, (held after it, extra at its peak), from the dtypes the code
 # uses (fp32 tensors on a CPU node; `w` the snapshot's wire bytes a parameter): what `computed`
 # multiplies. Measured on `small`, each agrees within allocator noise where memory freed by an
-# earlier part is not reused (benchmarks/RESULTS.md); activations (batch x sequence, not n) are
+# earlier part is not reused (benchmarks/NOTEBOOK.md); activations (batch x sequence, not n) are
 # left out of inner_step's peak, and the checkpoint's peak is the measured ratio.
 def formula(w: float) -> dict[str, tuple[float, float]]:
     return {"weights": (4, 4),                   # θ

@@ -10,7 +10,7 @@ each in its own JSON file in benchmarks/grid_runs/.
     .venv/bin/python benchmarks/noloco_grid.py              # the grid, 2 processes
     .venv/bin/python benchmarks/noloco_grid.py --report     # the table from finished jobs
 
-Writes benchmarks/noloco_grid.json and its block of benchmarks/RESULTS.md.
+Writes benchmarks/noloco_grid.json and its block of benchmarks/NOTEBOOK.md.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The N × H grid (benchmarks/noloco_grid.py) has NoLoCo 4.4% above DiLoCo at N = 4 and 6.8-8.7%
 at N = 8; pairs drawn on a hypercube (which average over 2^k members in k rounds) did not
 change that (+0.18%, benchmarks/grid_runs/N8-H25-noloco-new-hc-s0.json). What grows with N in
-DiLoCo and not in a pair is how many replicas' progress each outer step averages. PROTOCOLS.md
+DiLoCo and not in a pair is how many replicas' progress each outer step averages. docs/protocols.md
 §1 allows a group G of any size n; this measures the update with n ∈ {2, 4, 8} before anyone
 builds asynchronous group matching: every round a shared random permutation cuts the replicas
 into groups of n (the paper's own scheme), each member applies protocol/noloco.py's outer step

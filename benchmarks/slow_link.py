@@ -19,7 +19,7 @@ applied, messages missing at a round's end, and whether every node's φ digest a
     sudo .venv/bin/python benchmarks/slow_link.py --protocol dilocox --rank 16 --slow-rate 512kbit \
         --steps 100 --inner-steps 5 --out benchmarks/slow_link_dilocox.json     # ~5 min
 
-Writes benchmarks/slow_link.json (or --out) and prints the table for benchmarks/RESULTS.md.
+Writes benchmarks/slow_link.json (or --out) and prints the table for benchmarks/NOTEBOOK.md.
 """
 
 from __future__ import annotations

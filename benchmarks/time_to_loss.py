@@ -5,7 +5,7 @@
     sudo .venv/bin/python benchmarks/time_to_loss.py ... --rates 3=2mbit     # one node 4x slower
     sudo .venv/bin/python benchmarks/time_to_loss.py ... --resume   # after an interruption: the rest
 
-The volunteer regime (../shared/design/PROTOCOLS.md §4) is set by the ratio of one fp32 ring
+The volunteer regime (docs/protocols.md §4) is set by the ratio of one fp32 ring
 all-reduce (2 (N-1)/N x 4 bytes a parameter from each node) to one round's compute (H inner
 steps): `--rate` and `--inner-steps` choose it on this machine, and the report prints it twice,
 as predicted (the all-reduce's bytes over the link rate, against the local-only run's measured
@@ -78,7 +78,7 @@ def tiny_manifest(protocol: str, steps: int, eval_every: int, threads: int,
 
 
 def method_manifest(method: str, args: argparse.Namespace) -> Manifest:
-    """Each method at its best settings in the simulated grids (benchmarks/RESULTS.md "What
+    """Each method at its best settings in the simulated grids (benchmarks/NOTEBOOK.md "What
     DiLoCoX's gap to DiLoCo is made of" and the NoLoCo grid); NoLoCo at the manifest defaults,
     which its tuned step (α 0.6, β = γ 1.1) did not beat."""
     m = tiny_manifest(method, method_steps(method, args), args.eval_every or args.inner_steps,

@@ -40,7 +40,7 @@ T = TypeVar("T")
 # A stall while at least this much came on our other streams: our downlink was full, not the
 # peer silent (the refusal is marked congested: no strike). Measured: a node on 512 kbit/s saw
 # honest members' pushes idle 30 s behind a state download, struck them TIMEOUT and banned all
-# three for 600 s (benchmarks/RESULTS.md, "The same slow-link DiLoCoX run with relayed
+# three for 600 s (benchmarks/NOTEBOOK.md, "The same slow-link DiLoCoX run with relayed
 # messages", run C).
 CONGESTED_BYTES = 64 << 10
 # the verdicts are re-checked at most this often, in stalls (a check cadence, not a bound)

@@ -54,7 +54,7 @@ class ReachabilityOptions:
     mode: str = "auto"                 # auto: ask a bootstrap peer; public/private: trust the user
     relays: tuple[str, ...] = ()       # relays to reserve slots on; default: the initial peers
     # Listen on QUIC too, so that DCUtR can punch UDP holes as well. Off: DCUtR punches TCP
-    # holes without it (measured, benchmarks/RESULTS.md), and over QUIC hivemind's p2pd once
+    # holes without it (measured, benchmarks/NOTEBOOK.md), and over QUIC hivemind's p2pd once
     # dropped incoming streams (loopback, 4 of 6 rounds of 16 MB; 6 of 6 passed on 2026-11-27).
     hole_punching: bool = False
     dial_back_timeout_s: float = 3.0   # per port, on the peer that dials us back

@@ -138,7 +138,7 @@ def new_payload_hasher():
 
     BLAKE3 rather than BLAKE2b: both ends hash every byte, and on the machines we measured
     BLAKE2b (~775 MB/s a core) cost signed streams a third of hivemind's raw stream speed,
-    BLAKE3 (SIMD) none of it (benchmarks/RESULTS.md, signed streams)."""
+    BLAKE3 (SIMD) none of it (benchmarks/NOTEBOOK.md, signed streams)."""
     return blake3.blake3()
 
 

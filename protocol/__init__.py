@@ -1,4 +1,4 @@
-"""The mathematics of lowcomm-node: outer optimizers and codecs (see shared/design/PROTOCOLS.md).
+"""The mathematics of lowcomm-node: outer optimizers and codecs (see docs/protocols.md).
 
 Pure torch + stdlib (and msgpack for the exact size of a codec description). Nothing here opens
 a socket, starts a loop or imports `node` or `p2p`. Every algorithm works on dicts of named fp32

@@ -1,5 +1,5 @@
 """Which members send their DiLoCoX message in a round: a committee anyone can compute
-(PROTOCOLS.md §3, "a per-round committee of senders").
+(docs/protocols.md §3, "a per-round committee of senders").
 
 When every member sends to every other, a node's bytes per round grow with the swarm: N − 1
 copies of its message. With a committee, a member sends in round r only when

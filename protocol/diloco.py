@@ -1,4 +1,4 @@
-"""DiLoCo's outer step (PROTOCOLS.md §2, arXiv 2311.08105): torch SGD's Nesterov step, each
+"""DiLoCo's outer step (docs/protocols.md §2, arXiv 2311.08105): torch SGD's Nesterov step, each
 operation rounded once.
 
     Δ_i = φ − θ_i                     (old minus new: DiLoCo's sign, opposite to NoLoCo's)

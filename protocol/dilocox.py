@@ -1,4 +1,4 @@
-"""DiLoCoX's outer loop (PROTOCOLS.md §3, arXiv 2506.21263) as lowcomm-node realises it.
+"""DiLoCoX's outer loop (docs/protocols.md §3, arXiv 2506.21263) as lowcomm-node realises it.
 
 Per node: φ and the outer momentum m (DiLoCo's outer Nesterov, reused from protocol/diloco.py,
 not copied), the error-feedback residual e (starts at 0), and f, this node's own decoded
@@ -34,11 +34,11 @@ messages alone, so every node leaves out the same senders and φ stays identical
 With delay 0, the identity codec, β = 1 and no clipping, e = 0 and f is empty at every round
 start: exactly DiLoCo.
 
-Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from θ ← φ.
+Why a round does not start from φ (docs/protocols.md §3), as a first design had it (θ ← φ):
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
   progress and the outer step then applies both (each message once, but the same progress
   twice): measured, the delay alone cost +18.2% final loss against DiLoCo (benchmarks/
-  RESULTS.md, "DiLoCoX diagnostics"); a linear model's iteration has spectral radius 0.99
+  NOTEBOOK.md, "DiLoCoX diagnostics"); a linear model's iteration has spectral radius 0.99
   instead of 0.30. So the round in flight stays in the node's own weights, at weight λ, until
   the group's mean of that round replaces it. λ = 1 (θ continues where the round ended) fixes
   the repetition, but then the replicas keep their whole last round apart, and in directions
@@ -57,7 +57,7 @@ Where this differs from PROTOCOLS.md §3, and why: §3 restarts every round from
   `kept_decay` = 1, and it lost to sending the fresh round alone: at 32 replicas, 8 senders a
   round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.1891,
   the fresh round alone 2.1000, against local-only 2.2528 and DiLoCo (everyone, every round)
-  2.0813 (benchmarks/RESULTS.md, issue 18). A round kept waits N/k rounds on average before
+  2.0813 (benchmarks/NOTEBOOK.md, issue 18). A round kept waits N/k rounds on average before
   it is sent, and φ stepping on work that stale costs more than the work gives. So by default
   (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size, more
   senders' rounds add little (DiLoCo at 8 replicas 2.1055, at 32 2.0813).
@@ -502,7 +502,7 @@ class DiLoCoX:
         return self._outer.state_dict()
 
     def adopt_outer_state(self, state: Mapping[str, Any], *, rejoin: bool = False) -> None:
-        """Replace φ and m by a peer's `outer_state()` (PROTOCOLS.md §3 "Consistency").
+        """Replace φ and m by a peer's `outer_state()` (docs/protocols.md §3 "Consistency").
 
         A resync within the same round keeps f: our messages of those rounds are still applied
         by every node. `rejoin=True` (a late join or catch-up to another round) drops f and our

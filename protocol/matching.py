@@ -1,4 +1,4 @@
-"""NoLoCo's asynchronous random matching (PROTOCOLS.md §1), as a pure per-node state machine.
+"""NoLoCo's asynchronous random matching (docs/protocols.md §1), as a pure per-node state machine.
 
 Volunteers share no clock, so pairs form by proposals: a node that completed a round announces
 itself "ready" (`ReadyAnnouncement`); an unpaired node picks a uniformly random eligible peer
@@ -139,7 +139,7 @@ class _Deferred:
 
 def is_eligible(node_id: str, manifest_digest: str, round_index: int, peer_id: str,
                 peer_manifest: str, peer_round: int, max_staleness: int) -> bool:
-    """The eligibility rule of PROTOCOLS.md §1, in one place for proposer and acceptor."""
+    """The eligibility rule of docs/protocols.md §1, in one place for proposer and acceptor."""
     return (peer_id != node_id and peer_manifest == manifest_digest
             and abs(peer_round - round_index) <= max_staleness)
 

@@ -1,4 +1,4 @@
-"""NoLoCo's outer step (PROTOCOLS.md §1, arXiv 2506.10911), as its official code computes it.
+"""NoLoCo's outer step (docs/protocols.md §1, arXiv 2506.10911), as its official code computes it.
 
 Per node i, with outer momentum δ_i (starts at 0) and a group G ∋ i of size n:
 
@@ -8,7 +8,7 @@ Per node i, with outer momentum δ_i (starts at 0) and a group G ∋ i of size n
     θ_i ← φ_i                                                   (the next round starts here)
 
 Sign: the paper prints −β on the Δ term; its convergence proof and official code use +β, and
-so does this module (PROTOCOLS.md §1). This is heavy-ball momentum, not torch's Nesterov.
+so does this module (docs/protocols.md §1). This is heavy-ball momentum, not torch's Nesterov.
 With G = {i} alone the γ term is zero and the update is local. With G = every replica and equal
 φ everywhere, the δ update is DiLoCo's heavy-ball form with μ = α and η = β on DiLoCo's
 Δ = φ − θ (tests/unit/test_noloco.py checks this against torch's SGD).
@@ -16,14 +16,14 @@ With G = {i} alone the γ term is zero and the update is local. With G = every r
 A node publishes a `NoLoCoSnapshot` (φ_i, Δ_i) at the end of a round; snapshots carry their own φ
 because a partner's may be of another round.
 
-What the update really needs (PROTOCOLS.md §1): with β = γ (the default) a partner j enters
+What the update really needs (docs/protocols.md §1): with β = γ (the default) a partner j enters
 both formulas only through β·θ_j, so its fast weights θ_j = φ_j + Δ_j alone suffice, one tensor
 instead of two. `theta_only_snapshot` turns such a θ_j into a snapshot the formulas below take
 unchanged (the proof is in its docstring); with β ≠ γ it refuses, and both tensors must travel.
 
-Overlap timing, where this differs from PROTOCOLS.md §1 and why: §1 has a node use, at the end of
-round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that ended +5.85%
-above DiLoCo and above local-only training (benchmarks/RESULTS.md): the consensus term pulls
+Overlap timing, and why a correction (docs/protocols.md §1): a first design had a node use, at
+the end of round r, its own round-r snapshot with the partner's round-(r−1) one. Measured, that
+ended +5.85% above DiLoCo and above local-only training (benchmarks/NOTEBOOK.md): the consensus term pulls
 each node towards a φ one outer step old, and the mean mixes progress of two rounds. Here the
 round ends with the local update, and when the partner's round-(r−1) snapshot arrives (during
 round r) `late_pair_correction` adds what that pair's update would have added, to φ, δ and θ:
@@ -113,7 +113,7 @@ def theta_only_snapshot(fast_weights: Mapping[str, torch.Tensor],
     i.e. through the terms β·Δ_j/n (in β·mean Δ) and γ·φ_j/n (in −γ·(φ_i − mean φ)); nothing
     else reads it. Their sum is (β·Δ_j + γ·φ_j)/n. With β = γ that is β·(φ_j + Δ_j)/n = β·θ_j/n,
     and the snapshot (θ_j, 0) gives (β·0 + γ·θ_j)/n = β·θ_j/n: the same. The node's own snapshot
-    stays exact, so the outer step reads, as PROTOCOLS.md §1 writes it,
+    stays exact, so the outer step reads, as docs/protocols.md §1 writes it,
 
         δ_i ← α·δ_i + β·(mean_{j∈G} θ_j − φ_i)
 
@@ -154,7 +154,7 @@ def noloco_update(slow_weights: Mapping[str, torch.Tensor], outer_momentum: Mapp
         phi = phi.to(torch.float32)
         mean_progress = sum(s.local_progress[name].to(torch.float32) for s in group) / size
         mean_slow = sum(s.slow_weights[name].to(torch.float32) for s in group) / size
-        # +β: the official code's sign (PROTOCOLS.md §1), not the paper's printed −β.
+        # +β: the official code's sign (docs/protocols.md §1), not the paper's printed −β.
         delta = alpha * outer_momentum[name].to(torch.float32) + beta * mean_progress \
             - gamma * (phi - mean_slow)
         new_momentum[name] = delta

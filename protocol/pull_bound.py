@@ -1,4 +1,4 @@
-"""How far one NoLoCo pairing may pull a node: a bound on a partner's θ (PROTOCOLS.md §1).
+"""How far one NoLoCo pairing may pull a node: a bound on a partner's θ (docs/protocols.md §1).
 
 With β = γ a partner j enters node i's outer step only through θ_j (protocol/noloco.py
 theta_only_snapshot): a pair's update moves φ_i by (β/2)·(θ_j − θ_i) beyond the local update

@@ -1,7 +1,7 @@
 """What the outer algorithms share: operations on dicts of named fp32 tensors.
 
 A model's state travels through protocol/ as `NamedTensors`, a dict name -> torch.Tensor. The
-outer state (φ, momentum, residual) is always fp32 (PROTOCOLS.md §0), so every entry point
+outer state (φ, momentum, residual) is always fp32 (docs/protocols.md §0), so every entry point
 copies its inputs with `fp32_clone` and checks layouts with `check_same_layout` before any
 arithmetic. Functions here return new dicts and leave their arguments alone, except
 `shift_in_place`, which adds a shift into the caller's tensors (its name says so).
@@ -116,7 +116,7 @@ def squared_norm(tensors: Mapping[str, torch.Tensor]) -> float:
 
     torch's sum() accumulates in an order its kernel picks for the CPU's vector width, so two
     nodes on different hardware could scale the same message differently and split φ
-    (benchmarks/RESULTS.md, issue 18, median clipping). A square and an elementwise add are
+    (benchmarks/NOTEBOOK.md, issue 18, median clipping). A square and an elementwise add are
     each one IEEE operation, rounded the same whatever the vector width or device.
     """
     total = 0.0
@@ -139,7 +139,7 @@ def numel(tensors: Mapping[str, torch.Tensor]) -> int:
 def weights_digest(tensors: Mapping[str, torch.Tensor]) -> str:
     """BLAKE3 digest (128 bits, hex) of names, shapes and fp32 bytes, in sorted name order.
 
-    Nodes publish it every round to detect diverged φ (PROTOCOLS.md §3 "Consistency"); equal
+    Nodes publish it every round to detect diverged φ (docs/protocols.md §3 "Consistency"); equal
     digests mean bitwise equal weights. It is taken in the training thread at each round's end:
     BLAKE3 on all cores hashes a `small` model's 536 MB in a fraction of the time BLAKE2b took
     on one, and host bytes are hashed where they lie, not copied first. Bytes on a GPU cross

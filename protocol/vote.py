@@ -1,4 +1,4 @@
-"""The φ the swarm settles on from its members' announced digests (PROTOCOLS.md §3: the agreed
+"""The φ the swarm settles on from its members' announced digests (docs/protocols.md §3: the agreed
 state is bitwise identical on honest nodes). Every node computes the same winner from the same
 votes, so a split heals instead of lasting."""
 

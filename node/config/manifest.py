@@ -49,7 +49,7 @@ class SwarmSection:
 class ProtocolSection:
     name: str = spec("noloco", "the outer protocol", choices=("noloco", "dilocox"))
     inner_steps: int = spec(50, "H: inner steps per round", min=1, max=1_000_000)
-    # NoLoCo (PROTOCOLS.md §1)
+    # NoLoCo (docs/protocols.md §1)
     momentum: float = spec(0.5, "NoLoCo α", min=0.0, max=1.0)
     progress_weight: float = spec(0.7, "NoLoCo β", min=0.0, max=10.0, min_exclusive=True)
     consensus_weight: float = spec(0.7, "NoLoCo γ", min=0.0, max=10.0)
@@ -65,7 +65,7 @@ class ProtocolSection:
                                 min=1, max=64)
     # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py).
     # int4, rounded stochastically, is the default: it ended -0.34% to +0.73% against φ and Δ in
-    # bf16 in every cell of the N x H grid (benchmarks/RESULTS.md, issue 19), at 10.7-12.4x fewer
+    # bf16 in every cell of the N x H grid (benchmarks/NOTEBOOK.md, issue 19), at 10.7-12.4x fewer
     # bytes than DiLoCo's fp32 ring (int8: 5.6-6.6x); a θ is a whole state, not a delta, so its
     # rounding does not accumulate from round to round
     wire_dtype: str = spec("int4", "how NoLoCo snapshots travel: int4 (default) or int8, "
@@ -73,7 +73,7 @@ class ProtocolSection:
                            "bytes a parameter, lossy), or bf16, fp16 or fp32 (2, 2 or 4)",
                            choices=WIRE_DTYPE_CHOICES)
     # a sender's choice; receivers decode alike. Stochastic rounding is unbiased: to nearest, a
-    # θ that barely moves is pulled to the same code round after round (benchmarks/RESULTS.md,
+    # θ that barely moves is pulled to the same code round after round (benchmarks/NOTEBOOK.md,
     # issue 19: int4 θ ended 1.5% above int8 rounded to nearest, +0.31% rounded stochastically)
     wire_rounding: str = spec("stochastic", "how a quantized wire_dtype rounds a snapshot: "
                               "stochastic (default; q = floor(x/s*L + u), u uniform in [0, 1): "
@@ -84,7 +84,7 @@ class ProtocolSection:
                          "(needs progress_weight = consensus_weight), or phi_delta, φ and Δ "
                          "(twice the bytes; needed when they differ)",
                          choices=("theta", "phi_delta"))
-    # DiLoCoX (PROTOCOLS.md §3)
+    # DiLoCoX (docs/protocols.md §3)
     outer_lr: float = spec(0.7, "DiLoCoX outer learning rate η", min=0.0, max=10.0,
                            min_exclusive=True)
     # 0.3, not DiLoCo's 0.9: with delay 1 a linear model's iteration diverges at μ = 0.9
@@ -98,7 +98,7 @@ class ProtocolSection:
     bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
     # the sender's compute alone: a receiver decodes P·Qᵀ whatever the iterations that found it.
     # 4, not PowerSGD's 1: at the same bytes 1.8071 against 1.8534 at 8 replicas (two seeds),
-    # 2.0629 against 2.0843 in a committee at 32 (benchmarks/RESULTS.md, issue 18)
+    # 2.0629 against 2.0843 in a committee at 32 (benchmarks/NOTEBOOK.md, issue 18)
     power_iterations: int = spec(4, "DiLoCoX low-rank codec: power iterations an encode takes "
                                  "from last round's subspace (more keep more of each message "
                                  "at the same bytes)", min=1, max=16)
@@ -113,7 +113,7 @@ class ProtocolSection:
                         "message will have in the outer step; protocol/dilocox.py)",
                         choices=("half", "eager"))
     # off until the DiLoCoX integration tests ran with it on (pilots: most of the delay's cost
-    # goes; benchmarks/RESULTS.md, issue 18)
+    # goes; benchmarks/NOTEBOOK.md, issue 18)
     apply_on_arrival: bool = spec(False, "DiLoCoX with delay 1: take the outer step as soon as "
                                   "every member's message of the last round is here, shifting "
                                   "the weights mid-round, rather than at the round's end")
@@ -137,7 +137,7 @@ class ProtocolSection:
     controller_energy_high: float = spec(0.95, "DiLoCoX controller: energy kept above this lowers "
                                          "the strength", min=0.0, max=1.0, min_exclusive=True)
     # 0.5, not 0.8: a slow member's downlink carries every member's message, and at 0.8 it had
-    # no room left for member records and state downloads (benchmarks/RESULTS.md, issue 20)
+    # no room left for member records and state downloads (benchmarks/NOTEBOOK.md, issue 20)
     controller_send_budget: float = spec(0.5, "DiLoCoX controller: the share of a round's compute "
                                          "a send may take before it compresses harder",
                                          min=0.0, max=100.0, min_exclusive=True)
@@ -149,19 +149,19 @@ class ProtocolSection:
     # many messages whatever the swarm's size, where every member sending sends N − 1 copies;
     # swarms of up to 8 all send. With a tenure of 8, rank 4 at 4 bits: 1.9896 at 32 replicas
     # and 1.9816 at 64 (2 seeds each), below local-only, at 56-60x fewer bytes than an fp32 ring
-    # averaged over draws (benchmarks/RESULTS.md, issue 18)
+    # averaged over draws (benchmarks/NOTEBOOK.md, issue 18)
     senders: int = spec(8, "DiLoCoX: about this many members send their message in a round, "
                         "drawn from peer id and round (0: every member, every round); the "
                         "others' rounds wait for their next message as kept_decay says",
                         min=0, max=4096)
     # 8: a member's error feedback acts in consecutive rounds; at 32 / 64 replicas a fresh draw
     # each round ended 2.0629 / 2.1140, a tenure of 4 2.0280 / 2.0384, of 8 2.0024 / 1.9813,
-    # local-only 2.0175 (benchmarks/RESULTS.md, issue 18)
+    # local-only 2.0175 (benchmarks/NOTEBOOK.md, issue 18)
     senders_tenure: int = spec(8, "DiLoCoX with a committee (senders > 0): rounds in a row a "
                                "member drawn sends, from one draw", min=1, max=64)
     # 0: a round's work that waited outside the committee was stale by the time it was sent, and
     # at 32 replicas and 8 senders it cost more than it gave: 2.1000 fresh only, 2.1891 at 0.5,
-    # 2.4415 at 1, local-only 2.2528 (identity code; benchmarks/RESULTS.md, issue 18)
+    # 2.4415 at 1, local-only 2.2528 (identity code; benchmarks/NOTEBOOK.md, issue 18)
     kept_decay: float = spec(0.0, "DiLoCoX with a committee (senders > 0): what a round kept "
                              "outside the committee still weighs in the member's next message, "
                              "per round waited (0: only the fresh round is sent; 1: all of it)",
@@ -187,7 +187,7 @@ class AdmissionSection:
     mode: str = spec("open", "open: anyone may join; allowlist: only the keys below",
                      choices=("open", "allowlist"))
     public_keys: list[str] = spec([], "allowed members' peer ids (12D3KooW...)")
-    # The Sybil lever of open swarms (node/daemon/newcomers.py; measured in benchmarks/RESULTS.md).
+    # The Sybil lever of open swarms (node/daemon/newcomers.py; measured in benchmarks/NOTEBOOK.md).
     new_members_per_hour: float = spec(0.0, "at most this many identities a node has never seen "
                                        "become eligible partners per hour, after its first view "
                                        "of the swarm (0: no limit)", min=0.0, max=1e6)
@@ -205,7 +205,7 @@ class ContributionSection:
                                        "deviations of random noise (0: off; refuses honest "
                                        "peers at a plateau; needs protocol.snapshot = "
                                        "phi_delta)", min=0.0, max=1e4)
-    # The plausible-noise check (node/rounds/noise_check.py): measured in benchmarks/RESULTS.md
+    # The plausible-noise check (node/rounds/noise_check.py): measured in benchmarks/NOTEBOOK.md
     # ("The plausible-noise adversary: a defence").
     noise_ratio: float = spec(0.1, "refuse a contribution whose magnitudes follow this node's own "
                               "progress less than this fraction of the median of the swarm's "

@@ -1,4 +1,4 @@
-"""`lowcomm-node join`: the daemon (ARCHITECTURE.md "Processes and threads in one daemon").
+"""`lowcomm-node join`: the daemon (docs/architecture.md "Processes and threads in one daemon").
 
 Main thread: an event loop (uvloop) owning p2pd, the DHT node, the signed streams, membership
 and the protocol's exchange. Training thread: node/daemon/worker.py. The life of a node, one

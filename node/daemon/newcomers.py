@@ -1,7 +1,7 @@
 """An operator's lever against a Sybil flood in an open swarm: a rate of new identities.
 
 Peer ids cost nothing to mint, and NoLoCo pairs uniformly among eligible members, so S fresh
-identities of one operator take about S/(S+H-1) of an honest node's pairs (benchmarks/RESULTS.md,
+identities of one operator take about S/(S+H-1) of an honest node's pairs (benchmarks/NOTEBOOK.md,
 "Sybil pressure"). With `admission.new_members_per_hour` = R > 0, a node lets identities it has
 never seen become eligible (to pair with, send to, count the vote of, download state from, and
 to accept a proposal from) at most R per hour: a token bucket of rate R/3600 per second and

@@ -46,7 +46,7 @@ def serve_state(node: Daemon, policy: RoundPolicy) -> None:
 def round_end_beside(choice: str, protocol: str, device_type: str) -> bool:
     """`join --round-end`: DiLoCoX's round end in a thread beside training where the host's cores
     are free while the accelerator trains ("auto": on CUDA); on a CPU that thread would take the
-    cores training needs (benchmarks/RESULTS.md, "The CUDA path on one H100")."""
+    cores training needs (benchmarks/NOTEBOOK.md, "The CUDA path on one H100")."""
     if choice == "auto":
         return protocol == "dilocox" and device_type == "cuda"
     return choice == "beside"

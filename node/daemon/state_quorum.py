@@ -69,7 +69,7 @@ log = logging.getLogger("lowcomm.join")
 ANNOUNCEMENT_POLL_S = 0.1  # a joiner looks up a member's announcement this often, while waiting
 STATE_SOURCES = 3          # NoLoCo: states compared before one is adopted (one liar among three loses)
 # NoLoCo: honest members' φ measured at most 0.17 apart (RMS distance to their mean over the
-# mean's norm, benchmarks/RESULTS.md "scale", 64 replicas), about 0.24 between two of them:
+# mean's norm, benchmarks/NOTEBOOK.md "scale", 64 replicas), about 0.24 between two of them:
 # states closer than 0.35 of φ's norm agree; a fourfold of the closest pair's distance, when
 # three or more states are compared, widens it for a swarm spread wider than measured.
 SPREAD_TOLERANCE = 0.35

@@ -3,7 +3,7 @@
 Replicas of one model training on one distribution move the same coordinates by similar amounts
 (the inner optimizer's per-coordinate scales, the frequent tokens' embedding rows), even where
 the directions of their updates are uncorrelated, as at a plateau (cosines within the noise:
-benchmarks/RESULTS.md, the soak). Random noise scaled to a plausible norm, tensor by tensor,
+benchmarks/NOTEBOOK.md, the soak). Random noise scaled to a plausible norm, tensor by tensor,
 moves every coordinate of a tensor alike. A contribution x is scored against the node's own
 progress r of the same round by s(x, r) (protocol/structure.py: the element-weighted mean over
 tensors of corr(|x_t|, |r_t|); for x independent of r, s ≈ N(0, 1/N)).
@@ -20,7 +20,7 @@ snapshot's θ_j − φ_i mixes the partner's φ into it, and honest and noise pa
 overlapped in simulation. DiLoCoX judges each sender against the others of its round instead
 (protocol/dilocox.py), so every node leaves out the same senders.
 
-What it does not catch (measured or argued in benchmarks/RESULTS.md): noise that copies the
+What it does not catch (measured or argued in benchmarks/NOTEBOOK.md): noise that copies the
 magnitudes of the sender's own honest update and randomises only its signs.
 """
 

@@ -23,7 +23,7 @@ PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
 TIMINGS = ("overlap", "blocking")
 WIRE_DTYPES = WIRE_DTYPE_CHOICES  # bf16, fp16, fp32; int8, int4 quantized
 SNAPSHOTS = ("theta", "phi_delta")
-# H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (PROTOCOLS.md §1, §2); for
+# H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (docs/protocols.md §1, §2); for
 # data-parallel and local training a "round" is only the interval between evaluations.
 DEFAULT_INNER_STEPS = {"data-parallel": 100, "diloco": 100, "noloco": 50, "dilocox": 100, "local": 100}
 CODEC_PARAMETERS = {"lowrank": ("rank", "bits"), "blockwise": ("bits",), "topk": ("bits",)}
@@ -31,7 +31,7 @@ CODEC_PARAMETERS = {"lowrank": ("rank", "bits"), "blockwise": ("bits",), "topk":
 MANIFEST_KEY = {("topk", "bits"): "topk_bits"}
 # DiLoCoX's defaults are the swarm manifest's (node/config/manifest.py ProtocolSection), so a
 # simulation and a daemon on a default manifest run the same protocol; DiLoCo's baseline takes
-# protocol/diloco.py's (PROTOCOLS.md §2).
+# protocol/diloco.py's (docs/protocols.md §2).
 DILOCOX_DEFAULTS = ProtocolSection()
 DILOCO_DEFAULTS = DiLoCoHyperParameters()
 
@@ -54,7 +54,7 @@ class SimulationSettings:
     # DiLoCo and DiLoCoX outer Nesterov; None: DILOCO_DEFAULTS or DILOCOX_DEFAULTS
     outer_lr: float | None = None
     outer_momentum: float | None = None
-    # NoLoCo (PROTOCOLS.md §1 defaults)
+    # NoLoCo (docs/protocols.md §1 defaults)
     timing: str = "overlap"
     # the longest wait for a message (NoLoCo blocking: the partner's snapshot; DiLoCoX: the
     # group's messages of the round applied); None: H
@@ -66,7 +66,7 @@ class SimulationSettings:
     # what a snapshot sends: "theta" or "phi_delta"; None: theta when β = γ, else phi_delta
     snapshot: str | None = None
     max_staleness: int = 2
-    # DiLoCoX (PROTOCOLS.md §3); None: the manifest's default (DILOCOX_DEFAULTS)
+    # DiLoCoX (docs/protocols.md §3); None: the manifest's default (DILOCOX_DEFAULTS)
     delay: int | None = None
     codec: str | None = None
     rank: int | None = None                # lowrank only

@@ -1,4 +1,4 @@
-"""The inner trainer of PROTOCOLS.md §0: AdamW, clipping, warm-up then cosine, accumulation.
+"""The inner trainer of docs/protocols.md §0: AdamW, clipping, warm-up then cosine, accumulation.
 
 One object per node. It owns the live model (the fast weights θ), the inner optimizer (never
 sent, never averaged, never reset between rounds) and the node's batch stream. The outer
@@ -80,7 +80,7 @@ class InnerTrainer:
 
     # ------------------------------------------------------------------ training
     def _autocast(self):
-        # bf16 autocast on CUDA only (PROTOCOLS.md §0); fp32 elsewhere.
+        # bf16 autocast on CUDA only (docs/protocols.md §0); fp32 elsewhere.
         if self.device.type == "cuda":
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()

@@ -3,7 +3,7 @@
 A codec turns one fp32 tensor into an `Encoded`: a small `description` dict of plain types
 (msgpack-able: codec name, shape, bits, block, rank) and a `payload` of bytes. Decoding takes
 the pair back to an fp32 tensor. The pair comes off the network, so decoding treats both as
-hostile (ARCHITECTURE.md "Identity and trust"):
+hostile (docs/architecture.md "Identity and trust"):
 
 - every field's type, range, the payload's exact length and the element count are checked
   BEFORE anything is allocated, and the output never exceeds `max_elements` elements;

@@ -1,4 +1,4 @@
-"""Low-rank codec, PowerSGD style (PROTOCOLS.md §3 "Compression"), with quantized factors.
+"""Low-rank codec, PowerSGD style (docs/protocols.md §3 "Compression"), with quantized factors.
 
 A tensor of shape (rows, …) is viewed as a matrix M of rows × cols (cols = the product of the
 other dimensions) and sent as M ≈ P·Qᵀ of rank k, by `iterations` warm-started power
@@ -59,7 +59,7 @@ def outer_sum(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
 
         out[i, j] = ((left[0, i]·right[0, j] + left[1, i]·right[1, j]) + left[2, i]·right[2, j]) + …
 
-    Every node must decode a message to the same bits (DiLoCoX agrees on φ bitwise, PROTOCOLS.md
+    Every node must decode a message to the same bits (DiLoCoX agrees on φ bitwise, docs/protocols.md
     §3), and a matmul's order of summation and its fused multiply-adds depend on the BLAS and
     the CPU: MKL's default path and its reproducible one (MKL_CBWR=COMPATIBLE) decode the same
     message to different bits on one machine. Elementwise products and sums are rounded alike

@@ -1,4 +1,4 @@
-"""DiLoCo outer Nesterov step (protocol/diloco.py) against PROTOCOLS.md §2."""
+"""DiLoCo outer Nesterov step (protocol/diloco.py) against docs/protocols.md §2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DiLoCoX (protocol/dilocox.py) against PROTOCOLS.md §3."""
+"""DiLoCoX (protocol/dilocox.py) against docs/protocols.md §3."""
 
 from __future__ import annotations
 

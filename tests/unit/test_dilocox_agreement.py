@@ -189,7 +189,7 @@ class AskedKinds(NoStateServer):
 
 
 def test_agreement_needs_a_majority_of_the_expected_votes_and_a_failed_replay_downloads_next():
-    """The 512 kbit/s run R8 (benchmarks/RESULTS.md, issue 18): after a 2:2 split each pair's
+    """The 512 kbit/s run R8 (benchmarks/NOTEBOOK.md, issue 18): after a 2:2 split each pair's
     check heard its partner's vote first and counted the round agreed; the pair that lost the
     tie replayed from that state, never reached the winners' digest, and tried again every
     round. A round is agreed only when our digest holds a strict majority of the votes the check

@@ -1,4 +1,4 @@
-"""NoLoCo outer step (protocol/noloco.py) against PROTOCOLS.md §1."""
+"""NoLoCo outer step (protocol/noloco.py) against docs/protocols.md §1."""
 
 from __future__ import annotations
 

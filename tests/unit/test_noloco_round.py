@@ -67,7 +67,7 @@ def test_overlap_corrects_at_the_step_boundary_after_the_partner_lands(config, c
 
 def test_overlap_applies_a_swap_that_outlasted_its_round_against_the_snapshot_it_swapped(config, corpus):
     """A slow link: the pair of round 1 (our S_0 for the partner's) lands during round 3. Its
-    correction is β·(mean θ − θ_i) with our θ of S_0, not of a later round (PROTOCOLS.md §1)."""
+    correction is β·(mean θ − θ_i) with our θ of S_0, not of a later round (docs/protocols.md §1)."""
     policy, link, model = noloco(config, corpus, "overlap")
     partner, theirs = partner_of(config, corpus, 0)
     train_round(model, policy, 0)

@@ -111,7 +111,7 @@ def test_dilocox_simulation_defaults_are_the_manifests():
                 "topk_chunk", "topk_bits", "max_density", "fan_out"):
         assert getattr(protocol, key) == getattr(manifest, key), key
     diloco = SimulationSettings("diloco").validated()
-    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)  # PROTOCOLS.md §2
+    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)  # docs/protocols.md §2
 
 
 def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):

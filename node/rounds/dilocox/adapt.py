@@ -10,7 +10,7 @@ to it took than to the fastest receiver), and sets the codec's strength (top-k: 
 low-rank: rank) and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
-it (benchmarks/RESULTS.md, issue 18, R9). After a move up the next decision holds
+it (benchmarks/NOTEBOOK.md, issue 18, R9). After a move up the next decision holds
 (`measuring`): the first message of the new size has just been handed over, and the decision
 after it reads that message's send, finished or still in flight a round later (send_ratio
 counts a send in flight at its seconds so far). R19's fast nodes doubled at three decisions

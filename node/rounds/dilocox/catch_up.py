@@ -13,7 +13,7 @@ round's end, training on from the swarm's round:
 - otherwise, or when no such recipe can be had, by download, as a late joiner does (the
   daemon's StateAdoption: a majority's digest, the state checked as a contribution).
 On a 512 kbit/s link the download (φ and m in fp32: 27 MB for `tiny`) outlasts its three
-120 s tries, and the node never came back (benchmarks/RESULTS.md, the replay runs); a replay
+120 s tries, and the node never came back (benchmarks/NOTEBOOK.md, the replay runs); a replay
 moves the steps' messages instead (about 120 KB a round there).
 
 Invariants:

@@ -1,5 +1,5 @@
 """Is our φ the majority's? The check after each DiLoCoX outer step, the event loop's side
-(PROTOCOLS.md §3: "the agreed state is bitwise identical on honest nodes").
+(docs/protocols.md §3: "the agreed state is bitwise identical on honest nodes").
 
 After each outer step the node announces the digest of φ (the member record's `phi`); the check
 waits for the members that reach the same round to announce theirs and compares. When the
@@ -21,7 +21,7 @@ Invariants:
   strict majority of the votes the check expects (the members that finished the round before,
   and us), not just two of those that came: the two sides of a 2:2 split each counted their
   round agreed from the votes that reached them first, and the pair that lost the tie replayed
-  from a state that was not the majority's, never reaching its digest (benchmarks/RESULTS.md,
+  from a state that was not the majority's, never reaching its digest (benchmarks/NOTEBOOK.md,
   issue 18, R8);
 - a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
   while that is at most REPLAY_ROUNDS back; then it downloads the state. A replay that did not
@@ -153,7 +153,7 @@ class PhiConsensus:
     def _waited_enough(self, round_index: int, waited_s: float) -> bool:
         """consensus_wait_s for the votes; as long as one of our rounds while members still
         train the round, whose votes come only at its end. A node ahead of its members by most
-        of a round (the 512 kbit/s run R4, benchmarks/RESULTS.md: 8-10 s ahead, rounds of
+        of a round (the 512 kbit/s run R4, benchmarks/NOTEBOOK.md: 8-10 s ahead, rounds of
         10-11 s) checked each round before their votes came, heard none, and never learned that
         its φ had left theirs at round 2: it held another φ for 18 rounds."""
         if waited_s < self.swarm.timeouts.consensus_wait_s:

@@ -1,5 +1,5 @@
 """Equivocation is proof: an author that signs two versions of its message of one round is
-banned by every member that learns of it, and neither version is applied (PROTOCOLS.md §3).
+banned by every member that learns of it, and neither version is applied (docs/protocols.md §3).
 
 The origin signature covers the message's content digest, which travels beside it in the
 header (p2p/origin.py): a `Version` (author, round, digest, signature; about 130 bytes) is the

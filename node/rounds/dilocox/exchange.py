@@ -1,4 +1,4 @@
-"""DiLoCoX over the swarm, the event loop's side (PROTOCOLS.md §3).
+"""DiLoCoX over the swarm, the event loop's side (docs/protocols.md §3).
 
 The training thread hands each round's compressed message to `send_round`, which pushes it to
 the round's group (every live member on our manifest, at most `fan_out`, a random subset beyond)
@@ -80,7 +80,7 @@ WATCH_S = 0.25  # how often the messages that did not come are looked for (relay
 # than ON_ITS_WAY_S ago (a broken push is tried again a second later: sending.py). A member
 # that finished the round and sent us nothing is then given up: at 512 kbit/s a slow node's
 # view of its members emptied, it sent its message of round 4 to no one, and each fast node
-# waited the whole 120 s deadline for it (benchmarks/RESULTS.md, issue 18, R5); a φ split that
+# waited the whole 120 s deadline for it (benchmarks/NOTEBOOK.md, issue 18, R5); a φ split that
 # follows heals by replay. ASKING_S: the time a message needs to reach the members that hold
 # it and a relay to find it there; at 3 s a loaded CI machine's 2 s rounds gave up on a copy
 # beyond the fan-out that the others applied, and φ split.
@@ -323,7 +323,7 @@ class DiLoCoXExchange:
         announced `since`) trains now, by the freshest word of it: its record, or its message of
         the round before, which came to us. Records come through the DHT, and on a slow link
         they lag: a node at 512 kbit/s saw its members rounds behind where they were, waited for
-        none, ran ahead and refused their every message as stale (benchmarks/RESULTS.md, "The
+        none, ran ahead and refused their every message as stale (benchmarks/NOTEBOOK.md, "The
         same slow-link DiLoCoX run with relayed messages", runs A and B)."""
         return {r.peer_id: max(r.round, self.heard.get(r.peer_id, -1) + 1)
                 for r in self.bound.plausible(self.members.eligible())
@@ -369,7 +369,7 @@ class DiLoCoXExchange:
         the rounds a (re)joining node may have missed: those wait for the round's end as before.
         Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
         Without the members behind, a node all of whose members were behind stepped alone at
-        once every round and ran ahead of them (benchmarks/RESULTS.md, issue 18, "replays")."""
+        once every round and ran ahead of them (benchmarks/NOTEBOOK.md, issue 18, "replays")."""
         if round_index < self.first_round or round_index <= self.collected or self.consensus.checks:
             return False
         box = self.inbox.get(round_index, {})
@@ -478,7 +478,7 @@ class DiLoCoXExchange:
         # announced): our φ then lacks the steps since, and the check's replay starts there. As
         # the round before the swarm's, a fast node that downloaded round 5's state to train
         # round 7 had every later replay refused (its state older than the recipe's start) and
-        # stayed off the majority's φ for 8 rounds (benchmarks/RESULTS.md, issue 18, R6).
+        # stayed off the majority's φ for 8 rounds (benchmarks/NOTEBOOK.md, issue 18, R6).
         self._restart_at(got.next_round, got.state_round)
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
             del self.inbox[old]

@@ -1,6 +1,6 @@
 """Handing DiLoCoX messages on: every member keeps the messages it accepted for a few rounds and
 gives one to any member that asks; a member missing the message of an author that finished the
-round asks the others for it (PROTOCOLS.md §3, "relaying signed messages").
+round asks the others for it (docs/protocols.md §3, "relaying signed messages").
 
 What it mends: a push that broke, a push to a member the author's view did not list yet, and a
 swarm larger than the fan-out, where each message goes to a random subset of the members: the

@@ -1,5 +1,5 @@
 """Bringing back a member whose φ left the majority's by replaying its steps, the event loop's
-side (PROTOCOLS.md §3: "a node that missed messages rejoins the agreed state without stalling
+side (docs/protocols.md §3: "a node that missed messages rejoins the agreed state without stalling
 the others").
 
 A φ splits when a member's outer step applied another set of messages than the majority's (a

@@ -1,5 +1,5 @@
 """DiLoCoX's end of a round, in the training thread or beside it (node/daemon/worker.py); the
-math is protocol/dilocox.py (PROTOCOLS.md §3).
+math is protocol/dilocox.py (docs/protocols.md §3).
 
 At the end of round r: Δ = (round start) − θ, c = C(Δ + e) (error feedback inside
 protocol/dilocox.py), hand c to the link, which sends it to the round's group in the background

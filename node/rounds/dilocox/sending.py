@@ -24,7 +24,7 @@ PGRAD = "dilocox.pgrad"
 # The controller reads the link's cost as the worst of this many last sends. Each message goes
 # to every member, so a slow member's downlink carries all of them: a round whose sends did not
 # overlap there measured fast, the next slow, and with the last send alone the rank doubled and
-# halved round after round (16-32-64, benchmarks/RESULTS.md, issue 20, one slow node).
+# halved round after round (16-32-64, benchmarks/NOTEBOOK.md, issue 20, one slow node).
 LINK_MEMORY = 4
 # A push that broke (stalled, reset, ended early, a dial that failed) is tried again within its
 # need-by, this many times in all: its receiver waits up to the whole deadline for
@@ -74,7 +74,7 @@ class RoundSender:
         LINK_MEMORY finished sends and any send in flight slower already, times that message's
         bytes. Not the last send's own seconds: those are of an earlier message, and the
         controller, which judges the current one, doubled the rank on a send half its size and
-        saturated a 1.8 Mbit/s link (benchmarks/RESULTS.md, issue 20). Over the shortest of the
+        saturated a 1.8 Mbit/s link (benchmarks/NOTEBOOK.md, issue 20). Over the shortest of the
         last rounds: a round stretched by a wait on the network is not compute, and after an
         81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
         now, in_flight = time.monotonic(), self._sends_in_flight
@@ -89,7 +89,7 @@ class RoundSender:
         message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
         sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
         reads less: its pushes share that uplink and end closer together (on the slow link the
-        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/RESULTS.md,
+        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/NOTEBOOK.md,
         R18-R21)."""
         return self._per_round(self._shared_costs) or 0.0
 
@@ -141,7 +141,7 @@ class RoundSender:
             measured = (time.monotonic() - started) / message.total_bytes
             # A send that failed at once (a reset stream, a refusal) says nothing of the link and
             # may only raise its cost: read as fast, it let the controller double the rank onto a
-            # slow member's saturated downlink (benchmarks/RESULTS.md, issue 20, one slow node)
+            # slow member's saturated downlink (benchmarks/NOTEBOOK.md, issue 20, one slow node)
             if not failed or not self._link_costs or measured > max(self._link_costs):
                 self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
             if len(took) >= 2:

@@ -1,4 +1,4 @@
-"""NoLoCo over the swarm, the event loop's side (PROTOCOLS.md §1 "asynchronous random matching").
+"""NoLoCo over the swarm, the event loop's side (docs/protocols.md §1 "asynchronous random matching").
 
 Pairs form by signed one-way control messages (propose / accept / decline) driven by the pure
 state machine in protocol/matching.py; a formed pair swaps snapshots over one full-duplex signed
@@ -317,7 +317,7 @@ class NoLoCoExchange:
     def _announcements(self) -> list[ReadyAnnouncement]:
         """Unpaired peers: a member announces "ready" while it may pair and "exchanging" once
         paired, so a proposal rarely meets a decline. Every eligible round counts the same
-        (PROTOCOLS.md §1): preferring peers of our own round made nodes of equal speed pair only
+        (docs/protocols.md §1): preferring peers of our own round made nodes of equal speed pair only
         with each other, and a swarm of two fast and two slow nodes split into two pairs that
         never mixed (measured: tests/integration/test_swarm.py, 2 distinct pairs in 10 rounds)."""
         ready = [ReadyAnnouncement(rec.peer_id, rec.manifest, rec.round)

@@ -1,4 +1,4 @@
-"""NoLoCo's end of a round in the training thread (PROTOCOLS.md §1; the math is protocol/noloco.py).
+"""NoLoCo's end of a round in the training thread (docs/protocols.md §1; the math is protocol/noloco.py).
 
 At the end of round r the node takes its snapshot S_r = (φ, Δ = θ − φ), encodes it as the
 manifest's protocol.snapshot says (θ alone, the default, exact when β = γ; or φ and Δ: see
@@ -18,7 +18,7 @@ tensors (θ against its θ; φ against its φ and Δ against its Δ). The alignm
 (min_alignment_sigmas) compares progress Δ only, so it needs "phi_delta"; the manifest refuses
 it with "theta". So does the noise check (node/rounds/noise_check.py, noise_ratio): on θ alone,
 θ_j − φ_i mixes the partner's honest φ_j − φ_i into a noise sender's Δ, and honest and noise
-scores overlapped in simulation (benchmarks/RESULTS.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
+scores overlapped in simulation (benchmarks/NOTEBOOK.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
 theta_only_snapshot), after the pull bound (protocol/pull_bound.py): a θ further from the node's
 own than contributions.pull_clip_ratio times the median distance of its recent partners is clipped
 to that distance, and refused past pull_refuse_ratio times it, so that no pairing moves φ by more

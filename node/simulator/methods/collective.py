@@ -1,7 +1,7 @@
 """The baselines that move whole fp32 vectors by a ring all-reduce, and local training.
 
 - data-parallel: the mean gradient of all replicas before every optimizer step;
-- DiLoCo (PROTOCOLS.md §2): H local steps, then every replica applies the mean Δ of all;
+- DiLoCo (docs/protocols.md §2): H local steps, then every replica applies the mean Δ of all;
 - local: H local steps, nothing exchanged (the no-communication baseline).
 """
 

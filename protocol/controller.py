@@ -29,17 +29,18 @@ receiver that took our message longer than the others did carries N − 1 such m
 It only holds moves up, never forces one down: measured while the senders' pushes overlapped
 there, it counts their sharing twice. Three fast senders each grew from 197 to 391 KiB on their
 own slack while the others did, 18 s of a 512 kbit/s member's downlink against 12 s rounds, and
-waited for it (benchmarks/NOTEBOOK.md, issue 18, R14). And no move up while the last one is still
-being measured (`growth_allowed` False, its caller's count of rounds): a link that lets a burst
-through at once (a token bucket) costs nothing per byte below the burst, and three fast nodes
-read slack and doubled their messages, 53 to 408 KiB in three rounds, onto it (R19).
+waited for it (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512 kbit/s
+runs). And no move up while the last one is still being measured (`growth_allowed` False, its
+caller's count of rounds): a link that lets a burst through at once (a token bucket) costs nothing
+per byte below the burst, and three fast nodes read slack and doubled their messages, 53 to 408 KiB
+in three rounds, onto it.
 
 with b_i the bytes tensor i took in the measured message, B its total and B_other = B − Σ_i b_i
 (tensors that do not adapt). Without per-tensor bytes, Σ k'_i / Σ k_i stands for the bytes: a
 sum of ranks weighs a 64-wide bias like a 256 x 4096 embedding, under-projected a doubling of the
 large tensors' ranks, and the rank went 32-64-32 round after round on a saturated link
-(benchmarks/NOTEBOOK.md, issue 20, one slow node). A move held back by that check is recorded in
-`held_back`. k, bits and H never leave
+(benchmarks/NOTEBOOK.md, "One of 4 nodes on a link 4x slower"). A move held back by that check is
+recorded in `held_back`. k, bits and H never leave
 their configured bounds.
 """
 

@@ -26,7 +26,7 @@ every round). Own fresh work then counts at once at its share, the peers' one ro
 β < 1 is SparseLoCo's decaying error buffer (0.95 there):
 it forgets what a codec kept back for long, trading the invariant sent + e = ΣΔ for a residual
 that cannot grow without bound. Median clipping (Templar's) bounds what one sender can move φ
-by; every node computes the same factors from the same messages. The noise filter (issue 24)
+by; every node computes the same factors from the same messages. The noise filter (`noise_filter`)
 judges each sender against the others of its round: honest pseudo-gradients move the same
 coordinates by similar amounts, noise of a plausible norm does not; it too is computed from the
 messages alone, so every node leaves out the same senders and φ stays identical.
@@ -57,10 +57,10 @@ Why a round does not start from φ (docs/protocols.md §3), as a first design ha
   `kept_decay` = 1, and it lost to sending the fresh round alone: at 32 replicas, 8 senders a
   round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.1891,
   the fresh round alone 2.1000, against local-only 2.2528 and DiLoCo (everyone, every round)
-  2.0813 (benchmarks/NOTEBOOK.md, issue 18). A round kept waits N/k rounds on average before
-  it is sent, and φ stepping on work that stale costs more than the work gives. So by default
-  (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size, more
-  senders' rounds add little (DiLoCo at 8 replicas 2.1055, at 32 2.0813).
+  2.0813 (benchmarks/NOTEBOOK.md, "DiLoCoX at 32 replicas"). A round kept waits N/k rounds on
+  average before it is sent, and φ stepping on work that stale costs more than the work gives. So
+  by default (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size,
+  more senders' rounds add little (DiLoCo at 8 replicas 2.1055, at 32 2.0813).
 φ stays bitwise identical on every node and every message is still applied exactly once; a
 node's weights differ from φ by its own e and its share of its rounds in flight.
 

@@ -116,8 +116,9 @@ def squared_norm(tensors: Mapping[str, torch.Tensor]) -> float:
 
     torch's sum() accumulates in an order its kernel picks for the CPU's vector width, so two
     nodes on different hardware could scale the same message differently and split φ
-    (benchmarks/NOTEBOOK.md, issue 18, median clipping). A square and an elementwise add are
-    each one IEEE operation, rounded the same whatever the vector width or device.
+    (benchmarks/NOTEBOOK.md, "DiLoCoX against DiLoCo and local-only", median clipping). A square
+    and an elementwise add are each one IEEE operation, rounded the same whatever the vector width
+    or device.
     """
     total = 0.0
     for tensor in tensors.values():

@@ -65,16 +65,17 @@ class ProtocolSection:
                                 min=1, max=64)
     # int8/int4: blockwise absmax in blocks of 64 with fp32 scales (node/rounds/wire_tensors.py).
     # int4, rounded stochastically, is the default: it ended -0.34% to +0.73% against φ and Δ in
-    # bf16 in every cell of the N x H grid (benchmarks/NOTEBOOK.md, issue 19), at 10.7-12.4x fewer
-    # bytes than DiLoCo's fp32 ring (int8: 5.6-6.6x); a θ is a whole state, not a delta, so its
-    # rounding does not accumulate from round to round
+    # bf16 in every cell of the N x H grid (benchmarks/NOTEBOOK.md, "NoLoCo against DiLoCo and
+    # local-only"), at 10.7-12.4x fewer bytes than DiLoCo's fp32 ring (int8: 5.6-6.6x); a θ is a
+    # whole state, not a delta, so its rounding does not accumulate from round to round
     wire_dtype: str = spec("int4", "how NoLoCo snapshots travel: int4 (default) or int8, "
                            "quantized in blocks of 64 with one fp32 scale each (1.0625 or 0.5625 "
                            "bytes a parameter, lossy), or bf16, fp16 or fp32 (2, 2 or 4)",
                            choices=WIRE_DTYPE_CHOICES)
     # a sender's choice; receivers decode alike. Stochastic rounding is unbiased: to nearest, a
     # θ that barely moves is pulled to the same code round after round (benchmarks/NOTEBOOK.md,
-    # issue 19: int4 θ ended 1.5% above int8 rounded to nearest, +0.31% rounded stochastically)
+    # "NoLoCo against DiLoCo and local-only": int4 θ ended 1.5% above int8 rounded to nearest,
+    # +0.31% rounded stochastically)
     wire_rounding: str = spec("stochastic", "how a quantized wire_dtype rounds a snapshot: "
                               "stochastic (default; q = floor(x/s*L + u), u uniform in [0, 1): "
                               "unbiased, from each node's own random generator) or nearest",
@@ -98,7 +99,8 @@ class ProtocolSection:
     bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
     # the sender's compute alone: a receiver decodes P·Qᵀ whatever the iterations that found it.
     # 4, not PowerSGD's 1: at the same bytes 1.8071 against 1.8534 at 8 replicas (two seeds),
-    # 2.0629 against 2.0843 in a committee at 32 (benchmarks/NOTEBOOK.md, issue 18)
+    # 2.0629 against 2.0843 in a committee at 32 (benchmarks/NOTEBOOK.md, "DiLoCoX against DiLoCo
+    # and local-only")
     power_iterations: int = spec(4, "DiLoCoX low-rank codec: power iterations an encode takes "
                                  "from last round's subspace (more keep more of each message "
                                  "at the same bytes)", min=1, max=16)
@@ -113,7 +115,7 @@ class ProtocolSection:
                         "message will have in the outer step; protocol/dilocox.py)",
                         choices=("half", "eager"))
     # off until the DiLoCoX integration tests ran with it on (pilots: most of the delay's cost
-    # goes; benchmarks/NOTEBOOK.md, issue 18)
+    # goes; benchmarks/NOTEBOOK.md, "pilots of the codec, the overlap and the outer step")
     apply_on_arrival: bool = spec(False, "DiLoCoX with delay 1: take the outer step as soon as "
                                   "every member's message of the last round is here, shifting "
                                   "the weights mid-round, rather than at the round's end")
@@ -125,7 +127,7 @@ class ProtocolSection:
     clip_to_median: bool = spec(True, "DiLoCoX: scale each message down to the median norm of "
                                 "its round's messages before averaging")
     # off by default: with it on, a node restarted after a SIGKILL never held the survivors' φ
-    # again (tests/integration/test_fault_points.py, measured at the merge of issue 24's check)
+    # again (tests/integration/test_fault_points.py, measured when the check was added)
     noise_filter: bool = spec(False, "DiLoCoX: leave out of the mean a sender whose message looks "
                               "like noise against the others of its round (contributions.noise_ratio)")
     # the adaptive controller (protocol/controller.py, node/rounds/dilocox/adapt.py)
@@ -137,7 +139,8 @@ class ProtocolSection:
     controller_energy_high: float = spec(0.95, "DiLoCoX controller: energy kept above this lowers "
                                          "the strength", min=0.0, max=1.0, min_exclusive=True)
     # 0.5, not 0.8: a slow member's downlink carries every member's message, and at 0.8 it had
-    # no room left for member records and state downloads (benchmarks/NOTEBOOK.md, issue 20)
+    # no room left for member records and state downloads (benchmarks/NOTEBOOK.md, "Steps paced to
+    # an emulated accelerator")
     controller_send_budget: float = spec(0.5, "DiLoCoX controller: the share of a round's compute "
                                          "a send may take before it compresses harder",
                                          min=0.0, max=100.0, min_exclusive=True)
@@ -149,19 +152,20 @@ class ProtocolSection:
     # many messages whatever the swarm's size, where every member sending sends N − 1 copies;
     # swarms of up to 8 all send. With a tenure of 8, rank 4 at 4 bits: 1.9896 at 32 replicas
     # and 1.9816 at 64 (2 seeds each), below local-only, at 56-60x fewer bytes than an fp32 ring
-    # averaged over draws (benchmarks/NOTEBOOK.md, issue 18)
+    # averaged over draws (benchmarks/NOTEBOOK.md, "DiLoCoX at 32 and 64 replicas")
     senders: int = spec(8, "DiLoCoX: about this many members send their message in a round, "
                         "drawn from peer id and round (0: every member, every round); the "
                         "others' rounds wait for their next message as kept_decay says",
                         min=0, max=4096)
     # 8: a member's error feedback acts in consecutive rounds; at 32 / 64 replicas a fresh draw
     # each round ended 2.0629 / 2.1140, a tenure of 4 2.0280 / 2.0384, of 8 2.0024 / 1.9813,
-    # local-only 2.0175 (benchmarks/NOTEBOOK.md, issue 18)
+    # local-only 2.0175 (benchmarks/NOTEBOOK.md, "DiLoCoX at 32 and 64 replicas")
     senders_tenure: int = spec(8, "DiLoCoX with a committee (senders > 0): rounds in a row a "
                                "member drawn sends, from one draw", min=1, max=64)
     # 0: a round's work that waited outside the committee was stale by the time it was sent, and
     # at 32 replicas and 8 senders it cost more than it gave: 2.1000 fresh only, 2.1891 at 0.5,
-    # 2.4415 at 1, local-only 2.2528 (identity code; benchmarks/NOTEBOOK.md, issue 18)
+    # 2.4415 at 1, local-only 2.2528 (identity code; benchmarks/NOTEBOOK.md, "DiLoCoX at 32
+    # replicas")
     kept_decay: float = spec(0.0, "DiLoCoX with a committee (senders > 0): what a round kept "
                              "outside the committee still weighs in the member's next message, "
                              "per round waited (0: only the fresh round is sent; 1: all of it)",

@@ -6,10 +6,10 @@ logged and the next one runs, so a node always leaves within its grace period. T
 their way get half a step when a stop was asked (a signal, a preemption notice: the grace
 period is short), and up to `leave_drain_s` when the node ended its schedule: nobody waits on
 that exit, and a peer on a slow link may still be receiving the last round's message (the
-512 kbit/s run R13, benchmarks/NOTEBOOK.md: a node cut its push 2.5 s after its last round, at
-260 of 411 KB, and that member waited 16 s for it and then left it out of its step). What was
-started in the background is cancelled last; the transport's counters are reported, the proof
-that every message was signed and verified.
+512 kbit/s runs, benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps": a node cut
+its push 2.5 s after its last round, at 260 of 411 KB, and that member waited 16 s for it and then
+left it out of its step). What was started in the background is cancelled last; the transport's
+counters are reported, the proof that every message was signed and verified.
 """
 
 from __future__ import annotations

@@ -152,7 +152,8 @@ class MemberCache:
         whatever the DHT says, for `vouch_s` more (if we know its record). On a link saturated
         by its own pushes, a node's DHT lookups lagged, its members' records left its view while
         their messages kept coming, and it sent its round's message to no one
-        (benchmarks/NOTEBOOK.md, issue 18, R5). A member that stops sending still expires on time."""
+        (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512 kbit/s runs).
+        A member that stops sending still expires on time."""
         if peer in self.records:
             self.vouched[peer] = self.clock() + self.vouch_s
 

@@ -6,7 +6,8 @@ L = 127 (8 bits) or L = 7 (4 bits); decoding gives x̂ = q · s / L. Per element
 most s / (2L), so an outlier only coarsens its own block. With a random generator the sender
 rounds stochastically instead, q = ⌊x / s · L + u⌋ with u uniform in [0, 1): E[x̂] = x, the
 error below s / L; a value sent round after round then is not pulled to the same code each
-time (NoLoCo's θ, benchmarks/NOTEBOOK.md issue 19). The wire format is the same.
+time (NoLoCo's θ, benchmarks/NOTEBOOK.md, "NoLoCo against DiLoCo and local-only"). The wire format
+is the same.
 
 Description: {"codec": "blockwise", "shape": [...], "bits": 8|4, "block": int}.
 Payload: nblocks fp32 scales, then the codes: int8 per element (8 bits), or two 4-bit codes

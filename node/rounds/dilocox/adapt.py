@@ -10,19 +10,20 @@ to it took than to the fastest receiver), and sets the codec's strength (top-k: 
 low-rank: rank) and bits for the next round. Before the link has measured anything (None: the daemon's first
 round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
 node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
-it (benchmarks/NOTEBOOK.md, issue 18, R9). After a move up the next decision holds
-(`measuring`): the first message of the new size has just been handed over, and the decision
-after it reads that message's send, finished or still in flight a round later (send_ratio
-counts a send in flight at its seconds so far). R19's fast nodes doubled at three decisions
-running, each before the last size's send was measured, onto a link whose burst made small
-messages look free; with one decision held no node doubled twice running there (R29, R30). A
-hold of LINK_MEMORY (4) rounds instead (75978fd) climbed from rank 1 to 32 in 21 rounds on a
-20 Mbit/s link, far under budget (issue 18, stop 42's time-to-loss runs).
+it (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512 kbit/s runs).
+After a move up the next decision holds (`measuring`): the first message of the new size has just
+been handed over, and the decision after it reads that message's send, finished or still in flight
+a round later (send_ratio counts a send in flight at its seconds so far). Without the hold, fast
+nodes doubled at three decisions running, each before the last size's send was measured, onto a
+link whose burst made small messages look free; with one decision held no node doubled twice
+running there. A hold of LINK_MEMORY (4) rounds instead (75978fd) climbed from rank 1 to 32 in 21
+rounds on a 20 Mbit/s link, far under budget (benchmarks/NOTEBOOK.md, "DiLoCoX's idle time on a 20
+Mbit/s, 50 ms link").
 
 The controller starts START_DOUBLINGS moves below the manifest's strength: the first two
 rounds' messages are encoded before any send is measured, and at the manifest's rank 16
 (211 KiB) six of them into the 512 kbit/s member were 20 s of its downlink, and it and then
-the others waited up to 11 s (R22). A link with room returns to the manifest's strength in
+the others waited up to 11 s. A link with room returns to the manifest's strength in
 two measured moves up.
 
 Bounds come from the manifest, so every member can decode every other's messages: top-k's k up

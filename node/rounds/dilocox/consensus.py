@@ -21,13 +21,13 @@ Invariants:
   strict majority of the votes the check expects (the members that finished the round before,
   and us), not just two of those that came: the two sides of a 2:2 split each counted their
   round agreed from the votes that reached them first, and the pair that lost the tie replayed
-  from a state that was not the majority's, never reaching its digest (benchmarks/NOTEBOOK.md,
-  issue 18, R8);
+  from a state that was not the majority's, never reaching its digest (benchmarks/NOTEBOOK.md, "A
+  diverged DiLoCoX node replays its steps", the 512 kbit/s runs);
 - a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
   while that is at most REPLAY_ROUNDS back; then it downloads the state. A replay that did not
   give the majority's φ (`replay_failed`) is not tried again from that round: the next one
   starts from the agreed state the training thread held before it, and with none the next
-  divergent check downloads (over 512 kbit/s a download never came: R10);
+  divergent check downloads (over 512 kbit/s a download never came);
 - a downloaded state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution;
@@ -132,8 +132,8 @@ class PhiConsensus:
             return
         if votes[majority] < 2 and sum(votes.values()) >= 3:
             # A tie of lone digests, which a liar would win by grinding a small one: the holder
-            # ranked first for the round wins instead (it healed none before: CI saw three
-            # members on three φ for 15 rounds after one caught up)
+            # ranked first for the round wins instead, so that members on lone digests converge
+            # on one φ rather than each keeping its own
             majority = split_winner({digest: [self.peer_id], **holders}, round_index)
             if majority == digest:
                 self.diverged = False
@@ -153,9 +153,10 @@ class PhiConsensus:
     def _waited_enough(self, round_index: int, waited_s: float) -> bool:
         """consensus_wait_s for the votes; as long as one of our rounds while members still
         train the round, whose votes come only at its end. A node ahead of its members by most
-        of a round (the 512 kbit/s run R4, benchmarks/NOTEBOOK.md: 8-10 s ahead, rounds of
-        10-11 s) checked each round before their votes came, heard none, and never learned that
-        its φ had left theirs at round 2: it held another φ for 18 rounds."""
+        of a round (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512
+        kbit/s runs: 8-10 s ahead, rounds of 10-11 s) checked each round before their votes came,
+        heard none, and never learned that its φ had left theirs at round 2: it held another φ for
+        18 rounds."""
         if waited_s < self.swarm.timeouts.consensus_wait_s:
             return False
         return waited_s >= self.pace() or not self.in_round(round_index)
@@ -192,14 +193,12 @@ class PhiConsensus:
     async def settle(self, round_index: int, wait_s: float, pace: float) -> None:
         """While we are known to be off the majority's φ, waits at most `wait_s` and one of our
         rounds (`pace`) for the check of the round before `round_index`: its resync is due at
-        this step (one that comes later is taken at the next, our step since replayed over it;
-        before, it was dropped, and a check slower than a round lost every resync: CI saw a node
-        diverge and resync rounds 1-8, never healing).
+        this step (one that comes later is taken at the next, our step since replayed over it,
+        never dropped: a check slower than a round would otherwise lose every resync).
         Never once the swarm is a round ahead: a check may wait for votes that never come
         (members rounds ahead announce other rounds), and a node that waits then falls further
-        behind, its messages refused as stale and its φ off again (CI: a node that had caught up
-        waited 5 s a round and fell 12 rounds behind again; one that waited at each round's end
-        fell two rounds behind a three-node swarm, and caught up, skipping four rounds)."""
+        behind, its messages refused as stale and its φ off again: a node waits only while it
+        is at most one round behind the majority's round."""
         check = self.checks.get(round_index - 1)
         if self.diverged and check is not None and pace > 0 \
                 and agreed_round(self.members.eligible()) <= round_index + 1:

@@ -80,10 +80,10 @@ WATCH_S = 0.25  # how often the messages that did not come are looked for (relay
 # than ON_ITS_WAY_S ago (a broken push is tried again a second later: sending.py). A member
 # that finished the round and sent us nothing is then given up: at 512 kbit/s a slow node's
 # view of its members emptied, it sent its message of round 4 to no one, and each fast node
-# waited the whole 120 s deadline for it (benchmarks/NOTEBOOK.md, issue 18, R5); a φ split that
-# follows heals by replay. ASKING_S: the time a message needs to reach the members that hold
-# it and a relay to find it there; at 3 s a loaded CI machine's 2 s rounds gave up on a copy
-# beyond the fan-out that the others applied, and φ split.
+# waited the whole 120 s deadline for it (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays
+# its steps", the 512 kbit/s runs); a φ split that follows heals by replay. ASKING_S: the time a
+# message needs to reach the members that hold it and a relay to find it there; at 3 s a loaded CI
+# machine's 2 s rounds gave up on a copy beyond the fan-out that the others applied, and φ split.
 ASKING_S = 15.0
 ON_ITS_WAY_S = 3.0
 
@@ -369,7 +369,8 @@ class DiLoCoXExchange:
         the rounds a (re)joining node may have missed: those wait for the round's end as before.
         Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
         Without the members behind, a node all of whose members were behind stepped alone at
-        once every round and ran ahead of them (benchmarks/NOTEBOOK.md, issue 18, "replays")."""
+        once every round and ran ahead of them (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node
+        replays its steps")."""
         if round_index < self.first_round or round_index <= self.collected or self.consensus.checks:
             return False
         box = self.inbox.get(round_index, {})
@@ -478,7 +479,8 @@ class DiLoCoXExchange:
         # announced): our φ then lacks the steps since, and the check's replay starts there. As
         # the round before the swarm's, a fast node that downloaded round 5's state to train
         # round 7 had every later replay refused (its state older than the recipe's start) and
-        # stayed off the majority's φ for 8 rounds (benchmarks/NOTEBOOK.md, issue 18, R6).
+        # stayed off the majority's φ for 8 rounds (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX
+        # node replays its steps", the 512 kbit/s runs).
         self._restart_at(got.next_round, got.state_round)
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
             del self.inbox[old]

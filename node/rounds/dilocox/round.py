@@ -121,7 +121,7 @@ class DiLoCoXRound:
                                                      "momentum": self.outer.momentum})
         # The agreed state before it (one more φ and m held): where a replay starts when one from
         # `agreed` did not give the majority's φ. A check counts its round agreed on the votes
-        # that came, and the majority's chain may have left it there (the 512 kbit/s run R10:
+        # that came, and the majority's chain may have left it there (in a 512 kbit/s run:
         # the slow node's round 3 held 3 of 4 votes, the pair that won round 5 went through the
         # fourth); the state downloaded instead never came over that link.
         self.agreed_before: tuple[int, dict] | None = None

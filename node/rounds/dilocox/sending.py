@@ -24,7 +24,8 @@ PGRAD = "dilocox.pgrad"
 # The controller reads the link's cost as the worst of this many last sends. Each message goes
 # to every member, so a slow member's downlink carries all of them: a round whose sends did not
 # overlap there measured fast, the next slow, and with the last send alone the rank doubled and
-# halved round after round (16-32-64, benchmarks/NOTEBOOK.md, issue 20, one slow node).
+# halved round after round (16-32-64, benchmarks/NOTEBOOK.md, "One of 4 nodes on a link 4x
+# slower").
 LINK_MEMORY = 4
 # A push that broke (stalled, reset, ended early, a dial that failed) is tried again within its
 # need-by, this many times in all: its receiver waits up to the whole deadline for
@@ -74,9 +75,10 @@ class RoundSender:
         LINK_MEMORY finished sends and any send in flight slower already, times that message's
         bytes. Not the last send's own seconds: those are of an earlier message, and the
         controller, which judges the current one, doubled the rank on a send half its size and
-        saturated a 1.8 Mbit/s link (benchmarks/NOTEBOOK.md, issue 20). Over the shortest of the
-        last rounds: a round stretched by a wait on the network is not compute, and after an
-        81 s wait the ratio read 0.17 and the rank doubled onto the same saturated link."""
+        saturated a 1.8 Mbit/s link (benchmarks/NOTEBOOK.md, "Time to loss where volunteers live").
+        Over the shortest of the last rounds: a round stretched by a wait on the network is not
+        compute, and after an 81 s wait the ratio read 0.17 and the rank doubled onto the same
+        saturated link."""
         now, in_flight = time.monotonic(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
         return self._per_round([*rates, *self._link_costs])
@@ -90,7 +92,7 @@ class RoundSender:
         sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
         reads less: its pushes share that uplink and end closer together (on the slow link the
         512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/NOTEBOOK.md,
-        R18-R21)."""
+        "A diverged DiLoCoX node replays its steps")."""
         return self._per_round(self._shared_costs) or 0.0
 
     def _per_round(self, costs) -> float | None:
@@ -141,7 +143,8 @@ class RoundSender:
             measured = (time.monotonic() - started) / message.total_bytes
             # A send that failed at once (a reset stream, a refusal) says nothing of the link and
             # may only raise its cost: read as fast, it let the controller double the rank onto a
-            # slow member's saturated downlink (benchmarks/NOTEBOOK.md, issue 20, one slow node)
+            # slow member's saturated downlink (benchmarks/NOTEBOOK.md, "One of 4 nodes on a link
+            # 4x slower")
             if not failed or not self._link_costs or measured > max(self._link_costs):
                 self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
             if len(took) >= 2:

@@ -1,4 +1,4 @@
-"""Rounds that fit the link: how often a NoLoCo node pairs (issue 19).
+"""Rounds that fit the link: how often a NoLoCo node pairs.
 
 In overlap timing a pair forms during round r and swaps the snapshots taken at the end of
 round r − 1; the partner's lands while the node trains and corrects it then (protocol/noloco.py

@@ -68,7 +68,8 @@ def run_arm(base: Path, kind: str | None, rounds: int, inner_steps: int,
             counters = node.events("transport")[-1]
             refused.update(counters.get("refused_incoming", {}))
             refused["contribution"] += sum(1 for r in rounds_ if r.get("refused"))
-            banned += f"banned {bad_id}" in node.log_tail(1_000_000)
+            banned += f"banned {bad_id}" in node.log_tail(1_000_000) \
+                or any(e["author"] == bad_id for e in node.events("equivocated"))  # banned on proof
         return {"finals": finals, "mean": statistics.fmean(finals), "used": used,
                 "refused": dict(refused), "banned_by": banned, "honest": len(nodes)}
     finally:

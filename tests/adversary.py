@@ -33,9 +33,9 @@ daemon. Kinds:
               matches its own signed announcement);
 - state-round:  its member record, its announcements and the state it serves claim rounds
               10^6 beyond its real ones;
-- equivocate: DiLoCoX: signs two versions of each round's message (the second says it carries
-              2 rounds of work, a valid message weighted twice) and pushes one to the first half of
-              its group by peer id, the other to the second half;
+- equivocate: DiLoCoX: signs two versions of each round's message (the second compresses half
+              its pseudo-gradient: a valid message that moves φ elsewhere) and pushes one to the
+              first half of its group by peer id, the other to the second half;
 - future:     DiLoCoX: its member record claims rounds 10^9 beyond its real ones, and in place of
               each round's message it pushes a validly signed one of the round 10^9 later;
 - slow-members: not an adversary, a fault of its DHT: its member lookups answer "no member"
@@ -427,12 +427,10 @@ def _flood() -> None:
 
 # ---------------------------------------------------------------------- DiLoCoX messages
 def _dilocox_lies(kind: str) -> None:
-    import numpy as np
-
     from node.daemon import members
-    from node.rounds.dilocox import sending
-    from node.rounds.dilocox.payload import ROUNDS
-    from p2p.messages import OutgoingMessage, OutgoingTensor
+    from node.rounds.dilocox import payload, sending
+    from p2p.messages import OutgoingMessage
+    from protocol import dilocox
 
     async def push_all(sender, pushes) -> None:
         async def push(peer, message):
@@ -442,11 +440,19 @@ def _dilocox_lies(kind: str) -> None:
                 log.warning("adversary: round %d to %s refused: %s", message.round, peer, exc)
         await asyncio.gather(*(push(peer, message) for peer, message in pushes))
 
+    twins: dict[int, list] = {}  # round -> the second version's tensors
+    honest_compress = dilocox.DiLoCoX.compress
+
+    def compress(self, delta, round_index):
+        last = self.last_compressed_round
+        half = honest_compress(self, {name: t * 0.5 for name, t in delta.items()}, round_index)
+        twins[round_index] = payload.encode_message(half)
+        self.last_compressed_round = last  # the round once more: the version it applies itself
+        return honest_compress(self, delta, round_index)
+
     async def equivocate(self, round_index, message):
         group = sorted(self.group())
-        twin = OutgoingMessage(message.kind, round_index, [
-            *(t for t in message.tensors if t.name != ROUNDS),
-            OutgoingTensor(ROUNDS, "int32", (1,), np.array([2], dtype=np.int32))])
+        twin = OutgoingMessage(message.kind, round_index, twins.pop(round_index))
         self.sign(twin)
         half = group[: len(group) // 2]
         log.warning("adversary: round %d: one version to %s, another to %s", round_index,
@@ -460,6 +466,7 @@ def _dilocox_lies(kind: str) -> None:
         await push_all(self, [(p, far) for p in self.group()])
 
     if kind == "equivocate":
+        dilocox.DiLoCoX.compress = compress
         sending.RoundSender._send_all = equivocate
         return
     sending.RoundSender._send_all = far_future

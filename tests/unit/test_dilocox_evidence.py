@@ -46,7 +46,7 @@ def version(author: NodeIdentity, round_index: int, variant: int) -> Version:
 def test_two_signed_versions_met_in_a_members_report_ban_the_author_and_drop_its_message():
     async def main():
         loop = asyncio.get_running_loop()
-        liar, honest, me = NodeIdentity.generate(), NodeIdentity.generate(), NodeIdentity.generate()
+        liar, honest = NodeIdentity.generate(), NodeIdentity.generate()
         name = liar.peer_id.to_base58()
         ex = swarm_of(loop, liar, honest)
         ex._take_relayed(name, relayed_copy(liar, liar, 5))  # version 0 came to us
@@ -61,7 +61,6 @@ def test_two_signed_versions_met_in_a_members_report_ban_the_author_and_drop_its
         # neither version is taken again
         ex._take_relayed(name, relayed_copy(liar, honest, 5, version=1))
         assert name not in ex.inbox[5]
-        del me
     asyncio.run(main())
 
 

@@ -36,7 +36,6 @@ vote and holds no φ that anyone adopts.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable

@@ -10,7 +10,8 @@ in-memory link), and gets back at most one partner snapshot:
   (protocol/noloco.py late_pair_correction); nothing waits on the network. On a slow link the
   swap may land rounds later (at most protocol.max_swap_rounds: node/rounds/noloco/pacing.py);
   the correction then uses our snapshot of that pair's round, kept until its swap ends;
-- `blocking`: the link pairs and swaps S_r now, waiting at most `pair_deadline_s`.
+- `blocking`: the link pairs and swaps S_r now, waiting at most `pair_deadline_s` for a partner;
+  a swap under way ends by the transport's rules (p2p/progress.py), not by that wait.
 Whatever arrives is checked before use: its layout (a snapshot of the other layout is refused),
 its encoding (a quantized wire_dtype: exact tensors and byte lengths, valid scales and codes),
 names, shapes, finite values, and a norm within max_norm_ratio of the node's own matching

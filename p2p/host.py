@@ -26,6 +26,7 @@ from collections.abc import Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any, TypeVar
 
+from hivemind.dht import protocol as dht_protocol
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto import dht_pb2
@@ -36,12 +37,16 @@ from p2p.identity import NodeIdentity
 from p2p.paths import for_p2pd
 from p2p.reachability import (DIAL_BACK, DialBackService, Reachability, ReachabilityOptions, create_p2p,
                                find_reachability, p2pd_options, wait_for_relay_addresses)
-from p2p.records import STORE_SENDER, OwnerOnlyValidator
+from p2p.records import CLOCK_SKEW_TOLERANCE_S, STORE_SENDER, OwnerOnlyValidator
 
 logger = logging.getLogger("lowcomm.p2p.host")
 LOOPBACK_MADDRS = ("/ip4/127.0.0.1/tcp/0",)
 SOCKET_GLOB = "/tmp/hivemind-*.sock"  # p2pd's and its clients' unix sockets (hivemind names them)
 T = TypeVar("T")
+# hivemind's DHT refuses to bootstrap from a peer whose clock differs from ours by more than 3 s
+# ("local time must be within 3 seconds of others"): a volunteer a few seconds off could not
+# join at all. Member records tolerate CLOCK_SKEW_TOLERANCE_S, and so does the bootstrap.
+dht_protocol.MAX_DHT_TIME_DISCREPANCY_SECONDS = CLOCK_SKEW_TOLERANCE_S
 
 
 def socket_paths() -> set[str]:

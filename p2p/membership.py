@@ -30,14 +30,10 @@ from typing import Any
 
 from p2p.errors import HostError
 from p2p.host import P2PHost
-from p2p.records import STATUSES, MemberRecord
+from p2p.records import CLOCK_SKEW_TOLERANCE_S, STATUSES, MemberRecord
 
 logger = logging.getLogger("lowcomm.p2p.membership")
 _UPDATABLE = frozenset(("addrs", "protocol", "manifest", "round", "status", "throughput", "extra"))
-# how far members' clocks may differ from each other (and from the DHT nodes storing their
-# records) with membership unaffected: a record stays stored everywhere while the skew is below
-# `lifetime_s` minus one heartbeat
-CLOCK_SKEW_TOLERANCE_S = 90.0
 REMEMBERED_BEATS = 4096  # members whose latest heartbeat a reader remembers (bounded memory)
 
 

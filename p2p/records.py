@@ -30,6 +30,11 @@ RECORD_DOMAIN = b"lowcomm/dht-record/v1\x00"
 SIGNED_MARKER = b"LCs1"
 MAX_SUBKEY_BYTES = 128
 MAX_VALUE_BYTES = 8192
+# how far members' clocks may differ from each other (and from the DHT nodes storing their
+# records) with membership unaffected: a record stays stored everywhere while the skew is below
+# its lifetime minus one heartbeat (p2p/membership.py), and a DHT node bootstraps from peers
+# whose clocks differ from its own by up to this (p2p/host.py)
+CLOCK_SKEW_TOLERANCE_S = 90.0
 # The peer whose DHT store request is being validated (set by P2PHost around hivemind's store
 # handler): honest nodes store and relay only records that validate, so a forged one comes
 # from the peer that sent it.

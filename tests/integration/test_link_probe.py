@@ -33,7 +33,8 @@ def test_a_member_answers_a_probe_with_as_many_bytes_as_it_received_and_no_more(
                 reply = await prober.swap(b.peer_id, small, accept_round=lambda _r: True)
                 assert len(reply.payload) == 1000  # as many as it carried
                 assert member.counters.bytes_sent - sent_before < 1000 + 4096  # headers and status
-                too_big = OutgoingMessage.from_arrays(PROBE, 0, {"zeros": np.zeros(PROBE_BYTES + 1, np.uint8)})
+                too_big = OutgoingMessage.from_arrays(PROBE, 0, {f"z{i}": np.zeros(PROBE_BYTES // 4, np.uint8)
+                                                                 for i in range(5)})
                 with pytest.raises(RemoteRefused):
                     await prober.push(b.peer_id, too_big)
                 print(f"\nprobe on loopback: {measured.up_bps / 1e6:.0f} Mbit/s up, at least "

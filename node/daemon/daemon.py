@@ -34,6 +34,7 @@ from node.daemon.join import CHECKPOINT_FORMAT, Network, connect, resume_or_join
 from node.daemon.leave import leave
 from node.daemon.members import PhiAnnouncer
 from node.daemon.run import serve_state, train
+from p2p.probe import serve_probe
 from node.daemon.worker import TrainingWorker
 from node.data.corpus import load_corpus, stream_seed
 from node.data_dir import DataDir, MetricsLog
@@ -130,6 +131,7 @@ class Daemon:
             policy = self._protocol(trainer, swarm)
             start_round = await resume_or_join(self, trainer, policy)
             serve_state(self, policy)
+            serve_probe(self.network.transport)  # `doctor`s time their links against us
             self.network.exchange.start(start_round)
             swarm.members.update(round=start_round, status="training", extra={"since": start_round})
             self.events.publish(Started(round=start_round, step=trainer.step))

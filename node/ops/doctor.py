@@ -2,10 +2,12 @@
 
 Each finding is one sentence, and says what to do when something is wrong. Checks, in order:
 Python and torch, the training device, the manifest and its digest, free disk for two
-checkpoints, the swarm's largest message against the transport and this machine's memory, the
-bytes a round moves and the link they need (node/ops/doctor_link.py), p2pd's start (timed, on loopback), then a real start of this node's network parts
-as `join` would (bootstrap, the dial-back reachability check, relay slots), each bootstrap peer
-on its own, and the clock against theirs. The exit code is 0 only when no finding is a failure,
+checkpoints, the swarm's largest message against the transport and this machine's memory,
+p2pd's start (timed, on loopback), then a real start of this node's network parts as `join`
+would (bootstrap, the dial-back reachability check, relay slots), each bootstrap peer on its
+own, the clock against theirs, a timed transfer with one of them, and last the bytes a round
+moves and the link rate they need, judged against the declared or measured link
+(node/ops/doctor_link.py). The exit code is 0 only when no finding is a failure,
 that is when `join` would get in. Nothing is written to the data directory: the check runs under
 a throwaway identity.
 """
@@ -18,9 +20,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from node.config.manifest import Manifest
-from node.ops.doctor_link import LinkOptions
+from node.ops.doctor_link import LinkOptions, probe_members
 
 CHECKPOINT_BYTES_PER_PARAM = 24  # θ, AdamW's two moments, the outer φ and momentum, with margin
 CLOCK_FAIL_S = 300.0             # peers refuse messages stamped more than 300 s off (WireLimits)
@@ -34,6 +37,11 @@ class Finding:
 
     def line(self) -> str:
         return f"{self.level.upper():5} {self.check:13} {self.text}"
+
+
+@dataclass
+class LinkProbeFinding(Finding):
+    measured: Any = None  # p2p/probe.py LinkMeasurement; None when no member answered a probe
 
 
 @dataclass
@@ -119,10 +127,10 @@ def check_disk(manifest: Manifest, data_dir: Path) -> Finding:
                                  f"{need / 2**30:.2f} GiB.")
 
 
-def check_link_safely(manifest: Manifest, options: LinkOptions) -> Finding:
+def check_link_safely(manifest: Manifest, options: LinkOptions, measured=None) -> Finding:
     from node.ops.doctor_link import check_link
     try:
-        return check_link(manifest, options)
+        return check_link(manifest, options, measured)
     except (RuntimeError, ValueError, MemoryError) as error:  # a step that cannot run here
         return Finding("link", "warn", f"the round's length could not be estimated ({error}): "
                                        f"pass --step-seconds.")
@@ -174,7 +182,7 @@ async def check_network(manifest: Manifest, options: DoctorOptions, identity) ->
                                     "no relay reservation: members behind other NATs cannot reach this node; "
                                     "ask the swarm's operator for a public member that runs this version."))
         findings += await _check_peers(host, peers, options.peer_timeout_s)
-        return findings
+        return [*findings, await probe_members(host, manifest, identity, peers, options.peer_timeout_s)]
     finally:
         await host.shutdown()
 
@@ -245,10 +253,9 @@ async def run_doctor(manifest: Manifest, options: DoctorOptions) -> list[Finding
     findings = [check_python_and_torch()]
     if findings[0].level == "fail":
         return findings
+    messages = check_messages(manifest)
     findings += [check_device(manifest), check_manifest(manifest, options.peers),
-                 check_disk(manifest, options.data_dir), check_messages(manifest)]
-    if findings[-1].level != "fail":  # the model fits this machine: its rounds can be sized
-        findings.append(check_link_safely(manifest, options.link))
+                 check_disk(manifest, options.data_dir), messages]
     with tempfile.TemporaryDirectory(prefix="lowcomm-doctor-") as scratch:
         identity = NodeIdentity.generate()
         identity.save(Path(scratch) / "identity.key")
@@ -256,6 +263,9 @@ async def run_doctor(manifest: Manifest, options: DoctorOptions) -> list[Finding
         findings.append(p2pd)
         if p2pd.level != "fail" and findings[2].level == "ok":  # with peers to check against
             findings += await check_network(manifest, options, identity)
+    if messages.level != "fail":  # the model fits this machine: its rounds can be sized
+        measured = next((f.measured for f in findings if isinstance(f, LinkProbeFinding)), None)
+        findings.append(check_link_safely(manifest, options.link, measured))
     return findings
 
 

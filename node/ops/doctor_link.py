@@ -5,9 +5,12 @@ machine's link carries them.
 The round's length is H × a step's seconds: declared (`--step-seconds`) or estimated here by
 timing one micro-batch's forward and backward of the manifest's model on the training device,
 times the micro-batches of a step (the optimizer step left out). The link's rates are
-declared (`--uplink-mbit`, `--downlink-mbit`); without them the finding gives the numbers and
-judges nothing. A swarm whose exchange the link cannot carry even at the least the protocol
-allows is a failure, one the protocol absorbs (pairing less often, compressing harder) a warning.
+declared (`--uplink-mbit`, `--downlink-mbit`), or measured by a timed transfer with the first
+bootstrap peer that answers one (p2p/probe.py: the uplink, and a lower bound of the downlink);
+without either the finding gives the numbers and judges nothing. A swarm whose exchange the link
+cannot carry even at the least the protocol allows is a failure, one the protocol absorbs
+(pairing less often, compressing harder) a warning; on a measured link, whose few megabytes
+are a rough sample and whose downlink only a lower bound, a warning either way.
 """
 
 from __future__ import annotations
@@ -56,8 +59,58 @@ def estimate_step_seconds(manifest: Manifest) -> tuple[float, str]:
     return micro_batches * timings[-1], f"estimated on this machine's {device.type}"
 
 
-def check_link(manifest: Manifest, options: LinkOptions):
-    """One finding: the round's bytes and the rates they need, judged against the declared link."""
+async def probe_members(host, manifest: Manifest, identity, peers: list[str],
+                        connect_timeout_s: float):
+    """A finding holding the measurement (or None): a timed transfer with the first of `peers`
+    (multiaddrs) that is reachable and answers one, through a transport started for it on `host`."""
+    from node.ops.doctor import LinkProbeFinding
+    from node.rounds.message_sizes import transport_limits
+    from p2p.errors import P2PError
+    from p2p.streams import Transport
+    try:  # a model that cannot fit this machine is the messages check's failure
+        wire, transfer = transport_limits(manifest, vocab_of(manifest))
+        transport = Transport(host.p2p, identity, swarm=manifest.swarm.id, manifest=manifest.digest,
+                              wire_limits=wire, limits=transfer)
+        await transport.start()
+    except P2PError as error:
+        measured, failures = None, [str(error)]
+    else:
+        try:
+            measured, failures = await _measure_first(host, transport, peers, connect_timeout_s)
+        finally:
+            await transport.stop()
+    if measured is None:
+        why = "; ".join(failures)[:400]
+        return LinkProbeFinding("link probe", "warn", f"this machine's link was not measured: no member answered "
+                                                      f"a timed transfer ({why}); pass --uplink-mbit and "
+                                                      f"--downlink-mbit to judge it.")
+    rates = f"{mbit(measured.up_bps)} up, at least {mbit(measured.down_bps_at_least)} down"
+    return LinkProbeFinding("link probe", "ok", f"a timed transfer of {measured.nbytes / 1e6:.1f} MB each way "
+                                                f"with member {measured.peer[-8:]}: {rates}.", measured)
+
+
+async def _measure_first(host, transport, peers: list[str], connect_timeout_s: float):
+    """(the first measurement among `peers`, or None; why each before it failed)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    from p2p.errors import P2PError
+    from p2p.probe import measure_link
+    failures = []
+    for text in peers:
+        peer = Multiaddr(text)["p2p"]
+        if await host.reconnect([text], timeout_s=connect_timeout_s) == 0:
+            failures.append(f"{peer[-8:]}: not reachable")
+            continue
+        try:
+            return await measure_link(transport, peer), failures
+        except P2PError as error:
+            failures.append(f"{peer[-8:]}: {error}")
+    return None, failures
+
+
+def check_link(manifest: Manifest, options: LinkOptions, measured=None):
+    """One finding: the round's bytes and the rates they need, judged against the declared link
+    or, without one, the `measured` one (p2p/probe.py LinkMeasurement)."""
     from node.ops.doctor import Finding
 
     if options.step_seconds is not None:
@@ -70,14 +123,22 @@ def check_link(manifest: Manifest, options: LinkOptions):
     rounds = f"rounds of {manifest.protocol.inner_steps} steps of {step:.2f} s ({source}){members}"
     join = (f"a late joiner downloads {traffic.join_bytes / 1e6:.1f} MB of state ({mbit(need.join_bps)} "
             f"to fetch it within a round)")
-    if options.uplink_mbit is None or options.downlink_mbit is None:
+    declared = options.uplink_mbit is not None and options.downlink_mbit is not None
+    if not declared and measured is None:
         return Finding("link", "ok", f"at {rounds}: a round moves {traffic.up_bytes / 1e6:.1f} MB up and "
                                      f"{traffic.down_bytes / 1e6:.1f} MB down per node ({traffic.what}), "
                                      f"which needs {mbit(need.up_bps)} up and {mbit(need.down_bps)} down, "
                                      f"and {join}; pass --uplink-mbit and --downlink-mbit to check "
                                      f"this machine's link against them.")
-    up, down = options.uplink_mbit * 1e6, options.downlink_mbit * 1e6
-    verdict = judge_link(traffic, need, up, down, manifest.swarm.id)
-    return Finding("link", VERDICT_LEVELS[verdict.level],
+    if declared:
+        up, down, link = options.uplink_mbit * 1e6, options.downlink_mbit * 1e6, ""
+    else:
+        up, down = measured.up_bps, measured.down_bps_at_least
+        link = f"this link ({mbit(up)} up, at least {mbit(down)} down, measured)"
+    verdict = judge_link(traffic, need, up, down, manifest.swarm.id, link=link)
+    level = VERDICT_LEVELS[verdict.level]
+    if not declared and level == "fail":  # a rough sample, a lower bound
+        level = "warn"
+    return Finding("link", level,
                    f"{verdict.sentence[:-1]}, at {rounds}; {join}, {8 * traffic.join_bytes / down:.0f} s "
                    f"at {mbit(down)}.")

@@ -286,3 +286,18 @@ def test_a_dilocox_member_with_the_controller_can_save_down_to_its_floor_and_wit
     verdict = judge_link(fixed, link_need(fixed, 25.0), between, between)
     assert verdict.level == "too_slow" and verdict.sentence.endswith("and the protocol as configured "
                                                                      "cannot send less.")
+
+
+def test_doctor_judges_a_measured_link_as_a_warning_at_most_and_says_it_was_measured():
+    """A probe's few megabytes are a rough sample, its downlink a lower bound: the same link that
+    fails when declared only warns when measured (p2p/probe.py LinkMeasurement)."""
+    from node.ops.doctor_link import LinkOptions, check_link
+    from p2p.probe import LinkMeasurement
+    m = load_manifest(MANIFEST, {"model": {"preset": "small", "vocab_size": 32_000},
+                                 "protocol": {"wire_dtype": "int4", "inner_steps": 25}})
+    measured = LinkMeasurement("peer", 4 << 20, up_bps=5e6, down_bps_at_least=20e6)
+    finding = check_link(m, LinkOptions(step_seconds=1.0), measured)
+    assert finding.level == "warn" and finding.text.startswith(
+        "this link (5.0 Mbit/s up, at least 20.0 Mbit/s down, measured) cannot carry the exchange")
+    declared = check_link(m, LinkOptions(step_seconds=1.0, uplink_mbit=5.0, downlink_mbit=20.0), measured)
+    assert declared.level == "fail" and declared.text.startswith("this link (5.0 Mbit/s up, 20.0 Mbit/s down)")

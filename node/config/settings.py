@@ -23,11 +23,20 @@ class NodeTimeouts:
     match_message_s: float = 10.0
     # DiLoCoX: how long a node waits for the members of a round to announce their φ digest
     consensus_wait_s: float = 5.0
-    # the late join: members asked for the outer state, each download's deadline, and how long
-    # an announcement lagging the state it describes is waited for
+    # the late join: members asked for the outer state, and how long an announcement lagging the
+    # state it describes is waited for
     state_download_attempts: int = 3
-    state_download_s: float = 120.0
     state_announce_wait_s: float = 10.0
+    # a state download moves ranges of the state (node/rounds/state_fetch.py), each allowed its
+    # bytes at this rate (bytes/s; 1 Mbit/s: a slow home uplink) plus `state_range_base_s`
+    # (opening streams, round trips): no fixed bound on the whole download, which takes as long
+    # as its bytes need on any link at least this fast; a stalled one ends on the transport's
+    # idle bound (p2p/limits.py idle_timeout_s)
+    state_min_rate_bytes_per_s: float = 128 * 1024
+    state_range_base_s: float = 30.0
+    # NoLoCo: a joiner whose asked states disagree waits this long for the swarm's next round
+    # before asking again (a round's length, generously)
+    state_agreement_wait_s: float = 120.0
     # at start: how long the DHT may take to show existing members before we think we are first
     first_members_s: float = 2.0
     member_refresh_s: float = 0.5       # the member cache's DHT lookups
@@ -41,6 +50,10 @@ class NodeTimeouts:
     leave_drain_s: float = 30.0
     # of the grace period, what is kept for leaving once the training thread has stopped
     leave_reserve_s: float = 5.0
+
+    def state_range_s(self, nbytes: int) -> float:
+        """How long a range of `nbytes` of a state download may take (see above)."""
+        return self.state_range_base_s + nbytes / self.state_min_rate_bytes_per_s
 
 
 @dataclass

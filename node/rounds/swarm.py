@@ -19,6 +19,7 @@ from node.config.settings import NodeTimeouts
 from node.events import Event
 from node.loop import BackgroundTasks, LoopBridge
 from node.rounds.contributions import BanList
+from node.rounds.state import StateLayout
 from p2p.errors import P2PError
 
 
@@ -38,6 +39,9 @@ class Swarm:
     # our φ as the reference its checks judge by: what a DiLoCoX node that fell too far behind
     # its swarm adopts mid-run; None where there is none (benchmarks timing an exchange alone)
     adopt_state: Callable[[dict], Awaitable[Any]] | None = None
+    # the byte layout of our outer state (node/rounds/state.py), for a DiLoCoX resync's download;
+    # None where there is none
+    state_layout: StateLayout | None = None
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

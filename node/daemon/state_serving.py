@@ -1,0 +1,128 @@
+"""Serving our outer state to late joiners and to diverged DiLoCoX members, for real model sizes.
+
+Rules:
+- One export per round: the first request for a round's state exports it (`StateExport`, one
+  copy of φ and momentum at most, made off the event loop) and every request for that round,
+  concurrent or later, replies from it; an export lives while the server keeps it (the latest
+  one) or a reply still sends from it (older ones), never longer. Serving N joiners at once
+  costs one state, not N.
+- A request asks for a byte range of the state (meta "offset", "length", at most
+  `CHUNK_MAX_BYTES`), of the round after `phi_round` if given (DiLoCoX keeps two), and, if it
+  gives `phi`, only of the state with that digest: a download resumed from another holder
+  never mixes two states. The reply's tensors view the export's bytes (no copy); its meta says
+  the server's round, the state's round, its digest and the state's total bytes.
+- A download in progress keeps its export: a peer that asked for a range of a state, and not
+  yet its last, pins that export (a NoLoCo member moves on to its next round long before a
+  large state crosses a home link; without the pin the rest of the download would be refused).
+  At most `PINNED_OLDER` exports older than the latest are pinned (their downloaders' pins
+  beyond that, the oldest rounds first, are dropped: such a download is refused and restarts
+  on the latest state), so serving holds at most 1 + `PINNED_OLDER` exports, whatever the
+  number of peers.
+- At most one state request of each peer is served at a time: a second, while the first's reply
+  is still being sent, is refused BUSY with the reason. A downloader asks for one range after
+  the other, so an honest one never sees it; a peer cannot make us send it several replies at
+  once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from node.rounds.policy import RoundPolicy
+from node.rounds.state import CHUNK_MAX_BYTES, STATE_KIND, StateExport
+from p2p.errors import Reason, Refusal
+from p2p.messages import OutgoingMessage
+
+
+PINNED_OLDER = 2
+
+
+class StateServer:
+    """The reply handler of STATE_KIND requests (`respond`) for one round policy."""
+
+    def __init__(self, policy: RoundPolicy, current_round: Callable[[], int | None] | None = None):
+        """`policy`: its export_state and state_version are called in a worker thread;
+        `current_round()`: the round we train now, for the reply's meta (None: the state's
+        round + 1)."""
+        self.policy, self.current_round = policy, current_round
+        self.latest: StateExport | None = None
+        self._by_version: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+        self._exporting = asyncio.Lock()
+        self._serving: dict[bytes, Any] = {}  # peer -> finalizer of the reply being sent to it
+        self._pinned: dict[bytes, StateExport] = {}  # peer -> the export it is downloading
+        self.exports_made = 0
+
+    def in_flight(self, peer: bytes) -> bool:
+        finalizer = self._serving.get(peer)
+        return finalizer is not None and finalizer.alive
+
+    async def export(self, round_index: int | None, digest: str | None = None) -> StateExport:
+        """The shared export of the state after `round_index` (None: the latest); one with
+        `digest` if a download of it is still in progress or replying."""
+        held = self._by_version.get((round_index, digest))
+        if held is not None:
+            return held
+        loop = asyncio.get_running_loop()
+        async with self._exporting:  # concurrent first requests make one export, not several
+            version = await loop.run_in_executor(None, self.policy.state_version, round_index)
+            held = self._by_version.get(version)
+            if held is not None:
+                return held
+            state_round, groups, digest = await loop.run_in_executor(
+                None, self.policy.export_state, round_index)
+            if state_round < 0:
+                raise Refusal(Reason.REFUSED, "no completed round yet")
+            made = await loop.run_in_executor(None, StateExport.of, state_round, groups, digest)
+            del groups  # the export views or holds what it needs
+            self.exports_made += 1
+            self._by_version[(made.round, made.digest)] = made
+            if self.latest is None or made.round >= self.latest.round:
+                self.latest = made
+            return made
+
+    async def respond(self, header) -> OutgoingMessage:
+        peer = header.sender
+        if self.in_flight(peer):
+            raise Refusal(Reason.BUSY, "this node is still sending you a state range; ask for the "
+                                       "next one when it has arrived")
+        meta = header.meta
+        wanted, digest = meta.get("phi_round"), meta.get("phi")
+        offset, length = meta.get("offset", 0), meta.get("length", CHUNK_MAX_BYTES)
+        if type(offset) is not int or type(length) is not int or length <= 0:
+            raise Refusal(Reason.MALFORMED, "a state request's offset and length must be "
+                                            "integers, the length positive")
+        export = await self.export(wanted if type(wanted) is int else None,
+                                   digest if isinstance(digest, str) else None)
+        if isinstance(digest, str) and digest != export.digest:
+            raise Refusal(Reason.REFUSED, f"this node holds a state of round {export.round} with "
+                                          f"digest {export.digest[:12]}, not {digest[:12]}")
+        if type(wanted) is int and wanted != export.round and isinstance(digest, str):
+            raise Refusal(Reason.REFUSED, f"this node no longer holds the state of round {wanted}")
+        if not 0 <= offset < export.total:
+            raise Refusal(Reason.MALFORMED, f"offset {offset} lies outside the state's "
+                                            f"{export.total} bytes")
+        length = min(length, CHUNK_MAX_BYTES, export.total - offset)
+        round_now = self.current_round() if self.current_round else None
+        round_now = export.round + 1 if round_now is None else round_now
+        reply = OutgoingMessage(STATE_KIND, 0, export.chunk(offset, length),
+                                {"round": round_now, "phi_round": export.round, "phi": export.digest,
+                                 "offset": offset, "total": export.total},
+                                frame_digests=export.frame_digests.setdefault((offset, length), {}))
+        self._pin(peer, export, done=offset + length >= export.total)
+        # the slot frees when the transport lets go of the reply (sent, or given up)
+        self._serving[peer] = weakref.finalize(reply, self._serving.pop, peer, None)
+        return reply
+
+    def _pin(self, peer: bytes, export: StateExport, done: bool) -> None:
+        """`peer` downloads `export` (until `done`); the pins of older exports kept in bound."""
+        if done:
+            self._pinned.pop(peer, None)
+        else:
+            self._pinned[peer] = export
+        older = sorted({id(e): e for e in self._pinned.values() if e is not self.latest}.values(),
+                       key=lambda e: e.round)
+        for dropped in older[:max(0, len(older) - PINNED_OLDER)]:
+            self._pinned = {p: e for p, e in self._pinned.items() if e is not dropped}

@@ -8,9 +8,12 @@ member's word where more than one member can be asked.
   what members that started together and differ in speed reach; an assumption, not measured)
   is lying, is banned, and is never asked.
 - DiLoCoX (members share one φ): the state of the latest round whose φ digest a majority of the
-  eligible members announced (distinct identities, each one vote), downloaded from one of those
-  holders and accepted only if its digest is that one. A holder that serves another φ for that
-  round is lying and is banned; the next holder is asked. A member announcing a minority digest
+  eligible members announced (distinct identities, each one vote), downloaded once, range by
+  range, from those holders (node/rounds/state_fetch.py: a holder that breaks off is resumed
+  at the next, each range asked for that round and digest), and accepted only if its digest is
+  that one. A holder that served all of φ and another φ than announced is lying and is banned;
+  a φ assembled from several holders' ranges that fails blames none of them (any could have
+  lied), and the next attempt starts at another holder. A member announcing a minority digest
   is not banned: an honest member that missed a message does that too until it resyncs.
 - NoLoCo (each member holds its own φ): states from up to `STATE_SOURCES` members, each matching
   its server's own signed announcement (else the server is banned), and the adopted state is
@@ -34,9 +37,12 @@ member's word where more than one member can be asked.
   view and the transport leave a liar out from then on.
 
 A swarm with a single member that serves a state is joined on that member's word alone (there
-is nobody else to ask): logged as such, and checked as above. Cost: a NoLoCo joiner downloads
-and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many members at once:
-three times the bytes of a single-source join, 3.2 GB held for the 134M `small` preset.
+is nobody else to ask): logged as such, and checked as above. Cost: a DiLoCoX joiner downloads
+one state's bytes (plus at most a range lost per holder that breaks off); a NoLoCo joiner
+downloads and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many
+members at once: three times the bytes of a single-source join, 3.2 GB held for the 134M
+`small` preset. No download is cut by a fixed time: each range is bounded by its bytes at
+`NodeTimeouts.state_min_rate_bytes_per_s`, a stalled stream by the transport's idle bound.
 """
 
 from __future__ import annotations
@@ -50,7 +56,6 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -234,7 +239,7 @@ class StateAdoption:
             # each attempt starts at another holder; a break resumes at the next one
             candidate = await self._download(holders[attempt:] + holders[:attempt], state_round, digest)
             if candidate is None:
-                return None
+                continue
             if candidate.meta.get("phi_round") != state_round:  # it no longer holds that round
                 self.errors.append(f"{candidate.source}: serves round {candidate.meta.get('phi_round')}, "
                                    f"not the agreed round {state_round}")

@@ -19,17 +19,19 @@ Rules:
   on the latest state), so serving holds at most 1 + `PINNED_OLDER` exports, whatever the
   number of peers.
 - At most one state request of each peer is served at a time: a second, while the first's reply
-  is still being sent, is refused BUSY with the reason. A downloader asks for one range after
-  the other, so an honest one never sees it; a peer cannot make us send it several replies at
+  is still being sent, waits up to `BUSY_WAIT_S` for it to be let go (the peer's next range
+  often comes while the last status of the previous one is still exchanged), then is refused
+  BUSY with the reason. A downloader asks for one range after the other, so an honest one
+  is not refused; a peer cannot make us send it several replies at
   once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 from collections.abc import Callable
-from typing import Any
 
 from node.rounds.policy import RoundPolicy
 from node.rounds.state import CHUNK_MAX_BYTES, STATE_KIND, StateExport
@@ -38,26 +40,50 @@ from p2p.messages import OutgoingMessage
 
 
 PINNED_OLDER = 2
+# A peer's next range may come while the last status of our reply to its previous one is still
+# being exchanged: it waits this long for that reply to be let go before it is refused BUSY.
+BUSY_WAIT_S = 5.0
 
 
 class StateServer:
     """The reply handler of STATE_KIND requests (`respond`) for one round policy."""
 
-    def __init__(self, policy: RoundPolicy, current_round: Callable[[], int | None] | None = None):
+    def __init__(self, policy: RoundPolicy, current_round: Callable[[], int | None] | None = None,
+                 busy_wait_s: float | None = None):
         """`policy`: its export_state and state_version are called in a worker thread;
         `current_round()`: the round we train now, for the reply's meta (None: the state's
         round + 1)."""
         self.policy, self.current_round = policy, current_round
+        self.busy_wait_s = BUSY_WAIT_S if busy_wait_s is None else busy_wait_s
         self.latest: StateExport | None = None
         self._by_version: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._exporting = asyncio.Lock()
-        self._serving: dict[bytes, Any] = {}  # peer -> finalizer of the reply being sent to it
+        self._taken: set[bytes] = set()  # peers with a request being answered or a reply alive
+        self._let_go: dict[bytes, asyncio.Event] = {}  # set when the peer's reply is let go
         self._pinned: dict[bytes, StateExport] = {}  # peer -> the export it is downloading
         self.exports_made = 0
 
     def in_flight(self, peer: bytes) -> bool:
-        finalizer = self._serving.get(peer)
-        return finalizer is not None and finalizer.alive
+        return peer in self._taken
+
+    async def _slot(self, peer: bytes) -> bool:
+        """Waits (at most busy_wait_s) until `peer` has no request in flight; True if free."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.busy_wait_s
+        while peer in self._taken:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._let_go.setdefault(peer, asyncio.Event()).wait(), remaining)
+            except TimeoutError:
+                return False
+        return True
+
+    def _release(self, peer: bytes) -> None:
+        self._taken.discard(peer)
+        if (event := self._let_go.pop(peer, None)) is not None:
+            event.set()
 
     async def export(self, round_index: int | None, digest: str | None = None) -> StateExport:
         """The shared export of the state after `round_index` (None: the latest); one with
@@ -85,10 +111,20 @@ class StateServer:
 
     async def respond(self, header) -> OutgoingMessage:
         peer = header.sender
-        if self.in_flight(peer):
+        if not await self._slot(peer):
             raise Refusal(Reason.BUSY, "this node is still sending you a state range; ask for the "
                                        "next one when it has arrived")
-        meta = header.meta
+        self._taken.add(peer)  # until the reply is let go (sent, or given up)
+        try:
+            reply = await self._reply(peer, header.meta)
+        except BaseException:
+            self._release(peer)
+            raise
+        loop = asyncio.get_running_loop()
+        weakref.finalize(reply, _call_soon, loop, self._release, peer)  # whichever thread frees it
+        return reply
+
+    async def _reply(self, peer: bytes, meta) -> OutgoingMessage:
         wanted, digest = meta.get("phi_round"), meta.get("phi")
         offset, length = meta.get("offset", 0), meta.get("length", CHUNK_MAX_BYTES)
         if type(offset) is not int or type(length) is not int or length <= 0:
@@ -107,14 +143,11 @@ class StateServer:
         length = min(length, CHUNK_MAX_BYTES, export.total - offset)
         round_now = self.current_round() if self.current_round else None
         round_now = export.round + 1 if round_now is None else round_now
-        reply = OutgoingMessage(STATE_KIND, 0, export.chunk(offset, length),
-                                {"round": round_now, "phi_round": export.round, "phi": export.digest,
-                                 "offset": offset, "total": export.total},
-                                frame_digests=export.frame_digests.setdefault((offset, length), {}))
         self._pin(peer, export, done=offset + length >= export.total)
-        # the slot frees when the transport lets go of the reply (sent, or given up)
-        self._serving[peer] = weakref.finalize(reply, self._serving.pop, peer, None)
-        return reply
+        return OutgoingMessage(STATE_KIND, 0, export.chunk(offset, length),
+                               {"round": round_now, "phi_round": export.round, "phi": export.digest,
+                                "offset": offset, "total": export.total},
+                               frame_digests=export.digests_of(offset, length))
 
     def _pin(self, peer: bytes, export: StateExport, done: bool) -> None:
         """`peer` downloads `export` (until `done`); the pins of older exports kept in bound."""
@@ -126,3 +159,16 @@ class StateServer:
                        key=lambda e: e.round)
         for dropped in older[:max(0, len(older) - PINNED_OLDER)]:
             self._pinned = {p: e for p, e in self._pinned.items() if e is not dropped}
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
+    """`callback(*args)` on `loop`: now if this is its thread, else soon; nothing once it closed."""
+    try:
+        here = asyncio.get_running_loop()
+    except RuntimeError:
+        here = None
+    if here is loop:
+        callback(*args)
+    elif not loop.is_closed():
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+            loop.call_soon_threadsafe(callback, *args)

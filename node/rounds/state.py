@@ -1,21 +1,21 @@
 """The outer state a member serves (what a late joiner downloads, and a diverged DiLoCoX node
 too), and the digest of φ it announces in its member record to verify that state against.
 
-A state message (kind STATE_KIND) carries φ as "phi/<name>" and the outer momentum as
-"momentum/<name>", in fp32, and in its signed header the round it belongs to ("phi_round"), the
-digest of φ ("phi") and the server's current round ("round"). A requester may ask for the state
-after a given round (meta "phi_round"); DiLoCoX members keep the last two.
+The state travels in byte ranges (node/daemon/state_serving.py serves them,
+node/rounds/state_fetch.py downloads them): a member exports a round's state once
+(`StateExport`, read-only, shared by every request for that round) and answers a request for a
+range (meta "offset", "length"; "phi_round" for the state after a given round, DiLoCoX members
+keep the last two; "phi" for the state with that digest only) with uint8 tensors viewing the
+export's bytes (`StateExport.chunk`: views, never copies), and in its signed header the round
+the state belongs to ("phi_round"), the digest of φ ("phi"), the server's current round
+("round"), the range's offset and the state's total bytes. The layout both sides know without
+sending it (`StateLayout`): for each group of `GROUPS`, each tensor of the model by sorted name,
+in fp32, concatenated. A downloader fills one buffer of `StateLayout.total` bytes and checks the
+digest of φ once, at the end.
 
-Encoding and decoding copy and hash whole models: callers run them off the event loop
-(`loop.run_in_executor`).
-
-Served for real sizes (node/daemon/state_serving.py, node/rounds/state_fetch.py): a member
-exports a round's state once (`StateExport`, immutable, shared by every request for that round)
-and answers requests for byte ranges of it (`StateExport.chunk`, views, never copies); a
-downloader fills one buffer of `StateLayout.total` bytes range by range, from one holder or,
-after a break, from another holder of the same round and digest, and checks the digest of φ
-once at the end. The byte layout both sides agree on without sending it: for each group of
-`GROUPS`, each tensor of the model, by sorted name, in fp32, concatenated.
+Exporting, decoding and hashing touch whole models: callers run them off the event loop
+(`loop.run_in_executor`). `encode_state` / `decode_state` are the whole state as one message's
+named tensors (the benchmarks of a state's memory use them).
 
 The announcement (`announcement`, kept current by node/daemon/members.py PhiAnnouncer) holds the
 digest of φ after the member's latest round and the one before it: a member a round ahead still
@@ -45,6 +45,7 @@ FP32_BYTES = 4
 CHUNK_MAX_BYTES = 32 * 1024 * 1024
 CHUNK_MIN_BYTES = 256 * 1024
 CHUNK_FRACTION = 1 / 20
+DIGESTS_KEPT = 256
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class StateExport:
     tensors: tuple[OutgoingTensor, ...]
     total: int
     # frame digests of each range's replies, shared by their messages (p2p/messages.py): a range
-    # asked by several joiners is hashed once
+    # asked by several joiners is hashed once; at most DIGESTS_KEPT ranges are remembered
     frame_digests: dict[tuple[int, int], dict] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -107,6 +108,13 @@ class StateExport:
         for t in tensors:
             t.data.flags.writeable = False  # the export is shared: nobody may write into it
         return cls(round_index, digest, tensors, sum(t.data.nbytes for t in tensors))
+
+    def digests_of(self, offset: int, length: int) -> dict:
+        """The frame-digest cache of the range's replies (a fresh one past DIGESTS_KEPT ranges:
+        a peer asking odd ranges cannot grow it)."""
+        if (offset, length) not in self.frame_digests and len(self.frame_digests) >= DIGESTS_KEPT:
+            return {}
+        return self.frame_digests.setdefault((offset, length), {})
 
     def chunk(self, offset: int, length: int) -> list[OutgoingTensor]:
         """Bytes [offset, offset + length) as uint8 views of the export's tensors."""

@@ -32,7 +32,7 @@ import torch
 
 from node.config.settings import NodeTimeouts
 from node.rounds.state import STATE_KIND, StateLayout
-from p2p.errors import P2PError
+from p2p.errors import P2PError, RemoteRefused
 
 log = logging.getLogger("lowcomm.join")
 
@@ -53,7 +53,8 @@ class FetchedState:
     digest: str                                 # of φ as received
     meta: dict[str, Any]                        # the first reply's: round, phi_round, phi, total
     ranges: list[tuple[str, int, int]] = field(default_factory=list)  # (holder, start, end)
-    bytes_fetched: int = 0    # payload of every range asked, a failed one counted whole: at most
+    bytes_fetched: int = 0    # payload of every range asked, one that failed (not refused) counted
+                              # whole: an upper bound
 
     @property
     def sources(self) -> list[str]:
@@ -98,9 +99,11 @@ async def fetch_state(transport, holders: list[str], layout: StateLayout, timeou
                 try:
                     received = await transport.request(holder, STATE_KIND, 0, meta=meta,
                                                        timeout=timeouts.state_range_s(length),
-                                                       expected_reply_bytes=length)
+                                                       streams=transport.limits.parallel_streams)
                     _check_range(received, offset, length, total, phi_round, digest)
                 except (P2PError, ValueError) as exc:
+                    if isinstance(exc, RemoteRefused):  # refused before any byte of it was sent
+                        asked -= length
                     log.warning("state range %d+%d from %s failed (%s); %d of %d bytes held",
                                 offset, length, holder, exc, offset, total)
                     errors.append((holder, exc))

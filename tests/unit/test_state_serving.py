@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from node.daemon import state_serving
 from node.daemon.run import serve_state
 from node.rounds.state import STATE_KIND, StateExport, StateLayout
 from p2p.errors import Reason, Refusal
@@ -99,7 +100,8 @@ def test_ranges_view_the_export_and_decode_to_the_state():
             assert torch.equal(decoded[group][name], tensor)
 
 
-def test_a_second_request_of_a_peer_is_refused_busy_until_its_first_reply_is_let_go():
+def test_a_second_request_of_a_peer_is_refused_busy_until_its_first_reply_is_let_go(monkeypatch):
+    monkeypatch.setattr(state_serving, "BUSY_WAIT_S", 0.0)  # refused at once, not after a wait
     policy = Policy()
 
     async def scenario():
@@ -113,6 +115,21 @@ def test_a_second_request_of_a_peer_is_refused_busy_until_its_first_reply_is_let
         gc.collect()
         again = await respond(header(b"a", offset=1000, length=1000))
         assert again.meta["offset"] == 1000
+    asyncio.run(scenario())
+
+
+def test_a_peers_next_range_waits_for_its_previous_reply_to_be_let_go():
+    """The downloader's next request often comes while our reply's last status is exchanged."""
+    policy = Policy()
+
+    async def scenario():
+        respond = handler(policy)
+        replies = [await respond(header(b"a", offset=0, length=1000))]
+        waiting = asyncio.ensure_future(respond(header(b"a", offset=1000, length=1000)))
+        await asyncio.sleep(0)  # it waits for the slot
+        assert not waiting.done()
+        replies.clear()  # the transport lets go of the first reply
+        assert (await asyncio.wait_for(waiting, 30)).meta["offset"] == 1000
     asyncio.run(scenario())
 
 

@@ -50,19 +50,25 @@ def state_phi(params: int) -> dict[str, torch.Tensor]:
     return {"a": torch.randn(params // 2, generator=g), "b": torch.randn(params - params // 2, generator=g)}
 
 
-class Held:
-    """A round policy's export, fixed: φ and a momentum of a tenth of it."""
+class FixedState:
+    """A round policy's export, fixed (the state server asks only these two); `state`:
+    (round, {"phi": ..., "momentum": ...}, the digest it names)."""
 
-    def __init__(self, params: int):
-        phi = state_phi(params)
-        self.state = (STATE_ROUND, {"phi": phi, "momentum": {n: t / 10 for n, t in phi.items()}},
-                      weights_digest(phi))
+    def __init__(self, state: tuple[int, dict, str] = (-1, {}, "")):
+        self.state = state
 
     def export_state(self, round_index=None):
         return self.state
 
     def state_version(self, round_index=None):
         return self.state[0], self.state[2]
+
+
+def held(params: int) -> FixedState:
+    """The state every holder of `params` parameters serves: φ and a momentum of a tenth of it."""
+    phi = state_phi(params)
+    return FixedState((STATE_ROUND, {"phi": phi, "momentum": {n: t / 10 for n, t in phi.items()}},
+                       weights_digest(phi)))
 
 
 async def start(args, name: str, peers: list[str]) -> tuple[P2PHost, Transport]:
@@ -76,7 +82,7 @@ async def start(args, name: str, peers: list[str]) -> tuple[P2PHost, Transport]:
 
 async def hold(args) -> None:
     host, transport = await start(args, args.name, [])
-    server = StateServer(Held(args.params))
+    server = StateServer(held(args.params))
     transport.on_request(STATE_KIND, server.respond, accept_round=lambda _r: True)
     await transport.start()
     addr = Path(args.out, f"{args.name}.addr")

@@ -48,6 +48,7 @@ from p2p.origin import ORIGIN, sign_origin
 from p2p.streams import Transport
 from protocol.tensors import weights_digest
 from tests.p2p_helpers import as_received, run, wait_until
+from tests.state_peer import FixedState
 from tests.swarm_harness import small_manifest
 from tests.swarm_parts import member, unit_swarm
 
@@ -70,18 +71,6 @@ def nudged(base: dict, seed: int, relative: float) -> dict[str, torch.Tensor]:
     return {n: base[n] + factor * noise[n] for n in base}
 
 
-class Served:
-    """What a round policy exports, as the test sets it (the state server asks only these two)."""
-
-    state: tuple[int, dict, str] = (-1, {}, "")
-
-    def export_state(self, round_index=None):
-        return self.state
-
-    def state_version(self, round_index=None):
-        return self.state[0], self.state[2]
-
-
 class Member:
     """A host that announces a φ in its member record and serves a state when asked."""
 
@@ -91,7 +80,7 @@ class Member:
         self.transport = Transport(host.p2p, host.identity, swarm=manifest.swarm.id, manifest=manifest.digest)
         self.membership = Membership(host, manifest.swarm.id, protocol=manifest.protocol.name,
                                      manifest=manifest.digest, ttl_s=30)
-        self.served = Served()
+        self.served = FixedState()
         self.round_now = 0
         self.server = StateServer(self.served, lambda: self.round_now)  # the node's own server
         self.transport.on_request(STATE_KIND, self.server.respond, accept_round=lambda _r: True)

@@ -19,27 +19,21 @@ from node.rounds.state import StateLayout
 from node.rounds.state_fetch import StateFetchFailed, fetch_state
 from p2p.errors import P2PError, TransferFailed
 from protocol.tensors import weights_digest
+from tests.state_peer import FixedState
 
 
-class Holder:
-    def __init__(self, seed: int, round_index: int = 3):
-        g = torch.Generator().manual_seed(seed)
-        phi = {"w": torch.randn(400, 300, generator=g), "b": torch.randn(300, generator=g)}
-        self.state = (round_index, {"phi": phi, "momentum": {n: t / 10 for n, t in phi.items()}},
-                      weights_digest(phi))
-
-    def export_state(self, round_index=None):
-        return self.state
-
-    def state_version(self, round_index=None):
-        return self.state[0], self.state[2]
+def holder(seed: int, round_index: int = 3) -> FixedState:
+    g = torch.Generator().manual_seed(seed)
+    phi = {"w": torch.randn(400, 300, generator=g), "b": torch.randn(300, generator=g)}
+    return FixedState((round_index, {"phi": phi, "momentum": {n: t / 10 for n, t in phi.items()}},
+                       weights_digest(phi)))
 
 
 class Network:
     """request() answered by each peer's StateServer; a peer in `breaks` fails its n-th request
     (counting from 1) and every one after it, like a member that left."""
 
-    def __init__(self, holders: dict[str, Holder], breaks: dict[str, int] | None = None):
+    def __init__(self, holders: dict[str, FixedState], breaks: dict[str, int] | None = None):
         self.servers = {peer: StateServer(h) for peer, h in holders.items()}
         self.breaks, self.asked = breaks or {}, []
         self.limits = SimpleNamespace(parallel_streams=4)
@@ -53,32 +47,32 @@ class Network:
         return SimpleNamespace(meta=reply.meta, payload=memoryview(payload))
 
 
-LAYOUT = StateLayout.of(Holder(1).state[1]["phi"])
+LAYOUT = StateLayout.of(holder(1).state[1]["phi"])
 
 
 def test_a_break_resumes_at_the_next_holder_where_it_stopped():
-    network = Network({"a": Holder(1), "b": Holder(1)}, breaks={"a": 3})
+    network = Network({"a": holder(1), "b": holder(1)}, breaks={"a": 3})
     fetched = asyncio.run(fetch_state(network, ["a", "b"], LAYOUT, NodeTimeouts()))
     chunk = LAYOUT.chunk_bytes()
-    assert fetched.digest == Holder(1).state[2] and fetched.sources == ["a", "b"]
+    assert fetched.digest == holder(1).state[2] and fetched.sources == ["a", "b"]
     assert fetched.ranges[2] == ("b", 2 * chunk, 3 * chunk)  # b starts where a broke off
     received = [end - start for _, start, end in fetched.ranges]
     assert sum(received) == LAYOUT.total  # nothing fetched twice
     assert fetched.bytes_fetched == LAYOUT.total + chunk  # the range in flight, lost once
-    assert torch.equal(fetched.groups["momentum"]["w"], Holder(1).state[1]["momentum"]["w"])
+    assert torch.equal(fetched.groups["momentum"]["w"], holder(1).state[1]["momentum"]["w"])
     assert fetched.served_phi_alone() == "a"  # its ranges held all of φ (the first half)
 
 
 def test_a_holder_of_another_state_is_not_mixed_in():
-    network = Network({"a": Holder(1), "c": Holder(2), "b": Holder(1)}, breaks={"a": 2})
+    network = Network({"a": holder(1), "c": holder(2), "b": holder(1)}, breaks={"a": 2})
     fetched = asyncio.run(fetch_state(network, ["a", "c", "b"], LAYOUT, NodeTimeouts()))
-    assert fetched.digest == Holder(1).state[2] and fetched.sources == ["a", "b"]
+    assert fetched.digest == holder(1).state[2] and fetched.sources == ["a", "b"]
     assert all(peer != "c" for peer, _, _ in fetched.ranges)
     assert fetched.served_phi_alone() is None  # φ from a and b: a wrong φ could blame neither
 
 
 def test_when_no_holder_brings_a_byte_the_download_ends_with_every_reason():
-    network = Network({"a": Holder(1), "b": Holder(1)}, breaks={"a": 1, "b": 1})
+    network = Network({"a": holder(1), "b": holder(1)}, breaks={"a": 1, "b": 1})
     with pytest.raises(StateFetchFailed) as failed:
         asyncio.run(fetch_state(network, ["a", "b"], LAYOUT, NodeTimeouts()))
     assert "stopped at 0 of" in str(failed.value)

@@ -34,7 +34,7 @@ import weakref
 from collections.abc import Callable
 
 from node.rounds.policy import RoundPolicy
-from node.rounds.state import CHUNK_MAX_BYTES, STATE_KIND, StateExport
+from node.rounds.state import CHUNK_MAX_BYTES, FP32_BYTES, STATE_KIND, StateExport
 from p2p.errors import Reason, Refusal
 from p2p.messages import OutgoingMessage
 
@@ -127,9 +127,10 @@ class StateServer:
     async def _reply(self, peer: bytes, meta) -> OutgoingMessage:
         wanted, digest = meta.get("phi_round"), meta.get("phi")
         offset, length = meta.get("offset", 0), meta.get("length", CHUNK_MAX_BYTES)
-        if type(offset) is not int or type(length) is not int or length <= 0:
+        if type(offset) is not int or type(length) is not int or length <= 0 \
+                or offset % FP32_BYTES or length % FP32_BYTES:
             raise Refusal(Reason.MALFORMED, "a state request's offset and length must be "
-                                            "integers, the length positive")
+                                            "multiples of 4 (whole fp32 elements), the length positive")
         export = await self.export(wanted if type(wanted) is int else None,
                                    digest if isinstance(digest, str) else None)
         if isinstance(digest, str) and digest != export.digest:

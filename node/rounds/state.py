@@ -5,7 +5,7 @@ The state travels in byte ranges (node/daemon/state_serving.py serves them,
 node/rounds/state_fetch.py downloads them): a member exports a round's state once
 (`StateExport`, read-only, shared by every request for that round) and answers a request for a
 range (meta "offset", "length"; "phi_round" for the state after a given round, DiLoCoX members
-keep the last two; "phi" for the state with that digest only) with uint8 tensors viewing the
+keep the last two; "phi" for the state with that digest only) with fp32 tensors viewing the
 export's bytes (`StateExport.chunk`: views, never copies), and in its signed header the round
 the state belongs to ("phi_round"), the digest of φ ("phi"), the server's current round
 ("round"), the range's offset and the state's total bytes. The layout both sides know without
@@ -66,7 +66,8 @@ class StateLayout:
 
     def chunk_bytes(self) -> int:
         """The length of the ranges a download asks for."""
-        return max(CHUNK_MIN_BYTES, min(CHUNK_MAX_BYTES, math.ceil(self.total * CHUNK_FRACTION)))
+        size = max(CHUNK_MIN_BYTES, min(CHUNK_MAX_BYTES, math.ceil(self.total * CHUNK_FRACTION)))
+        return size - size % FP32_BYTES  # ranges hold whole fp32 elements
 
     def decode(self, buffer: torch.Tensor) -> tuple[dict[str, dict[str, torch.Tensor]], str]:
         """({"phi": φ, "momentum": ...}, the digest of φ) from a uint8 buffer of `total` bytes:
@@ -117,16 +118,19 @@ class StateExport:
         return self.frame_digests.setdefault((offset, length), {})
 
     def chunk(self, offset: int, length: int) -> list[OutgoingTensor]:
-        """Bytes [offset, offset + length) as uint8 views of the export's tensors."""
-        if not (0 <= offset < self.total and 0 < length):
-            raise ValueError(f"bytes {offset}+{length} lie outside a state of {self.total} bytes")
+        """Bytes [offset, offset + length) as fp32 views of the export's tensors, one per tensor
+        it touches (each no larger than that tensor: the swarm's wire limits bound a tensor's
+        elements by the model's largest); `offset` and `length` are multiples of 4."""
+        if not (0 <= offset < self.total and 0 < length) or offset % FP32_BYTES or length % FP32_BYTES:
+            raise ValueError(f"bytes {offset}+{length} are not whole fp32 elements of a state of "
+                             f"{self.total} bytes")
         out, position, stop = [], 0, min(self.total, offset + length)
         for tensor in self.tensors:
             flat = tensor.data.reshape(-1).view(np.uint8)
             start, end = max(offset, position), min(stop, position + flat.nbytes)
             if start < end:
-                out.append(OutgoingTensor(f"bytes/{len(out)}", "uint8", (end - start,),
-                                          flat[start - position:end - position]))
+                out.append(OutgoingTensor(f"part/{len(out)}", "float32", ((end - start) // FP32_BYTES,),
+                                          flat[start - position:end - position].view(np.float32)))
             position += flat.nbytes
             if position >= stop:
                 break

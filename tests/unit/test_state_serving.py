@@ -86,11 +86,13 @@ def test_ranges_view_the_export_and_decode_to_the_state():
     layout = StateLayout.of(policy.phi)
     assert layout.total == export.total
     buffer = torch.empty(layout.total, dtype=torch.uint8)
-    step = 7919  # ranges that cut tensors anywhere
+    step = 7916  # ranges that cut tensors at any element
     for offset in range(0, export.total, step):
         parts = export.chunk(offset, step)
+        largest = max(t.numel() for t in policy.phi.values())
         for part in parts:
             assert any(np.shares_memory(part.data, t.data) for t in export.tensors)
+            assert part.dtype == "float32" and part.shape[0] <= largest  # within the wire's limits
         joined = b"".join(bytes(memoryview(p.data)) for p in parts)
         buffer[offset:offset + len(joined)] = torch.frombuffer(bytearray(joined), dtype=torch.uint8)
     decoded, got = layout.decode(buffer)
@@ -138,10 +140,11 @@ def test_bad_ranges_and_another_digest_are_refused_with_a_reason():
 
     async def scenario():
         respond = handler(policy)
-        for meta, reason, words in [({"offset": -1, "length": 10}, Reason.MALFORMED, "outside"),
-                                    ({"offset": 10 ** 12, "length": 10}, Reason.MALFORMED, "outside"),
+        for meta, reason, words in [({"offset": -4, "length": 12}, Reason.MALFORMED, "outside"),
+                                    ({"offset": 4 * 10 ** 12, "length": 12}, Reason.MALFORMED, "outside"),
                                     ({"offset": 0, "length": 0}, Reason.MALFORMED, "positive"),
-                                    ({"offset": 0, "length": 10, "phi": "ab" * 16}, Reason.REFUSED,
+                                    ({"offset": 2, "length": 8}, Reason.MALFORMED, "multiples of 4"),
+                                    ({"offset": 0, "length": 12, "phi": "ab" * 16}, Reason.REFUSED,
                                      "not abababababab")]:
             with pytest.raises(Refusal) as refused:
                 await respond(header(b"c", **meta))
@@ -166,8 +169,8 @@ def test_a_newer_round_is_exported_once_and_the_older_export_goes_with_its_last_
         still = await respond(header(b"a", offset=100, length=100, phi_round=4, phi=digest_4))
         assert policy.exports == 2 and still.meta["phi"] == digest_4
         size = still.meta["total"]
-        last = await respond(header(b"c", offset=size - 10, length=100, phi_round=4, phi=digest_4))
-        assert len(last.tensors) == 1 and last.tensors[0].shape == (10,)
+        last = await respond(header(b"c", offset=size - 12, length=100, phi_round=4, phi=digest_4))
+        assert len(last.tensors) == 1 and last.tensors[0].shape == (3,)  # three fp32 elements
         del still, last
         policy.round, policy.phi = 6, {n: t + 1 for n, t in policy.phi.items()}
         for peer in (b"d", b"e", b"f"):  # three more downloads of newer rounds

@@ -12,11 +12,13 @@ Rooms, one concern each (import modules directly; this package imports nothing e
     rounds/          what happens every H steps, shared by the daemon and the simulator:
                      policy (the round's interface), noloco/ and dilocox/ (round.py in the
                      training thread, payload.py on the wire, exchange.py on the event loop),
-                     contributions (checks and bans), state (the state late joiners download),
+                     contributions (checks and bans), state (the state late joiners download, its
+                     layout and shared export), state_fetch (downloading it range by range),
                      swarm (the running node as an exchange sees it), wire_tensors
     daemon/          a node's life, a file per phase: join (admission.py, join.py, and
                      state_quorum.py: which state a late joiner adopts), run (run.py,
-                     worker.py: the training thread), leave (leave.py); daemon.py wires them;
+                     worker.py: the training thread, state_serving.py: our state served from
+                     one export a round), leave (leave.py); daemon.py wires them;
                      members.py (the member cache, eligible peers, our announced φ)
     ops/             what the operator sees: status (the schema), status_feed (its numbers),
                      status_view, control socket, telemetry, monitor, preemption, local_swarm;

@@ -280,15 +280,15 @@ class IncomingStreams:
             if not assembly.reply.done():
                 assembly.reply.set_result(plan)
         except Refusal as refusal:
-            assembly.fail(refusal)
+            _refuse_reply(assembly, refusal)
         except LimitsError as error:  # our reply exceeds what peers accept: a refusal, said once
             logger.warning("did not answer %s's %r request: %s", _short(assembly.sender), first.kind, error)
-            assembly.fail(Refusal(Reason.REFUSED, str(error)))
+            _refuse_reply(assembly, Refusal(Reason.REFUSED, str(error)))
         except TimeoutError:
-            assembly.fail(Refusal(Reason.TIMEOUT, "no reply was ready in time"))
+            _refuse_reply(assembly, Refusal(Reason.TIMEOUT, "no reply was ready in time"))
         except Exception:
             logger.exception("the reply handler for %r failed", first.kind)
-            assembly.fail(Refusal(Reason.INTERNAL, "the reply handler failed"))
+            _refuse_reply(assembly, Refusal(Reason.INTERNAL, "the reply handler failed"))
 
     async def _deliver(self, assembly: Assembly, handler: _Handler) -> None:
         with suppress(Refusal):
@@ -333,6 +333,14 @@ class IncomingStreams:
         await verification
         self.counters.frames_received += 1
         assembly.frame_done()
+
+
+def _refuse_reply(assembly: Assembly, refusal: Refusal) -> None:
+    """Our reply is refused: the message fails, or, when the asking half (a request's: empty)
+    completed before the handler gave up, the reply it waits on does, so that the refusal
+    still reaches the asker (it waited for its deadline instead)."""
+    if not assembly.fail(refusal) and not assembly.reply.done():
+        assembly.reply.set_exception(refusal)
 
 
 async def _stopped(works: list[BoundWork]) -> None:

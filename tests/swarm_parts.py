@@ -13,6 +13,7 @@ from node.config.settings import NodeTimeouts
 from node.daemon.members import MemberCache
 from node.loop import BackgroundTasks, LoopBridge
 from node.rounds.contributions import BanList
+from node.rounds.state import StateLayout
 from node.rounds.swarm import Swarm
 from p2p.records import MemberRecord
 
@@ -38,6 +39,9 @@ def member(peer_id: str, round_index: int, protocol: str = "noloco", status: str
     return MemberRecord(peer_id, (), protocol, manifest, round_index, status, 0.0, dict(extra))
 
 
+UNIT_LAYOUT = StateLayout((("w", (4,)),))  # a state's bytes, for a resync that downloads one
+
+
 def unit_swarm(loop: asyncio.AbstractEventLoop, records=(), *, peer_id: str = "me",
                transport=None, events: list | None = None, bans: BanList | None = None) -> Swarm:
     """A Swarm whose member cache holds `records`; published events are appended to `events`."""
@@ -48,4 +52,4 @@ def unit_swarm(loop: asyncio.AbstractEventLoop, records=(), *, peer_id: str = "m
                         refresh_s=NodeTimeouts().member_refresh_s)
     cache.records = {r.peer_id: r for r in records}
     return Swarm(loop, transport, cache, bans, peer_id, "m", LoopBridge(loop, tasks, 30.0), tasks,
-                 publish, NodeTimeouts())
+                 publish, NodeTimeouts(), state_layout=UNIT_LAYOUT)

@@ -36,10 +36,11 @@ class NodeTimeouts:
     consensus_wait_s: float = _wait(5.0, "seconds: DiLoCoX, how long a node waits for the members "
                                     "of a round to announce their phi digest")
     state_download_attempts: int = _wait(3, "count: the late join, members asked for the outer state")
-    state_download_s: float = _wait(120.0, "seconds: the late join, each state download's need-by "
-                                    "(one is given up when it could not finish by then)")
     state_announce_wait_s: float = _wait(10.0, "seconds: the late join, how long an announcement "
                                          "lagging the state it describes is waited for")
+    state_agreement_wait_s: float = _wait(120.0, "seconds: NoLoCo, a joiner whose asked states "
+                                          "disagree waits this long for the swarm's next round before "
+                                          "asking again (a round's length, generously)")
     first_members_s: float = _wait(2.0, "seconds: at start, without a checkpoint, how long the "
                                    "DHT may take to show existing members before a node given no "
                                    "peer thinks it is the first")

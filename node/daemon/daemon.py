@@ -34,6 +34,7 @@ from node.daemon.join import CHECKPOINT_FORMAT, Network, connect, resume_or_join
 from node.daemon.leave import leave
 from node.daemon.members import PhiAnnouncer
 from node.daemon.run import serve_state, train
+from node.rounds.state import StateLayout
 from p2p.probe import serve_probe
 from node.daemon.worker import TrainingWorker
 from node.data.corpus import load_corpus, stream_seed
@@ -129,6 +130,8 @@ class Daemon:
                                        manifest=self.manifest.digest, corpus_digest=corpus_digest))
             self.events.subscribe(PhiAnnouncer(swarm.members), RoundEnded, PairCorrected)
             policy = self._protocol(trainer, swarm)
+            swarm.state_layout = await self.loop.run_in_executor(
+                None, lambda: StateLayout.of(policy.export_state()[1]["phi"]))
             start_round = await resume_or_join(self, trainer, policy)
             serve_state(self, policy)
             serve_probe(self.network.transport)  # `doctor`s time their links against us

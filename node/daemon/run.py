@@ -17,30 +17,22 @@ from node.daemon.members import Reconnector
 from node.daemon.worker import TrainingWorker
 from node.events import Failed
 from node.rounds.policy import RoundPolicy
-from node.rounds.state import STATE_KIND, encode_state
+from node.daemon.state_serving import StateServer
+from node.rounds.state import STATE_KIND
 from node.train.trainer import InnerTrainer
-from p2p.errors import Reason, Refusal
-from p2p.messages import OutgoingMessage
 
 if TYPE_CHECKING:
     from node.daemon.daemon import Daemon
 
 
-def serve_state(node: Daemon, policy: RoundPolicy) -> None:
-    """Answers late joiners' (and diverged DiLoCoX members') requests for our outer state."""
-    async def respond(header) -> OutgoingMessage:
-        wanted = header.meta.get("phi_round")
-        state_round, groups, digest = await node.loop.run_in_executor(
-            None, policy.export_state, wanted if isinstance(wanted, int) else None)
-        if state_round < 0:
-            raise Refusal(Reason.REFUSED, "no completed round yet")
-        tensors = await node.loop.run_in_executor(None, encode_state, groups)
-        round_now = node.worker.round_index if node.worker else state_round + 1
-        return OutgoingMessage(STATE_KIND, 0, tensors,
-                               {"round": round_now, "phi_round": state_round, "phi": digest})
+def serve_state(node: Daemon, policy: RoundPolicy) -> StateServer:
+    """Answers late joiners' (and diverged DiLoCoX members') requests for our outer state, from
+    one shared export a round (node/daemon/state_serving.py)."""
+    server = StateServer(policy, lambda: node.worker.round_index if node.worker else None)
     transport = node.network.transport  # its refusals (no round yet) count like any other
-    transport.on_request(STATE_KIND, transport.counters.counted_reply(respond),
+    transport.on_request(STATE_KIND, transport.counters.counted_reply(server.respond),
                          accept_round=lambda _r: True)
+    return server
 
 
 def round_end_beside(choice: str, protocol: str, device_type: str) -> bool:

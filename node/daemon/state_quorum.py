@@ -8,9 +8,12 @@ member's word where more than one member can be asked.
   what members that started together and differ in speed reach; an assumption, not measured)
   is lying, is banned, and is never asked.
 - DiLoCoX (members share one φ): the state of the latest round whose φ digest a majority of the
-  eligible members announced (distinct identities, each one vote), downloaded from one of those
-  holders and accepted only if its digest is that one. A holder that serves another φ for that
-  round is lying and is banned; the next holder is asked. A member announcing a minority digest
+  eligible members announced (distinct identities, each one vote), downloaded once, range by
+  range, from those holders (node/rounds/state_fetch.py: a holder that breaks off is resumed
+  at the next, each range asked for that round and digest), and accepted only if its digest is
+  that one. A holder that served all of φ and another φ than announced is lying and is banned;
+  a φ assembled from several holders' ranges that fails blames none of them (any could have
+  lied), and the next attempt starts at another holder. A member announcing a minority digest
   is not banned: an honest member that missed a message does that too until it resyncs.
 - NoLoCo (each member holds its own φ): states from up to `STATE_SOURCES` members, each matching
   its server's own signed announcement (else the server is banned), and the adopted state is
@@ -34,9 +37,12 @@ member's word where more than one member can be asked.
   view and the transport leave a liar out from then on.
 
 A swarm with a single member that serves a state is joined on that member's word alone (there
-is nobody else to ask): logged as such, and checked as above. Cost: a NoLoCo joiner downloads
-and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many members at once:
-three times the bytes of a single-source join, 3.2 GB held for the 134M `small` preset.
+is nobody else to ask): logged as such, and checked as above. Cost: a DiLoCoX joiner downloads
+one state's bytes (plus at most a range lost per holder that breaks off); a NoLoCo joiner
+downloads and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many
+members at once: three times the bytes of a single-source join, 3.2 GB held for the 134M
+`small` preset. No download is cut by a fixed time: each range is bounded by its bytes at the
+swarm's minimum link rate, a stalled one by `node.stall_s` (p2p/progress.py).
 """
 
 from __future__ import annotations
@@ -50,7 +56,6 @@ import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -59,10 +64,9 @@ from node.config.settings import NodeTimeouts
 from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
-from node.rounds.state import (STATE_KIND, agreed_round, decode_state, majority, phi_holders,
-                               round_bound, settled)
+from node.rounds.state_fetch import StateFetchFailed, fetch_state
+from node.rounds.state import StateLayout, agreed_round, majority, phi_holders, round_bound, settled
 from p2p.errors import P2PError, Reason, RemoteRefused
-from p2p.progress import NeedBy
 from p2p.records import MemberRecord
 
 log = logging.getLogger("lowcomm.join")
@@ -95,6 +99,7 @@ class _Candidate:
     groups: dict[str, dict[str, torch.Tensor]]
     digest: str
     meta: dict
+    phi_server: str | None = None  # the member that served all of φ; None: several did
 
 
 def claimed_round(record: MemberRecord) -> int:
@@ -176,6 +181,7 @@ class StateAdoption:
         self.transport, self.cache, self.bans, self.manifest = transport, cache, bans, manifest
         self.timeouts, self.reference, self.rng = timeouts, reference, rng or random.Random()
         self.reference_norm = global_norm(reference)
+        self.layout = StateLayout.of(reference)
         self.errors: list[str] = []
         self.not_admitted = 0
 
@@ -229,23 +235,34 @@ class StateAdoption:
         state_round, digest, holders = agreed
         holders = sorted(holders)
         self.rng.shuffle(holders)
-        for source in holders[:self.timeouts.state_download_attempts]:
-            candidate = await self._download(source, state_round)
+        for attempt in range(self.timeouts.state_download_attempts):
+            # each attempt starts at another holder; a break resumes at the next one
+            candidate = await self._download(holders[attempt:] + holders[:attempt], state_round, digest)
             if candidate is None:
                 continue
             if candidate.meta.get("phi_round") != state_round:  # it no longer holds that round
-                self.errors.append(f"{source}: serves round {candidate.meta.get('phi_round')}, "
+                self.errors.append(f"{candidate.source}: serves round {candidate.meta.get('phi_round')}, "
                                    f"not the agreed round {state_round}")
                 continue
             if candidate.digest != digest:
-                self._ban(source, "digest", f"member {source} served a φ of round {state_round} "
-                          f"with digest {candidate.digest[:12]}, where it and a majority announced "
-                          f"{digest[:12]}")
+                self._refuse_digest(candidate, state_round, digest)
                 continue
             if await self._passes_checks(candidate):
                 return JoinState(self._start_round(state_round), candidate.groups,
-                                 candidate.meta, source)
+                                 candidate.meta, candidate.source)
         return None
+
+    def _refuse_digest(self, candidate: _Candidate, state_round: int, digest: str) -> None:
+        """A state whose φ is not the majority's: its server is banned if one member served
+        all of φ; assembled from several members' ranges, nobody can be blamed."""
+        if candidate.phi_server is not None:
+            self._ban(candidate.source, "digest", f"member {candidate.source} served a φ of round "
+                      f"{state_round} with digest {candidate.digest[:12]}, where it and a majority "
+                      f"announced {digest[:12]}")
+        else:
+            self.errors.append(f"the φ of round {state_round} assembled from the ranges of "
+                               f"several members has digest {candidate.digest[:12]}, "
+                               f"not the majority's {digest[:12]}; none of them alone is to blame")
 
     # ------------------------------------------------------------------ NoLoCo
     async def _noloco(self) -> JoinState | None:
@@ -295,7 +312,7 @@ class StateAdoption:
 
     async def _next_round(self, state_round: int) -> bool:
         """Waits (up to a download's deadline) for a majority of members to pass `state_round`."""
-        deadline = time.monotonic() + self.timeouts.state_download_s
+        deadline = time.monotonic() + self.timeouts.state_agreement_wait_s
         while agreed_round(self._members()) <= state_round + 1:  # members train round phi_round + 1
             if time.monotonic() > deadline:
                 return False
@@ -303,7 +320,7 @@ class StateAdoption:
         return True
 
     async def _verified(self, source: str) -> _Candidate | None:
-        candidate = await self._download(source, None)
+        candidate = await self._download([source], None)
         if candidate is not None and await self._matches_announcement(candidate) \
                 and await self._passes_checks(candidate):
             return candidate
@@ -349,20 +366,22 @@ class StateAdoption:
             await self._refresh()
 
     # ------------------------------------------------------------------ one download
-    async def _download(self, source: str, state_round: int | None) -> _Candidate | None:
-        if self.bans.is_banned(source):
-            return None
+    async def _download(self, holders: list[str], state_round: int | None,
+                        digest: str | None = None) -> _Candidate | None:
+        """One state from `holders` (a break resumes at the next one), of `state_round` and
+        `digest` if given; its server's claimed rounds checked (node/rounds/state_fetch.py)."""
         try:
-            received = await self.transport.request(
-                source, STATE_KIND, 0, meta={} if state_round is None else {"phi_round": state_round},
-                need_by=NeedBy(self.timeouts.state_download_s),
-                streams=self.transport.limits.parallel_streams)
-        except P2PError as exc:  # a member that failed mid-transfer: nothing of it is kept
-            log.warning("the state from %s did not arrive (%s); asking the next member", source, exc)
-            self.errors.append(f"{source}: {exc}")
-            self.not_admitted += isinstance(exc, RemoteRefused) and exc.reason == Reason.NOT_ADMITTED
+            fetched = await fetch_state(self.transport, holders, self.layout,
+                                        phi_round=state_round, digest=digest,
+                                        usable=lambda peer: not self.bans.is_banned(peer))
+        except StateFetchFailed as exc:  # every holder failed mid-transfer or refused
+            log.warning("the state did not arrive (%s)", exc)
+            for source, error in exc.errors or [(",".join(holders), exc)]:
+                self.errors.append(f"{source}: {error}")
+                self.not_admitted += isinstance(error, RemoteRefused) and error.reason == Reason.NOT_ADMITTED
             return None
-        meta: dict[str, Any] = dict(received.meta)
+        source = fetched.sources[0]
+        meta = fetched.meta
         bound = round_bound(agreed_round(self.cache.eligible()))
         rounds = [v for v in (meta.get("round"), meta.get("phi_round")) if type(v) is int]
         if len(rounds) < 2 or max(rounds) > bound:
@@ -370,12 +389,8 @@ class StateAdoption:
                       f"{meta.get('phi_round')!r}/{meta.get('round')!r}, where a majority of the swarm "
                       f"is at round {agreed_round(self.cache.eligible())} (at most {bound} is possible)")
             return None
-        try:  # decoding and hashing a whole model is torch work: off the event loop
-            groups, digest = await asyncio.get_running_loop().run_in_executor(None, decode_state, received)
-        except (ValueError, KeyError) as exc:
-            self._ban(source, "malformed", f"member {source} served a state that does not decode ({exc})")
-            return None
-        return _Candidate(source, groups, digest, meta)
+        phi_server = fetched.served_phi_alone()
+        return _Candidate(phi_server or source, fetched.groups, fetched.digest, meta, phi_server)
 
     async def _passes_checks(self, candidate: _Candidate) -> bool:
         try:

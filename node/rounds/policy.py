@@ -52,6 +52,10 @@ class RoundPolicy(Protocol):
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": ...}, digest of φ) for a late joiner; any thread."""
 
+    def state_version(self, round_index: int | None = None) -> tuple[int, str]:
+        """(round, digest of φ) of what `export_state(round_index)` would give, without copying
+        anything: the state server's key for its shared export; any thread."""
+
     def adopt(self, groups: dict, state_round: int | None = None) -> None:
         """A late joiner takes the state another member exported (after `state_round`)."""
 

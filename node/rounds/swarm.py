@@ -19,6 +19,7 @@ from node.config.settings import NodeTimeouts
 from node.events import Event
 from node.loop import BackgroundTasks, LoopBridge
 from node.rounds.contributions import BanList
+from node.rounds.state import StateLayout
 from p2p.errors import P2PError
 
 
@@ -44,6 +45,9 @@ class Swarm:
     # the most payload bytes a member's round message may declare (node/rounds/message_sizes.py
     # round_message_bytes); None: the transport's bound only
     round_message_bytes: int | None = None
+    # the byte layout of our outer state (node/rounds/state.py), for a DiLoCoX resync's download;
+    # None where there is none
+    state_layout: StateLayout | None = None
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

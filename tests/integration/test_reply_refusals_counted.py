@@ -32,6 +32,9 @@ class NoStateYet:
     def export_state(self, round_index=None):
         return -1, {}, ""
 
+    def state_version(self, round_index=None):
+        return -1, ""
+
 
 def test_reply_handler_refusals_count_against_the_asker(tmp_path, p2p_cleanup):
     async def scenario():

@@ -40,20 +40,22 @@ from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD
-from node.rounds.state import STATE_KIND, announcement, encode_state
+from node.daemon.state_serving import StateServer
+from node.rounds.state import STATE_KIND, StateLayout, announcement
 from p2p.membership import Membership
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.origin import sign_origin
 from p2p.streams import Transport
 from protocol.tensors import weights_digest
 from tests.p2p_helpers import as_received, run, wait_until
+from tests.state_peer import FixedState
 from tests.swarm_harness import small_manifest
 from tests.swarm_parts import member, unit_swarm
 
 pytestmark = pytest.mark.integration
 HONEST_ROUND = 11          # members train round 11, so φ after round 10 is what they announce
 LIE_ROUND = 10 ** 6
-TIMEOUTS = NodeTimeouts(state_announce_wait_s=1.0, state_download_s=20.0)
+TIMEOUTS = NodeTimeouts(state_announce_wait_s=1.0, state_agreement_wait_s=20.0)
 
 
 def tensors(seed: int, scale: float = 1.0) -> dict[str, torch.Tensor]:
@@ -78,12 +80,10 @@ class Member:
         self.transport = Transport(host.p2p, host.identity, swarm=manifest.swarm.id, manifest=manifest.digest)
         self.membership = Membership(host, manifest.swarm.id, protocol=manifest.protocol.name,
                                      manifest=manifest.digest, ttl_s=30)
-        self.served: tuple[dict, dict] | None = None
-
-        async def respond(header) -> OutgoingMessage:
-            groups, meta = self.served
-            return OutgoingMessage(STATE_KIND, 0, encode_state(groups), dict(meta))
-        self.transport.on_request(STATE_KIND, respond, accept_round=lambda _r: True)
+        self.served = FixedState()
+        self.round_now = 0
+        self.server = StateServer(self.served, lambda: self.round_now)  # the node's own server
+        self.transport.on_request(STATE_KIND, self.server.respond, accept_round=lambda _r: True)
 
     async def start(self) -> None:
         await self.transport.start()
@@ -100,8 +100,9 @@ class Member:
         phi_round = round_index - 1 if phi_round is None else phi_round
         groups = {"phi": phi, "momentum": {n: t / 100 for n, t in phi.items()}}
         digest = weights_digest(phi)
-        self.served = (groups, {"round": round_index, "phi_round": phi_round, "phi": digest})
         shown = weights_digest(announced) if announced is not None else digest
+        # a liar names the digest it announced, whatever it serves
+        self.served.state, self.round_now = (phi_round, groups, shown), round_index
         extra = announcement(shown, phi_round, {"phi": "0" * 32, "phi_round": phi_round - 1})
         await self.membership.update(round=round_index, status="training", extra=extra)
         return digest
@@ -276,6 +277,7 @@ def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_o
                               phi_round=HONEST_ROUND - 1) for m in (liar, honest)]  # the liar first
             swarm = unit_swarm(asyncio.get_running_loop(), records, peer_id=node.peer,
                                transport=node.transport, events=events)
+            swarm.state_layout = StateLayout.of(shared)
             exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
             await exchange.consensus.check(HONEST_ROUND - 1, "f" * 32)   # ours diverged
             resync = exchange.consensus.resyncs[HONEST_ROUND - 1]

@@ -34,7 +34,7 @@ def test_an_unknown_name_or_a_bad_value_is_one_sentence(override, sentence):
 
 def test_every_setting_is_listed_with_its_unit_and_meaning(capsys):
     names = [row[0] for row in node_settings()]
-    assert {"node.stall_s", "node.open_timeout_s", "node.state_download_s", "node.p2pd_start_s"} <= set(names)
+    assert {"node.stall_s", "node.open_timeout_s", "node.state_agreement_wait_s", "node.p2pd_start_s"} <= set(names)
     assert all(len(row[3]) > 10 for row in node_settings())
     assert main(["settings"]) == 0
     listing = capsys.readouterr().out

@@ -32,7 +32,8 @@ from collections import Counter
 
 from node.rounds.dilocox.link import REPLAY_ROUNDS, SwarmState
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.state import agreed_round, phi_holders
+from node.rounds.state import StateLayout, agreed_round, phi_holders
+from node.rounds.state_fetch import download_bound_s
 from node.rounds.swarm import Swarm, failure_sentence
 from protocol.vote import winning_digest
 
@@ -110,8 +111,8 @@ class SwarmCatchUp:
         return digest, holders[digest]
 
     async def _download(self, reference: dict, behind: int, swarm_round: int) -> SwarmState | None:
-        timeouts = self.swarm.timeouts
-        budget = timeouts.state_download_attempts * timeouts.state_download_s \
+        timeouts = self.swarm.timeouts  # what the adoption's downloads may take, at the slowest link
+        budget = timeouts.state_download_attempts * download_bound_s(StateLayout.of(reference), self.swarm.transport.limits) \
             + timeouts.state_announce_wait_s
         try:
             joined = await asyncio.wait_for(self.swarm.adopt_state(reference), timeout=budget)

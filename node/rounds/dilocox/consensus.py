@@ -48,10 +48,10 @@ from collections.abc import Callable
 from node.events import Diverged, ResyncReady
 from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.dilocox.replay import StepReplay
-from node.rounds.state import STATE_KIND, agreed_round, decode_state, phi_holders
+from node.rounds.state import agreed_round, phi_holders
+from node.rounds.state_fetch import StateFetchFailed, fetch_state
 from node.rounds.state import majority as state_majority
 from node.rounds.swarm import Swarm
-from p2p.errors import P2PError
 from protocol.vote import split_winner, winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
@@ -169,26 +169,33 @@ class PhiConsensus:
                 round_index, since, majority, holders)):
             self.resyncs[round_index] = {"replay": recipe}
             return
-        for peer in holders:
-            try:
-                received = await self.transport.request(
-                    peer, STATE_KIND, 0, meta={"phi_round": round_index},
-                    streams=self.transport.limits.parallel_streams)  # ends by p2p/progress.py
-            except P2PError as exc:
-                log.info("resync from %s failed: %s", peer[-8:], exc)
+        layout = self.swarm.state_layout
+        if layout is None:
+            return
+        for first in range(len(holders)):  # a liar found, the next attempt starts at another holder
+            order = holders[first:] + holders[:first]
+            if self.swarm.bans.is_banned(order[0]):
                 continue
-            # decoding and hashing a whole φ is torch work: off the loop
-            groups, got = await self.loop.run_in_executor(None, decode_state, received)
-            if received.meta.get("phi_round") == round_index and got == majority:
+            try:  # ranges from the holders in turn: one that breaks off is resumed at the next
+                fetched = await fetch_state(self.transport, order, layout,
+                                            phi_round=round_index, digest=majority,
+                                            usable=lambda peer: not self.swarm.bans.is_banned(peer))
+            except StateFetchFailed as exc:
+                log.info("resync of round %d failed: %s", round_index, exc)
+                return
+            peer = fetched.sources[0]
+            if fetched.meta.get("phi_round") == round_index and fetched.digest == majority:
                 # the training thread checks it as a contribution of `source` before adopting it
-                self.resyncs[round_index] = {"slow_weights": groups["phi"], "round": round_index,
-                                             "momentum": groups["momentum"], "source": peer}
+                self.resyncs[round_index] = {"slow_weights": fetched.groups["phi"], "round": round_index,
+                                             "momentum": fetched.groups["momentum"], "source": peer}
                 self.publish(ResyncReady(round=round_index, source=peer))
                 return
-            if received.meta.get("phi_round") == round_index:  # it announced one φ, served another
-                self.swarm.bans.ban_now(peer, "resync_digest", f"{peer} served a φ of round "
-                                        f"{round_index} with digest {got[:12]}, where it announced "
-                                        f"{majority[:12]}", self.transport.ban)
+            liar = fetched.served_phi_alone()
+            if fetched.meta.get("phi_round") == round_index and liar is not None:
+                # it announced one φ, served another
+                self.swarm.bans.ban_now(liar, "resync_digest", f"{liar} served a φ of round "
+                                        f"{round_index} with digest {fetched.digest[:12]}, where it "
+                                        f"announced {majority[:12]}", self.transport.ban)
 
     async def settle(self, round_index: int, wait_s: float, pace: float) -> None:
         """While we are known to be off the majority's φ, waits at most `wait_s` and one of our

@@ -453,6 +453,11 @@ class DiLoCoXRound:
             return (self.state_round, {"phi": self.outer.slow_weights,
                                        "momentum": self.outer.momentum}, self.phi_digest)
 
+    def state_version(self, round_index: int | None = None) -> tuple[int, str]:
+        with self.lock:
+            held = next(((r, d) for r, _, d in self.history if r == round_index), None)
+            return held or (self.state_round, self.phi_digest)
+
     def adopt(self, groups: dict, state_round: int | None = None) -> None:
         """A late joiner takes the swarm's φ and m (after `state_round`, if known), and θ = φ."""
         self._adopt_state(groups, state_round)

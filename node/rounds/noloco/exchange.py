@@ -37,7 +37,8 @@ from node.events import (CaughtUp, NoPartner, PairCancelled, Paired, PairingPace
                          SwapFailed, SwapLate, Swapped)
 from node.rounds.noloco.pacing import SwapPacer
 from node.rounds.noloco.round import PartnerSnapshot
-from node.rounds.state import round_bound, settled
+from node.rounds.state import StateLayout, round_bound, settled
+from node.rounds.state_fetch import download_bound_s
 from node.rounds.swarm import Swarm, failure_sentence, peer_name
 from p2p.errors import P2PError, Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -162,8 +163,9 @@ class NoLoCoExchange:
         (it then keeps its own, as before). `reference`: our φ, what a state is checked against."""
         if self.swarm.adopt_state is None:
             return None
-        timeouts = self.swarm.timeouts
-        budget = timeouts.state_download_attempts * timeouts.state_download_s \
+        timeouts = self.swarm.timeouts  # what the quorum's downloads may take, at the slowest link
+        budget = timeouts.state_download_attempts * download_bound_s(StateLayout.of(reference),
+                                                                     self.transport.limits) \
             + timeouts.state_announce_wait_s
 
         async def take():

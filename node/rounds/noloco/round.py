@@ -359,6 +359,10 @@ class NoLoCoRound:
             return (self.state_round, {"phi": self.outer.slow_weights,
                                        "momentum": self.outer.outer_momentum}, self.phi_digest)
 
+    def state_version(self, round_index: int | None = None) -> tuple[int, str]:
+        with self.lock:
+            return self.state_round, self.phi_digest
+
     def adopt(self, groups: dict, state_round: int | None = None) -> None:
         """A late joiner takes a member's φ and δ as its own, and θ = φ (`state_round`: for
         DiLoCoX's replays; NoLoCo keeps no history of its steps)."""

@@ -42,7 +42,7 @@ def test_a_message_of_the_last_release_is_refused_counted_and_told(tmp_path, p2p
                 try:
                     writer.write((RELEASE / "push.frame").read_bytes())
                     await writer.drain()
-                    status = await StreamIO(reader, None, TransportCounters(), idle_timeout_s=10.0).read_status()
+                    status = await StreamIO(reader, None, TransportCounters(), stall_s=10.0).read_status()
                 finally:
                     writer.close()
                 await wait_until(lambda: _counted(receiver), 5.0, what="the refusal counted")

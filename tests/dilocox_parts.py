@@ -10,6 +10,7 @@ from node.config.manifest import ProtocolSection
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.relay import AUTHOR, RELAY
 from node.rounds.dilocox.sending import PGRAD
+from p2p.limits import TransferLimits
 from p2p.errors import Reason, RemoteRefused
 from p2p.identity import NodeIdentity
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -30,8 +31,7 @@ class HoldingTransport:
 
     swarm, manifest = SWARM, MANIFEST
 
-    class limits:
-        parallel_streams = 1
+    limits = TransferLimits(parallel_streams=1)
 
     def __init__(self, copies: dict):
         self.copies, self.asked, self.banned, self.pushed = copies, [], [], []
@@ -46,7 +46,7 @@ class HoldingTransport:
     async def push(self, peer, message, *, need_by=None):
         self.pushed.append((peer, message))
 
-    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
+    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None, expected_reply_bytes=0):
         assert kind == RELAY
         self.asked.append(peer)
         copy = self.copies.get((peer, round_index, meta[AUTHOR]))

@@ -21,6 +21,7 @@ from node.loop import BackgroundTasks, LoopBridge
 from node.rounds.contributions import BanList
 from node.rounds.state import StateLayout
 from p2p.errors import P2PError
+from p2p.limits import TransferLimits
 
 
 @dataclass
@@ -48,6 +49,11 @@ class Swarm:
     # the byte layout of our outer state (node/rounds/state.py), for a DiLoCoX resync's download;
     # None where there is none
     state_layout: StateLayout | None = None
+
+    @property
+    def transfer_limits(self) -> TransferLimits:
+        """The transport's limits; their defaults where the swarm has none (a unit test)."""
+        return self.transport.limits if self.transport is not None else TransferLimits()
 
     def refuse(self, peer: str, reason: str, sentence: str) -> None:
         """A contribution of `peer` was refused (on the loop): logged, struck, maybe banned."""

@@ -19,6 +19,7 @@ from node.rounds.dilocox.replay import APPLIED, StepReplay
 from node.rounds.state import STATE_KIND
 from p2p.errors import P2PError, Refusal
 from p2p.identity import NodeIdentity
+from p2p.limits import TransferLimits
 from p2p.records import MemberRecord
 from protocol.vote import split_winner
 from tests.dilocox_parts import HoldingTransport, exchange, member, relayed_copy
@@ -41,7 +42,7 @@ class ReplayHolders(HoldingTransport):
                 server.record(round_index, applied)
             self.servers[holder] = (identity, server)
 
-    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
+    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None, expected_reply_bytes=0):
         self.kinds.append(kind)
         if kind == APPLIED:
             identity, server = self.servers[peer]
@@ -135,8 +136,7 @@ def test_a_record_of_senders_that_cannot_be_true_is_not_read():
 class NoStateServer:
     """A transport whose state requests all fail, as when the majority's holder just left."""
 
-    class limits:
-        parallel_streams = 1
+    limits = TransferLimits(parallel_streams=1)
 
     async def request(self, *args, **kwargs):
         raise P2PError("the holder left")

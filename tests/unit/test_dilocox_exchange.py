@@ -184,7 +184,7 @@ class SlowHolder(HoldingTransport):
         super().__init__(copies)
         self.serve_s = serve_s
 
-    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None):
+    async def request(self, peer, kind, round_index, *, meta, streams, need_by=None, expected_reply_bytes=0):
         await asyncio.sleep(self.serve_s)
         return await super().request(peer, kind, round_index, meta=meta, need_by=need_by, streams=streams)
 

@@ -112,7 +112,7 @@ class SwarmCatchUp:
 
     async def _download(self, reference: dict, behind: int, swarm_round: int) -> SwarmState | None:
         timeouts = self.swarm.timeouts  # what the adoption's downloads may take, at the slowest link
-        budget = timeouts.state_download_attempts * download_bound_s(StateLayout.of(reference), self.swarm.transport.limits) \
+        budget = timeouts.state_download_attempts * download_bound_s(StateLayout.of(reference), self.swarm.transfer_limits) \
             + timeouts.state_announce_wait_s
         try:
             joined = await asyncio.wait_for(self.swarm.adopt_state(reference), timeout=budget)

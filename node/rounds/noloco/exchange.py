@@ -165,7 +165,7 @@ class NoLoCoExchange:
             return None
         timeouts = self.swarm.timeouts  # what the quorum's downloads may take, at the slowest link
         budget = timeouts.state_download_attempts * download_bound_s(StateLayout.of(reference),
-                                                                     self.transport.limits) \
+                                                                     self.swarm.transfer_limits) \
             + timeouts.state_announce_wait_s
 
         async def take():

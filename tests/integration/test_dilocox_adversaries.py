@@ -20,7 +20,7 @@ from tests.faults import FaultHarness, adversary_manifest, start_swarm, stop_all
 from tests.swarm_harness import assert_phi_heals, left, phi_rounds
 
 pytestmark = pytest.mark.integration
-STEPS = 240  # 12 rounds of 20 inner steps
+STEPS = 160  # 8 rounds of 20 inner steps
 
 
 def run(harness_factory, swarm: str, honest: int, kind: str):
@@ -37,6 +37,7 @@ def round_at(node, time: float) -> int:
     return max((r["round"] for r in node.events("round") if r["time"] < time), default=-1) + 1
 
 
+@pytest.mark.timeout(600)  # five daemons beside the rest of the suite
 def test_an_equivocator_is_banned_by_every_honest_node_and_phi_stays_one(harness_factory):
     honest, bad = run(harness_factory, "t-adv-dx-equivocate", 4, "equivocate")
     bad_id = bad.peer_id
@@ -66,9 +67,12 @@ def test_a_member_claiming_far_future_rounds_is_refused_and_waited_for_by_no_one
     assert "adversary: pushing a message of round" in bad.log_tail(1_000_000)
     for node in honest:
         log = node.log_tail(5_000_000)
-        # its far messages are refused unread with the reason, and strike it until it is banned
-        assert f"{bad_id} sent a message of round" in log and "beyond round" in log, node.index
+        # its far messages are refused unread: with the reason, striking it until it is banned,
+        # or BANNED where its records' claims had it banned before a push arrived (a loaded machine)
         assert f"banned {bad_id}" in log, node.index
+        refused = node.events("transport")[-1]["refused_incoming"]
+        assert (f"{bad_id} sent a message of round" in log and "beyond round" in log) \
+            or refused.get("BANNED", 0) >= 1, node.index
         # no round waited for, or gave up on, its message
         waited = [e for e in node.events("missing") if bad_id in e["peers"]]
         assert not waited, (node.index, waited)
@@ -76,6 +80,6 @@ def test_a_member_claiming_far_future_rounds_is_refused_and_waited_for_by_no_one
         stored = node.events("stored")
         assert len(stored) >= 5, node.index
         assert all(s["furthest_round"] <= s["round"] + AHEAD_ROUNDS + 2 for s in stored), stored
-        assert node.events("transport")[-1]["refused_incoming"].get("REFUSED", 0) >= 1
+        assert refused.get("REFUSED", 0) + refused.get("BANNED", 0) >= 1
     common = assert_phi_heals(honest, min_rounds=5)
     print(f"far-future liar: honest φ checked over rounds {common}")

@@ -84,7 +84,7 @@ def test_sigkill_mid_late_join_transfer_the_joiner_takes_another_members_state(h
     late = joiner.wait_for(has("late_join"), 120, "the joiner to start from a member's state")
     source = next(e for e in late if e["event"] == "late_join")["source"]
     assert source in (first.peer_id, second.peer_id), source
-    assert f"the state from {server_id} did not arrive" in joiner.log_tail(100_000)
+    assert f" from {server_id} failed" in joiner.log_tail(100_000)  # a range of its state broke off
     joiner.wait_rounds(2, timeout=90)
     for node in (first, second):
         node.wait_rounds(len(node.events("round")) + 1, timeout=60)

@@ -57,7 +57,7 @@ def run_fetch(net: ShapedSwarm, index: int, holders: list[str], out: Path, *extr
     before = ["--whole-bound", str(before_bound_s)] if os.environ.get("STATE_TRANSFER_BEFORE") else []
     process = net.popen(index, [sys.executable, PEER, "fetch", "--listen", net.address(index),
                                 "--out", str(out), "--params", str(PARAMS), "--holders", *holders,
-                                "--min-rate", str(RATE_BYTES / 2), "--stall-s", "1", *before, *extra])
+                                "--min-rate", str(RATE_BYTES / 2), "--stall-s", "5", *before, *extra])
     assert process.wait(timeout=FETCH_S) == 0, "the downloader failed"
     return json.loads((out / "fetch.json").read_text())
 

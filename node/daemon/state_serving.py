@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import weakref
 from collections.abc import Callable
 
@@ -70,6 +71,8 @@ class StateServer:
         """Waits (at most busy_wait_s) until `peer` has no request in flight; True if free."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.busy_wait_s
+        if peer in self._taken:  # a reply held in a reference cycle is let go by the cycle collector
+            gc.collect()
         while peer in self._taken:
             remaining = deadline - loop.time()
             if remaining <= 0:

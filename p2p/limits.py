@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
-def _knob(default, meaning: str):
-    """A TransferLimits field with its unit and meaning (listed by `lowcomm-node settings`)."""
+def described(default, meaning: str):
+    """A settings field with its unit and meaning (TransferLimits here, node/config/settings.py's
+    NodeTimeouts too; `lowcomm-node settings` lists them)."""
     return field(default=default, metadata={"help": meaning})
 
 
@@ -58,20 +59,20 @@ class TransferLimits:
     (protocol.min_link_mbit_s), so that every member bounds a transfer alike.
     """
 
-    parallel_streams: int = _knob(4, "streams per large message (one yamux stream is window-limited)")
-    frame_bytes: int = _knob(8 * MiB, "bytes: payload per signed frame (frames pipeline hashing and sending)")
-    chunk_bytes: int = _knob(1 * MiB, "bytes: write granularity (drain between chunks)")
-    max_streams_per_peer: int = _knob(16, "concurrent incoming streams from one peer")
-    max_inflight_bytes_per_peer: int = _knob(4 * GiB, "bytes: incoming payload held for one peer "
-                                             "(raised to two of the swarm's largest message)")
-    max_inflight_bytes: int = _knob(16 * GiB, "bytes: incoming payload held for all peers together")
-    open_timeout_s: float = _knob(10.0, "seconds: opening a stream to a peer")
-    stall_s: float = _knob(30.0, "seconds: an exchange none of whose streams moved a byte, either "
-                           "way, for this long is given up")
-    min_rate_bytes_per_s: float = _knob(125_000.0, "bytes/s: the swarm's minimum link rate (from "
-                                        "the manifest's protocol.min_link_mbit_s, not a node setting)")
-    reply_timeout_s: float = _knob(30.0, "seconds: a handler's reply(header) and deliver(message) "
-                                   "must return within this (local work, no bytes moved)")
+    parallel_streams: int = described(4, "streams per large message (one yamux stream is window-limited)")
+    frame_bytes: int = described(8 * MiB, "bytes: payload per signed frame (frames pipeline hashing and sending)")
+    chunk_bytes: int = described(1 * MiB, "bytes: write granularity (drain between chunks)")
+    max_streams_per_peer: int = described(16, "concurrent incoming streams from one peer")
+    max_inflight_bytes_per_peer: int = described(4 * GiB, "bytes: incoming payload held for one peer "
+                                                 "(raised to two of the swarm's largest message)")
+    max_inflight_bytes: int = described(16 * GiB, "bytes: incoming payload held for all peers together")
+    open_timeout_s: float = described(10.0, "seconds: opening a stream to a peer")
+    stall_s: float = described(30.0, "seconds: an exchange none of whose streams moved a byte, either "
+                               "way, for this long is given up")
+    min_rate_bytes_per_s: float = described(125_000.0, "bytes/s: the swarm's minimum link rate (from "
+                                            "the manifest's protocol.min_link_mbit_s, not a node setting)")
+    reply_timeout_s: float = described(30.0, "seconds: a handler's reply(header) and deliver(message) "
+                                       "must return within this (local work, no bytes moved)")
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -13,14 +13,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from node.config.schema import ConfigError
-from p2p.limits import NODE_SWARM_FIELDS, TransferLimits
+from p2p.limits import NODE_SWARM_FIELDS, TransferLimits, described
 
 NODE_PREFIX = "node."
-
-
-def _wait(default, meaning: str):
-    """A NodeTimeouts field: its unit and meaning, listed by `lowcomm-node settings`."""
-    return field(default=default, metadata={"help": meaning})
 
 
 @dataclass
@@ -28,42 +23,42 @@ class NodeTimeouts:
     """Seconds (or counts) the daemon waits; each bounds a wait that could otherwise hang. None
     of them cuts a transfer that keeps moving: those end by p2p/progress.py's rules."""
 
-    loop_call_s: float = _wait(30.0, "seconds: a call of the training thread into the event loop, "
-                               "beyond the network wait it asks for (the loop answers in "
-                               "milliseconds unless it is stalled)")
-    match_message_s: float = _wait(10.0, "seconds: a NoLoCo matching message on the wire, and how "
-                                   "long a swap that overtook the accept of our proposal waits for it")
-    consensus_wait_s: float = _wait(5.0, "seconds: DiLoCoX, how long a node waits for the members "
-                                    "of a round to announce their phi digest")
-    state_download_attempts: int = _wait(3, "count: the late join, members asked for the outer state")
-    state_announce_wait_s: float = _wait(10.0, "seconds: the late join, how long an announcement "
-                                         "lagging the state it describes is waited for")
-    state_agreement_wait_s: float = _wait(120.0, "seconds: NoLoCo, a joiner whose asked states "
-                                          "disagree waits this long for the swarm's next round before "
-                                          "asking again (a round's length, generously)")
-    first_members_s: float = _wait(2.0, "seconds: at start, without a checkpoint, how long the "
-                                   "DHT may take to show existing members before a node given no "
-                                   "peer thinks it is the first")
-    join_members_s: float = _wait(120.0, "seconds: a node given peers (--peer, or the manifest's "
-                                  "bootstrap peers) waits this long to see a member of its swarm: it "
-                                  "is joining one, so it never starts its own; past this it stops "
-                                  "with an error (node/daemon/join.py)")
-    member_refresh_s: float = _wait(0.5, "seconds: between the member cache's DHT lookups while "
-                                    "a decision waits on the view (a pairing, a vote, --min-peers)")
-    member_idle_refresh_s: float = _wait(3.0, "seconds: between the member cache's DHT lookups "
-                                         "while no decision waits on the view")
-    alone_before_redial_s: float = _wait(10.0, "seconds: seeing no member this long, the node "
-                                         "redials its bootstrap peers...")
-    redial_every_s: float = _wait(10.0, "seconds: ...this often, while alone")
-    watch_every_s: float = _wait(2.0, "seconds: between the daemon's looks at p2pd, stop requests "
-                                 "and members")
-    p2pd_start_s: float = _wait(15.0, "seconds: p2pd's start (a loaded machine takes longer)")
-    leave_step_s: float = _wait(5.0, "seconds: each step of leaving (tombstone, stop serving, p2pd)")
-    leave_drain_s: float = _wait(30.0, "seconds: a node that ended its schedule (no stop asked): "
-                                 "how long its last messages may take to reach their peers before "
-                                 "p2pd stops; a stop request keeps to leave_step_s / 2")
-    leave_reserve_s: float = _wait(5.0, "seconds: of the grace period, what is kept for leaving "
-                                   "once the training thread has stopped")
+    loop_call_s: float = described(30.0, "seconds: a call of the training thread into the event loop, "
+                                   "beyond the network wait it asks for (the loop answers in "
+                                   "milliseconds unless it is stalled)")
+    match_message_s: float = described(10.0, "seconds: a NoLoCo matching message on the wire, and how "
+                                       "long a swap that overtook the accept of our proposal waits for it")
+    consensus_wait_s: float = described(5.0, "seconds: DiLoCoX, how long a node waits for the members "
+                                        "of a round to announce their phi digest")
+    state_download_attempts: int = described(3, "count: the late join, members asked for the outer state")
+    state_announce_wait_s: float = described(10.0, "seconds: the late join, how long an announcement "
+                                             "lagging the state it describes is waited for")
+    state_agreement_wait_s: float = described(120.0, "seconds: NoLoCo, a joiner whose asked states "
+                                              "disagree waits this long for the swarm's next round before "
+                                              "asking again (a round's length, generously)")
+    first_members_s: float = described(2.0, "seconds: at start, without a checkpoint, how long the "
+                                       "DHT may take to show existing members before a node given no "
+                                       "peer thinks it is the first")
+    join_members_s: float = described(120.0, "seconds: a node given peers (--peer, or the manifest's "
+                                      "bootstrap peers) waits this long to see a member of its swarm: it "
+                                      "is joining one, so it never starts its own; past this it stops "
+                                      "with an error (node/daemon/join.py)")
+    member_refresh_s: float = described(0.5, "seconds: between the member cache's DHT lookups while "
+                                        "a decision waits on the view (a pairing, a vote, --min-peers)")
+    member_idle_refresh_s: float = described(3.0, "seconds: between the member cache's DHT lookups "
+                                             "while no decision waits on the view")
+    alone_before_redial_s: float = described(10.0, "seconds: seeing no member this long, the node "
+                                             "redials its bootstrap peers...")
+    redial_every_s: float = described(10.0, "seconds: ...this often, while alone")
+    watch_every_s: float = described(2.0, "seconds: between the daemon's looks at p2pd, stop requests "
+                                     "and members")
+    p2pd_start_s: float = described(15.0, "seconds: p2pd's start (a loaded machine takes longer)")
+    leave_step_s: float = described(5.0, "seconds: each step of leaving (tombstone, stop serving, p2pd)")
+    leave_drain_s: float = described(30.0, "seconds: a node that ended its schedule (no stop asked): "
+                                     "how long its last messages may take to reach their peers before "
+                                     "p2pd stops; a stop request keeps to leave_step_s / 2")
+    leave_reserve_s: float = described(5.0, "seconds: of the grace period, what is kept for leaving "
+                                       "once the training thread has stopped")
 
 
 @dataclass
@@ -74,16 +69,16 @@ class NodeSettings:
     peers: list[str] = field(default_factory=list)
     grace_s: float = 25.0
     max_steps: int = 0            # stop after this many inner steps (0: the schedule's end)
-    member_ttl_s: float = _wait(15.0, "seconds: our member record's time to live in the DHT (a "
-                                "member unheard of this long is gone)")
+    member_ttl_s: float = described(15.0, "seconds: our member record's time to live in the DHT (a "
+                                    "member unheard of this long is gone)")
     port_mapping: bool = False
     reachability: str = "auto"   # auto (a bootstrap peer dials us back) | public | private
     relays: list[str] = field(default_factory=list)  # relay slots through these (default: bootstrap peers)
     seed: int = 0                 # for this node's choices (partners, groups), not its data
     ops: dict = field(default_factory=dict)  # node.ops.NodeOps options: mqtt, preemption, display
     min_peers: int = 0            # a fresh swarm: wait for this many other members before round 0
-    min_peers_timeout_s: float = _wait(120.0, "seconds: a fresh swarm, the longest wait for "
-                                       "--min-peers other members before round 0")
+    min_peers_timeout_s: float = described(120.0, "seconds: a fresh swarm, the longest wait for "
+                                           "--min-peers other members before round 0")
     round_end: str = "auto"       # DiLoCoX: "beside", the round's end in a thread beside training;
                                   # "auto": beside on CUDA (node/daemon/run.py)
     timeouts: NodeTimeouts = field(default_factory=NodeTimeouts)

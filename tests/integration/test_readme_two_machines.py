@@ -27,7 +27,7 @@ from tests import readme_commands
 from tests.netns_link import available
 from tests.swarm_harness import NodeHandle
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.host_network]  # a veth pair on the host
 BIN = Path(sys.executable).parent  # where this venv's lowcomm-node is
 
 

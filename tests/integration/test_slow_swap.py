@@ -15,7 +15,7 @@ from tests import netns_link
 from tests.faults import FaultHarness, has
 from tests.swarm_harness import small_manifest
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.host_network]  # a veth pair on the host
 PAIR_DEADLINE_S = 4.0
 LINK = "500kbit"
 

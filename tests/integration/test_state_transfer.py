@@ -28,7 +28,7 @@ from benchmarks.netns import ShapedSwarm
 from p2p.host import remove_dead_sockets, socket_paths
 from tests.netns_link import available
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(available() is not None, reason=str(available()))]
+pytestmark = [pytest.mark.integration, pytest.mark.host_network, pytest.mark.skipif(available() is not None, reason=str(available()))]
 PEER = str(Path(__file__).resolve().parents[1] / "state_peer.py")
 PARAMS = 2_000_000          # a 16 MB state (8 bytes a parameter): 8 s at RATE
 RATE, RATE_BYTES = "16mbit", 2_000_000

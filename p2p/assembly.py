@@ -55,6 +55,23 @@ class Assembly:
         self.progress = progress
         self._timer: asyncio.TimerHandle | None = None
         self._arm()
+        # `on_finished()` runs once, when the exchange is over: every stream that joined has
+        # ended (sent its part, read the statuses, or broken), or the message failed with none.
+        self.on_finished: Callable[[], None] | None = None
+        self._streams_serving = 0
+
+    def stream_started(self) -> None:
+        self._streams_serving += 1
+
+    def stream_ended(self) -> None:
+        self._streams_serving -= 1
+        if self._streams_serving == 0:
+            self._finish()
+
+    def _finish(self) -> None:
+        finished, self.on_finished = self.on_finished, None
+        if finished is not None:
+            finished()
 
     @property
     def done(self) -> bool:
@@ -114,6 +131,8 @@ class Assembly:
                 task.cancel()
         self._buffer = self._view = None
         self._release()
+        if self._streams_serving == 0:
+            self._finish()
         return True
 
     def _arm(self) -> None:

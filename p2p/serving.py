@@ -46,6 +46,7 @@ class _Handler:
     reply: Callable[[MessageHeader], Awaitable[OutgoingMessage]] | None
     accept_bytes: SizePredicate | None = None
     check_head: Callable[[MessageHeader], None] | None = None  # raises Refusal: refused unread
+    finished: Callable[[MessageHeader], None] | None = None  # a request's exchange is over
 
 
 def _check_size(header: MessageHeader, accept_bytes: SizePredicate | None) -> None:
@@ -170,6 +171,8 @@ class IncomingStreams:
             if opened:
                 self._ledger.close_stream(peer_bytes)
             io.close()
+            if assembly is not None:
+                assembly.stream_ended()
             self._tasks.discard(task)
 
     async def _serve_forwarded(self, info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -227,10 +230,18 @@ class IncomingStreams:
             self._assemblies[key] = assembly
             assembly.complete.add_done_callback(lambda _: self._assemblies.pop(key, None))
             self.counters.messages_received += 1
+            if handler.finished is not None:
+                assembly.on_finished = lambda: handler.finished(header)
             if header.mode == Mode.SWAP:
                 self._spawn(assembly, self._produce_reply(assembly, handler))
             self._spawn(assembly, self._deliver(assembly, handler))
-        return assembly, assembly.attach_stream(header)
+        try:
+            stream = assembly.attach_stream(header)
+        except Refusal as refusal:
+            assembly.fail(refusal)
+            raise
+        assembly.stream_started()
+        return assembly, stream
 
     def _expired(self, peer: PeerID, refusal: Refusal) -> None:
         """An incoming message its streams left incomplete, stalled or too slow to finish in time

@@ -129,9 +129,14 @@ class Transport(IncomingStreams):
         self._handlers[(kind, Mode.SWAP)] = _Handler(Mode.SWAP, accept_round, deliver, reply, accept_bytes)
 
     def on_request(self, kind: str, respond: Callable[[MessageHeader], Awaitable[OutgoingMessage]], *,
-                   accept_round: RoundPredicate) -> None:
-        """Answer requests of `kind` (a swap whose asking half is empty): `respond(header)`."""
-        self.on_swap(kind, respond, accept_round=accept_round)
+                   accept_round: RoundPredicate,
+                   finished: Callable[[MessageHeader], None] | None = None) -> None:
+        """Answer requests of `kind` (a swap whose asking half is empty): `respond(header)`.
+        `finished(header)` is called once that request's exchange is over (our reply sent and the
+        statuses exchanged, or the exchange failed, whether or not `respond` returned): the reply
+        message is no longer read after it."""
+        self._handlers[(kind, Mode.SWAP)] = _Handler(Mode.SWAP, accept_round, None, respond,
+                                                     finished=finished)
 
     def ban(self, peer: PeerID | str, seconds: float) -> None:
         """Refuse every stream of `peer` with BANNED for `seconds`."""

@@ -31,7 +31,7 @@ def serve_state(node: Daemon, policy: RoundPolicy) -> StateServer:
     server = StateServer(policy, lambda: node.worker.round_index if node.worker else None)
     transport = node.network.transport  # its refusals (no round yet) count like any other
     transport.on_request(STATE_KIND, transport.counters.counted_reply(server.respond),
-                         accept_round=lambda _r: True)
+                         accept_round=lambda _r: True, finished=server.finished)
     return server
 
 

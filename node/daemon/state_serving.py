@@ -18,19 +18,18 @@ Rules:
   beyond that, the oldest rounds first, are dropped: such a download is refused and restarts
   on the latest state), so serving holds at most 1 + `PINNED_OLDER` exports, whatever the
   number of peers.
-- At most one state request of each peer is served at a time: a second, while the first's reply
-  is still being sent, waits up to `BUSY_WAIT_S` for it to be let go (the peer's next range
-  often comes while the last status of the previous one is still exchanged), then is refused
-  BUSY with the reason. A downloader asks for one range after the other, so an honest one
-  is not refused; a peer cannot make us send it several replies at
-  once.
+- At most one state request of each peer is served at a time: a peer's request holds its slot
+  from `respond` until the transport says that request's exchange is over (`finished`, given
+  to `transport.on_request`). A second request while the first's exchange is still on waits up
+  to `BUSY_WAIT_S` for the slot (the peer's next range often comes while the last status of the
+  previous one is still exchanged), then is refused BUSY with the reason. A downloader asks for
+  one range after the other, so an honest one is not refused; a peer cannot make us send it
+  several replies at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import weakref
 from collections.abc import Callable
 
@@ -47,7 +46,8 @@ BUSY_WAIT_S = 5.0
 
 
 class StateServer:
-    """The reply handler of STATE_KIND requests (`respond`) for one round policy."""
+    """The reply handler of STATE_KIND requests for one round policy: register it with
+    `transport.on_request(STATE_KIND, server.respond, finished=server.finished, ...)`."""
 
     def __init__(self, policy: RoundPolicy, current_round: Callable[[], int | None] | None = None,
                  busy_wait_s: float | None = None):
@@ -59,8 +59,8 @@ class StateServer:
         self.latest: StateExport | None = None
         self._by_version: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
         self._exporting = asyncio.Lock()
-        self._taken: set[bytes] = set()  # peers with a request being answered or a reply alive
-        self._let_go: dict[bytes, asyncio.Event] = {}  # set when the peer's reply is let go
+        self._taken: set[bytes] = set()  # peers whose request's exchange is not over yet
+        self._let_go: dict[bytes, asyncio.Event] = {}  # set when the peer's slot is freed
         self._pinned: dict[bytes, StateExport] = {}  # peer -> the export it is downloading
         self.exports_made = 0
 
@@ -71,8 +71,6 @@ class StateServer:
         """Waits (at most busy_wait_s) until `peer` has no request in flight; True if free."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.busy_wait_s
-        if peer in self._taken:  # a reply held in a reference cycle is let go by the cycle collector
-            gc.collect()
         while peer in self._taken:
             remaining = deadline - loop.time()
             if remaining <= 0:
@@ -82,6 +80,10 @@ class StateServer:
             except TimeoutError:
                 return False
         return True
+
+    def finished(self, header) -> None:
+        """The transport's word that the exchange of `header`'s request is over: its slot is free."""
+        self._release(header.sender)
 
     def _release(self, peer: bytes) -> None:
         self._taken.discard(peer)
@@ -117,15 +119,12 @@ class StateServer:
         if not await self._slot(peer):
             raise Refusal(Reason.BUSY, "this node is still sending you a state range; ask for the "
                                        "next one when it has arrived")
-        self._taken.add(peer)  # until the reply is let go (sent, or given up)
+        self._taken.add(peer)  # until `finished`, or until this raises
         try:
-            reply = await self._reply(peer, header.meta)
+            return await self._reply(peer, header.meta)
         except BaseException:
             self._release(peer)
             raise
-        loop = asyncio.get_running_loop()
-        weakref.finalize(reply, _call_soon, loop, self._release, peer)  # whichever thread frees it
-        return reply
 
     async def _reply(self, peer: bytes, meta) -> OutgoingMessage:
         wanted, digest = meta.get("phi_round"), meta.get("phi")
@@ -164,15 +163,3 @@ class StateServer:
         for dropped in older[:max(0, len(older) - PINNED_OLDER)]:
             self._pinned = {p: e for p, e in self._pinned.items() if e is not dropped}
 
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback, *args) -> None:
-    """`callback(*args)` on `loop`: now if this is its thread, else soon; nothing once it closed."""
-    try:
-        here = asyncio.get_running_loop()
-    except RuntimeError:
-        here = None
-    if here is loop:
-        callback(*args)
-    elif not loop.is_closed():
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(callback, *args)

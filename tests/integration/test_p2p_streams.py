@@ -100,7 +100,12 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
                 return OutgoingMessage.from_arrays("state", 9, {"phi": np.arange(3 * MB // 4, dtype=np.float32)},
                                                    meta={"digest": "abc"})
             tb.on_push("grad", deliver, accept_round=lambda r: r >= 5)
-            tb.on_request("state", state, accept_round=lambda r: True)
+            finished = []  # the transport's word that a request's exchange is over, once each
+
+            async def finished_reach(count):
+                return len(finished) >= count
+            tb.on_request("state", state, accept_round=lambda r: True,
+                          finished=lambda h: finished.append((h.sender, h.meta)))
             await ta.start()
             await tb.start()
 
@@ -109,6 +114,8 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
             assert np.array_equal(pushed[-1].arrays()["g"], np.ones(10, dtype=np.float16))
             reply = await ta.request(b.peer_id, "state", 9, streams=4)
             assert reply.meta == {"digest": "abc"} and reply.arrays()["phi"][-1] == 3 * MB // 4 - 1
+            await wait_until(lambda: finished_reach(1), 5.0, what="b's word that the request is over")
+            assert finished == [(a.peer_id.to_bytes(), {})]
 
             cases = [
                 (OutgoingMessage("grad", 4, small.tensors), Reason.STALE_ROUND),
@@ -125,6 +132,8 @@ def test_push_request_and_every_refusal_raise_clearly_on_the_sender(tmp_path, p2
                                                      f"{reason.name}")
             with pytest.raises(RemoteRefused, match="REFUSED.*no state yet"):
                 await ta.request(b.peer_id, "state", 9, meta={"missing": True})
+            await wait_until(lambda: finished_reach(2), 5.0, what="the refused request is over too")
+            assert finished[1] == (a.peer_id.to_bytes(), {"missing": True})
             assert tb.counters.refused_incoming["STALE_ROUND"] == 1
             assert ta.counters.refused_outgoing["NO_ROOM"] == 1
             await wait_until(lambda: settled(tb), 5.0, what="b released its buffers")

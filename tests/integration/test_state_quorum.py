@@ -83,7 +83,8 @@ class Member:
         self.served = FixedState()
         self.round_now = 0
         self.server = StateServer(self.served, lambda: self.round_now)  # the node's own server
-        self.transport.on_request(STATE_KIND, self.server.respond, accept_round=lambda _r: True)
+        self.transport.on_request(STATE_KIND, self.server.respond, accept_round=lambda _r: True,
+                                     finished=self.server.finished)
 
     async def start(self) -> None:
         await self.transport.start()

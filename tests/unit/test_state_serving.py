@@ -46,9 +46,16 @@ class Policy:
 
 
 def handler(policy: Policy):
-    """The reply handler serve_state registers for STATE_KIND (called on the event loop)."""
+    """The reply handler serve_state registers for STATE_KIND (called on the event loop), with
+    `respond.finished(peer)`: what the transport says once a request's exchange is over."""
     handlers = {}
-    transport = SimpleNamespace(on_request=lambda kind, respond, accept_round: handlers.update({kind: respond}),
+
+    def on_request(kind, respond, accept_round, finished):
+        async def served(request):
+            return await respond(request)
+        served.finished = lambda peer: finished(header(peer))
+        handlers[kind] = served
+    transport = SimpleNamespace(on_request=on_request,
                                 counters=SimpleNamespace(counted_reply=lambda respond: respond))
     serve_state(SimpleNamespace(loop=asyncio.get_running_loop(), network=SimpleNamespace(transport=transport), worker=None), policy)
     return handlers[STATE_KIND]
@@ -102,7 +109,7 @@ def test_ranges_view_the_export_and_decode_to_the_state():
             assert torch.equal(decoded[group][name], tensor)
 
 
-def test_a_second_request_of_a_peer_is_refused_busy_until_its_first_reply_is_let_go(monkeypatch):
+def test_a_second_request_of_a_peer_is_refused_busy_until_its_first_exchange_is_over(monkeypatch):
     monkeypatch.setattr(state_serving, "BUSY_WAIT_S", 0.0)  # refused at once, not after a wait
     policy = Policy()
 
@@ -113,14 +120,17 @@ def test_a_second_request_of_a_peer_is_refused_busy_until_its_first_reply_is_let
             await respond(header(b"a", offset=1000, length=1000))
         assert busy.value.reason is Reason.BUSY and "still sending" in busy.value.detail
         other = await respond(header(b"b", offset=0, length=1000))  # another peer is served
-        del reply, other
-        gc.collect()
+        del other
+        gc.collect()  # a reply let go is not the exchange over: the slot stays taken
+        with pytest.raises(Refusal):
+            await respond(header(b"a", offset=1000, length=1000))
+        respond.finished(b"a")
         again = await respond(header(b"a", offset=1000, length=1000))
         assert again.meta["offset"] == 1000
     asyncio.run(scenario())
 
 
-def test_a_peers_next_range_waits_for_its_previous_reply_to_be_let_go():
+def test_a_peers_next_range_waits_for_its_previous_exchange_to_be_over():
     """The downloader's next request often comes while our reply's last status is exchanged."""
     policy = Policy()
 
@@ -130,7 +140,7 @@ def test_a_peers_next_range_waits_for_its_previous_reply_to_be_let_go():
         waiting = asyncio.ensure_future(respond(header(b"a", offset=1000, length=1000)))
         await asyncio.sleep(0)  # it waits for the slot
         assert not waiting.done()
-        replies.clear()  # the transport lets go of the first reply
+        respond.finished(b"a")  # the transport: the first exchange is over
         assert (await asyncio.wait_for(waiting, 30)).meta["offset"] == 1000
     asyncio.run(scenario())
 
@@ -165,6 +175,7 @@ def test_a_newer_round_is_exported_once_and_the_older_export_goes_with_its_last_
         assert policy.exports == 2
         # a's download of round 4 goes on after the round: its export is pinned
         del old
+        respond.finished(b"a")
         gc.collect()
         still = await respond(header(b"a", offset=100, length=100, phi_round=4, phi=digest_4))
         assert policy.exports == 2 and still.meta["phi"] == digest_4
@@ -172,6 +183,7 @@ def test_a_newer_round_is_exported_once_and_the_older_export_goes_with_its_last_
         last = await respond(header(b"c", offset=size - 12, length=100, phi_round=4, phi=digest_4))
         assert len(last.tensors) == 1 and last.tensors[0].shape == (3,)  # three fp32 elements
         del still, last
+        respond.finished(b"a"), respond.finished(b"c")
         policy.round, policy.phi = 6, {n: t + 1 for n, t in policy.phi.items()}
         for peer in (b"d", b"e", b"f"):  # three more downloads of newer rounds
             await respond(header(peer, offset=0, length=100))

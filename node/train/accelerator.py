@@ -115,6 +115,18 @@ def compile_unavailable(device_type: str) -> str | None:
     return None
 
 
+def eager_reason(setting: str, device_type: str) -> str | None:
+    """Why the model will run eager with train.compile = `setting` on this device, in one
+    clause; None when it will be compiled (a compilation may still fail at its first step)."""
+    if setting not in SWITCH_CHOICES:
+        raise ValueError(f"train.compile = {setting!r} is not one of {', '.join(SWITCH_CHOICES)}")
+    if setting == "off":
+        return "train.compile = off"
+    if setting == "auto" and device_type != "cuda":
+        return f"train.compile = auto compiles on CUDA only, and this is {device_type}"
+    return compile_unavailable(device_type)
+
+
 class LossFunction:
     """`model.loss`, compiled where train.compile wants it and it works, eager otherwise.
 
@@ -124,21 +136,16 @@ class LossFunction:
 
     def __init__(self, model: torch.nn.Module, setting: str, device_type: str,
                  compile_fn: Callable = torch.compile):
-        if setting not in SWITCH_CHOICES:
-            raise ValueError(f"train.compile = {setting!r} is not one of {', '.join(SWITCH_CHOICES)}")
         self.eager = model.loss
         self.compiled = None
-        wanted = setting == "on" or (setting == "auto" and device_type == "cuda")
-        missing = compile_unavailable(device_type) if wanted else None
-        if not wanted:
-            self.reason = ("train.compile = off" if setting == "off"
-                           else f"train.compile = auto compiles on CUDA only, and this is {device_type}")
-        elif missing:
-            self.reason = missing
-            log.warning("training runs eager, not compiled: %s.", missing)
-        else:
+        eager = eager_reason(setting, device_type)
+        if eager is None:
             self.compiled = compile_fn(model.loss)
             self.reason = f"train.compile = {setting}"
+        else:
+            self.reason = eager
+            if setting != "off" and not eager.startswith("train.compile"):
+                log.warning("training runs eager, not compiled: %s.", eager)
 
     @property
     def mode(self) -> str:

@@ -18,6 +18,7 @@ import torch
 
 from node.config.schema import ModelConfig, TrainConfig
 from node.data.corpus import BatchStream, Corpus, validation_batches
+from node.events import DeviceUse
 from node.train.accelerator import (PROBE_HEADROOM, LossFunction, MicroBatchFit, autocast,
                                     device_precision, probe_micro_batch, smaller_micro_batch)
 from node.train.model import Decoder, build_model
@@ -238,6 +239,11 @@ class InnerTrainer:
                 losses.append(float(self.model.loss(self._to_device(tokens),
                                                     self._to_device(targets))))
         return sum(losses) / len(losses)
+
+    def device_use(self) -> DeviceUse:
+        """How this trainer uses its device now, for the status view and the log."""
+        return DeviceUse(precision=self.precision.describe(), compute=self.loss_fn.describe(),
+                         micro_batch=self.micro_batch)
 
     # ------------------------------------------------------------------ outer protocol access
     def named_parameters(self) -> dict[str, torch.Tensor]:

@@ -177,3 +177,35 @@ def test_a_gpu_index_that_does_not_exist_is_refused():
     with pytest.raises(ConfigError, match="'train.device' = 'gpu1' is not allowed"):
         load_config(overrides=["train.device='gpu1'"])
     assert load_config(overrides=['train.device="cuda:3"']).train.device == "cuda:3"
+
+
+def test_doctor_and_the_status_view_say_which_precision_and_why(corpus):
+    from node.config.manifest import Manifest
+    from node.events import DeviceUse, EventBus
+    from node.ops.doctor import check_device, device_use_text
+    from node.ops.status import NodeStatus
+    from node.ops.status_feed import StatusFeed
+
+    manifest = Manifest()
+    manifest.train.device = "cpu"
+    finding = check_device(manifest)
+    assert finding.level == "ok"
+    assert finding.text == ("training runs on cpu, in fp32: a CPU trains in fp32, eager "
+                               "(train.compile = auto compiles on CUDA only, and this is cpu).")
+    assert device_use_text("bf16: compute capability 9.0 has bf16 units (>= 8.0)", "off", "cuda") \
+        == "in bf16: compute capability 9.0 has bf16 units (>= 8.0), eager (train.compile = off)"
+    manifest.train.precision = "fp16"
+    assert check_device(manifest).level == "fail"
+    assert "train.precision = fp16 needs a CUDA device" in check_device(manifest).text
+
+    trainer = make(corpus)
+    FakeAllocator(trainer.model, max_rows=1)
+    trainer.train_step()
+    status = NodeStatus()
+    bus = EventBus()
+    StatusFeed(status, param_bytes=0, snapshot_sets=1, traffic=lambda: (0, 0),
+               peers_known=lambda: 0).subscribe(bus)
+    bus.publish(trainer.device_use())
+    assert (status.precision, status.compute, status.micro_batch) == \
+        ("fp32: a CPU trains in fp32", "eager (train.compile = off)", 1)
+    assert isinstance(trainer.device_use(), DeviceUse)

@@ -168,6 +168,28 @@ class LossFunction:
         return True
 
 
+# ------------------------------------------------------------------------------ one daemon per GPU
+
+def gpu_device(index: int, count: int, option: str) -> str:
+    """train.device for GPU `index` of a machine with `count` GPUs ("cuda:N"); ValueError in
+    one sentence, naming the `option` that asked, for an index the machine does not have."""
+    if 0 <= index < count:
+        return f"cuda:{index}"
+    has = f"has {count} (0-{count - 1})" if count else "has none that torch can use"
+    raise ValueError(f"{option} names GPU {index}, which this machine does not have: it {has}")
+
+
+def parse_gpus(text: str) -> list[int]:
+    """`local-swarm --gpus 0,1,3`: the GPU indices, each once; ValueError in one sentence."""
+    try:
+        gpus = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--gpus {text!r} is not a list of GPU indices: write it like 0,1,2") from None
+    if len(set(gpus)) != len(gpus):
+        raise ValueError(f"--gpus {text!r} names a GPU twice: each node gets its own")
+    return gpus
+
+
 # ------------------------------------------------------------------------------ micro-batches
 
 def micro_batch_sizes(rows: int) -> list[int]:

@@ -31,17 +31,20 @@ def make(corpus, overrides=()):
 
 class FakeAllocator:
     """A fake of a small accelerator's allocator (no GPU here): a forward pre-hook on the model
-    that raises torch.OutOfMemoryError when a micro-batch has more than `max_rows` sequences,
-    as a card with room for `max_rows` would."""
+    that raises torch.OutOfMemoryError when a micro-batch's sequences, plus `gradient_rows`
+    once the gradients exist (their buffers take room after the first backward), are more than
+    `capacity_rows`, as a card with room for that many would."""
 
-    def __init__(self, model: torch.nn.Module, max_rows: int):
-        self.max_rows, self.refused, self.sizes = max_rows, 0, []
+    def __init__(self, model: torch.nn.Module, capacity_rows: int, gradient_rows: int = 0):
+        self.capacity_rows, self.gradient_rows = capacity_rows, gradient_rows
+        self.refused, self.sizes = 0, []
         self.handle = model.register_forward_pre_hook(self)
 
     def __call__(self, module, args):
         rows = args[0].shape[0]
         self.sizes.append(rows)
-        if rows > self.max_rows:
+        held = self.gradient_rows if any(p.grad is not None for p in module.parameters()) else 0
+        if rows + held > self.capacity_rows:
             self.refused += 1
             raise torch.OutOfMemoryError(f"fake allocator: {rows} sequences do not fit")
 
@@ -100,12 +103,13 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_step_with_the_same
     reference = make(corpus)
     reference.micro_batch = reference.rows  # unsplit: the step's 8 sequences in one pass
     trainer = make(corpus)
-    fake = FakeAllocator(trainer.model, max_rows=2)
+    # the first micro-batch of 4 fits; the second does not beside the first one's gradients
+    fake = FakeAllocator(trainer.model, capacity_rows=4, gradient_rows=1)
     with caplog.at_level(logging.WARNING, logger="node.train.trainer"):
         loss = float(trainer.accumulate_gradients())
     expected = float(reference.accumulate_gradients())
     assert fake.refused == 1 and trainer.micro_batch == 2
-    assert fake.sizes == [4, 2, 2, 2, 2]  # the refused pass, then the whole step again
+    assert fake.sizes == [4, 4, 2, 2, 2, 2]  # a pass, the refused one, then the whole step again
     assert trainer.stream.position == reference.stream.position == 2  # no tokens skipped
     # the same 256 per-token terms summed in another order: at most 256 roundings apart
     assert loss == pytest.approx(expected, rel=256 * EPS, abs=0)
@@ -121,7 +125,7 @@ def test_out_of_memory_halves_the_micro_batch_and_retries_the_step_with_the_same
 
 def test_out_of_memory_at_one_sequence_is_an_error(corpus):
     trainer = make(corpus)
-    FakeAllocator(trainer.model, max_rows=0)
+    FakeAllocator(trainer.model, capacity_rows=0)
     with pytest.raises(torch.OutOfMemoryError, match="at a micro-batch of one sequence"):
         trainer.train_step()
 
@@ -132,7 +136,7 @@ def test_probe_at_start_finds_what_the_fake_allocator_holds(corpus, caplog):
     # the hook must be on the model before the probe runs: build it through a subclass
     class Probed(InnerTrainer):
         def probe_micro_batch(self):
-            self.fake = FakeAllocator(self.model, max_rows=3)
+            self.fake = FakeAllocator(self.model, capacity_rows=3)
             return super().probe_micro_batch()
 
     with caplog.at_level(logging.INFO, logger="node.train.trainer"):
@@ -199,7 +203,7 @@ def test_doctor_and_the_status_view_say_which_precision_and_why(corpus):
     assert "train.precision = fp16 needs a CUDA device" in check_device(manifest).text
 
     trainer = make(corpus)
-    FakeAllocator(trainer.model, max_rows=1)
+    FakeAllocator(trainer.model, capacity_rows=1)
     trainer.train_step()
     status = NodeStatus()
     bus = EventBus()

@@ -120,9 +120,9 @@ class TrainingWorker(threading.Thread):
                 if event is not None:
                     self.publish(event)
             result = trainer.train_step()
-            if trainer.device_use().fields() != device_use.fields():  # fell back, or halved
-                device_use = trainer.device_use()
-                self.publish(device_use)
+            if changed := trainer.device_use_changed(device_use):
+                device_use = changed
+                self.publish(changed)
             self.tokens += result.tokens
             self.compute_seconds += result.seconds
             self.publish(StepDone(step=result.step, round=self.round_index, loss=result.loss,

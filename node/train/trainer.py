@@ -143,10 +143,13 @@ class InnerTrainer:
 
     def probe_micro_batch(self) -> MicroBatchFit:
         """The largest micro-batch (an even split of a step's sequences) that fits the device
-        with PROBE_HEADROOM of its memory to spare; logged in one sentence."""
+        with PROBE_HEADROOM of its memory to spare beside what other processes hold (another
+        daemon on the same GPU); logged in one sentence."""
         limit = None
         if self.device.type == "cuda":
-            limit = int(torch.cuda.get_device_properties(self.device).total_memory * (1 - PROBE_HEADROOM))
+            torch.cuda.empty_cache()
+            free, total = torch.cuda.mem_get_info(self.device)
+            limit = torch.cuda.memory_allocated(self.device) + int(free - PROBE_HEADROOM * total)
         self.model.train()
         fit = probe_micro_batch(self._trial, self.rows, limit)
         if self.device.type == "cuda":
@@ -244,6 +247,11 @@ class InnerTrainer:
         """How this trainer uses its device now, for the status view and the log."""
         return DeviceUse(precision=self.precision.describe(), compute=self.loss_fn.describe(),
                          micro_batch=self.micro_batch)
+
+    def device_use_changed(self, last: DeviceUse) -> DeviceUse | None:
+        """The device use now where it differs from `last` (a fall-back, a halving), else None."""
+        now = self.device_use()
+        return None if now.fields() == last.fields() else now
 
     # ------------------------------------------------------------------ outer protocol access
     def named_parameters(self) -> dict[str, torch.Tensor]:

@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# The CUDA path on a GPU machine, in one go (issue 21). Parts (default: all, in this order):
-#   throughput  the trainer's tokens/s against a plain torch loop, with MFU (`small`, bf16)
+# The CUDA path on a GPU machine, in one go. Parts (default: the first four, under 8 minutes on
+# an H100/H200; each part's own timeout bounds it):
+#   speed       `small`'s tokens/s and MFU: the trainer compiled and eager against a compiled
+#               plain torch loop, in the card's own precision (bf16 on an H100)
+#   fp16        the same trainer and plain loop, compiled, in fp16 with loss scaling (the path
+#               of cards without bf16) on this card
+#   probe       the micro-batch the trainer's probe finds (of 128 sequences of 1024 a step), the
+#               probe's and training's peak memory, and tokens/s at that size, compiled
+#   exchange    two `join` daemons, compile on, exchanging for 3 rounds of 20 steps (NoLoCo)
+# and, by name, the earlier checks:
+#   throughput  the trainer's tokens/s against a plain torch loop, eager, with MFU
 #   tests       tests/integration/test_cuda.py: SIGKILL and resume, two daemons exchanging,
 #               the status view's GPU fields, decoding and digests on the GPU (TESTS: a -k filter)
 #   round_end   how long a round's end holds the trainer (`small`, two daemons; PROTOCOLS, default
@@ -15,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
 shift || true
-parts=${*:-throughput tests round_end beside memory profile}
+parts=${*:-speed fp16 probe exchange}
 mkdir -p "$out"
 PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
@@ -27,6 +36,17 @@ SMALL=(--config configs/train-tiny.toml --set model.preset=small --set model.voc
 for part in $parts; do
   echo "== $part ($(date +%T))"
   case $part in
+    speed) timeout 170 "$PY" benchmarks/trainer_throughput.py --device cuda --threads 8 --blocks 3 \
+             --steps 20 "${SMALL[@]}" --loops ours,ours-compiled,plain-compiled \
+             --json "$out/speed.json" 2>&1 | tee "$out/speed.log" ;;
+    fp16) timeout 120 "$PY" benchmarks/trainer_throughput.py --device cuda --threads 8 --blocks 3 \
+            --steps 20 "${SMALL[@]}" --precision fp16 --loops ours-compiled,plain-compiled \
+            --json "$out/fp16.json" 2>&1 | tee "$out/fp16.log" ;;
+    probe) timeout 60 "$PY" benchmarks/device_fit.py --device cuda --compile on --steps 5 "${SMALL[@]}" \
+             --set train.tokens_per_step=131072 --json "$out/probe.json" 2>&1 | tee "$out/probe.log" ;;
+    exchange) timeout 140 "$PY" benchmarks/round_end.py --model small --device cuda --timeout 120 \
+                --compile on --protocols noloco --inner-steps 20 --steps 60 \
+                --json "$out/exchange.json" 2>&1 | tee "$out/exchange.log" ;;
     throughput) timeout 120 "$PY" benchmarks/trainer_throughput.py --device cuda --threads 8 --blocks 5 \
                   --steps 20 "${SMALL[@]}" --json "$out/throughput.json" 2>&1 | tee "$out/throughput.log" ;;
     tests) timeout 200 "$PY" -m pytest -q -s -rA -p no:cacheprovider tests/integration/test_cuda.py \
@@ -47,4 +67,10 @@ for part in $parts; do
     *) echo "unknown part: $part" >&2 ;;
   esac
 done
+# every part's JSON in one file, keyed by its name (a part that failed is absent)
+"$PY" -c "import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+parts = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob('*.json')) if p.stem != 'summary'}
+(out / 'summary.json').write_text(json.dumps({'device': (out / 'device.txt').read_text(), **parts}, indent=2))
+print('wrote', out / 'summary.json', 'with', ', '.join(parts) or 'no part')" "$out"
 echo "== done ($(date +%T))"

@@ -14,6 +14,7 @@ Both daemons share this machine (and its GPU, if any): their steps are slower th
     python benchmarks/round_end.py --model small --device cuda --json round_end_gpu.json
     .venv/bin/python benchmarks/round_end.py --model tiny --device cpu --steps 60   # a dry run
     ... --protocols dilocox --beside       # DiLoCoX ending its rounds beside training
+    ... --compile on --steps 60            # compiled training (3 rounds of 20 steps)
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def manifest(protocol: str, args) -> Manifest:
     t = m.train
     t.micro_batch_size, t.tokens_per_step = args.batch, args.batch * args.seq_len
     t.steps, t.eval_every, t.checkpoint_every, t.device = args.steps, 0, 0, args.device
-    t.warmup_steps = 10
+    t.warmup_steps, t.compile = 10, args.compile
     m.protocol.name, m.protocol.inner_steps = protocol, args.inner_steps
     return m
 
@@ -60,6 +61,8 @@ def summary(events: list[dict], tokens_per_step: int, inner_steps: int) -> dict:
     gaps = [b["time"] - a["time"] - tokens_per_step / b["tokens_per_second"]
             for a, b in zip(later, later[1:]) if a["step"] % inner_steps]
     return {"rounds": len(rounds), "median_step_s": median_step,
+            "device_use": [{k: e[k] for k in ("precision", "compute", "micro_batch")}
+                           for e in events if e["event"] == "device_use"],
             "outer_s": outer, "outer_median_s": statistics.median(outer),
             "outer_max_s": max(outer), "outer_median_steps": statistics.median(outer) / median_step,
             "outer_max_steps": max(outer) / median_step, "busy_fraction": busy,
@@ -102,6 +105,8 @@ def main() -> None:
     parser.add_argument("--protocols", default="noloco,dilocox")
     parser.add_argument("--beside", action="store_true",
                         help="DiLoCoX daemons with --round-end beside (its end in a thread)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"),
+                        help="train.compile of both daemons (auto: on CUDA)")
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -114,7 +119,8 @@ def main() -> None:
                 f"({n['outer_median_steps']:.1f} steps), {n['outer_max_s']:.3f} s max "
                 f"({n['outer_max_steps']:.1f}), between steps {n['between_steps_max_s']:.3f} s max, "
                 f"busy {n['busy_fraction']:.1%}, "
-                f"{n['exchanged_rounds']}/{n['rounds']} rounds exchanged"
+                f"{n['exchanged_rounds']}/{n['rounds']} rounds exchanged, "
+                f"{n['device_use'][-1]['compute'] if n['device_use'] else '?'}"
                 for n in results[protocol]) + " |", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(sys.argv), "args": vars(args)

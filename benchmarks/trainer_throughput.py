@@ -1,10 +1,13 @@
 """Tokens/s of lowcomm-node's inner trainer against a minimal plain-torch loop, in one run.
 
-Same model, same batch shape, same threads, same data, same device and precision (bf16 autocast
-and fused AdamW on CUDA, fp32 on the CPU), neither compiled. The two are run in alternating
-blocks (ours then plain, plain then ours, ...) so that a slow phase of the machine hits both
-alike; each block's rate is recorded and the medians are compared. On CUDA each block ends with
-a device synchronisation, and the model FLOP utilisation is reported:
+Same model, same batch shape, same threads, same data, same device and precision (the trainer's
+choice for the device, node/train/accelerator.py, or --precision: bf16 or loss-scaled fp16
+autocast and fused AdamW on CUDA, fp32 on the CPU). --loops picks the loops: ours (the
+InnerTrainer, train.compile = off), ours-compiled (train.compile = on), plain, plain-compiled
+(the plain loop's loss through torch.compile). They are run in rotating blocks (a slow phase of
+the machine hits all alike), after one warm-up block each that also compiles; each block's rate
+is recorded and the medians are compared with the last loop's. On CUDA each block ends with a
+device synchronisation, and the model FLOP utilisation is reported:
 
     MFU = tokens/s × (6·N + 12·L·d·T) / peak,
 
@@ -13,6 +16,9 @@ out), L layers, d width, T sequence length (the attention term of the PaLM paper
 peak the device's dense bf16 rate (--peak-tflops; H100 and H200 SXM: 989).
 
     .venv/bin/python benchmarks/trainer_throughput.py --blocks 5 --steps 40 --threads 2
+    .venv/bin/python benchmarks/trainer_throughput.py --blocks 1 --steps 2 --set model.dim=32 \
+        --set model.n_layers=1 --set model.n_heads=2 --set model.ffn_hidden=64 \
+        --set data.seq_len=16 --loops ours,ours-compiled,plain-compiled   # a CPU dry run
     python benchmarks/trainer_throughput.py --device cuda --config configs/train-tiny.toml \\
         --set model.preset=small ... --json out.json        # see benchmarks/gpu_check.sh
 """
@@ -20,7 +26,7 @@ peak the device's dense bf16 rate (--peak-tflops; H100 and H200 SXM: 989).
 from __future__ import annotations
 
 import argparse
-import contextlib
+import copy
 import json
 import statistics
 import sys
@@ -34,7 +40,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from node.config.schema import load_config  # noqa: E402
 from node.data.corpus import load_corpus, stream_seed  # noqa: E402
 from node.train.model import build_model, count_parameters  # noqa: E402
+from node.train.accelerator import autocast, device_precision  # noqa: E402
 from node.train.trainer import InnerTrainer, pick_device  # noqa: E402
+
+LOOPS = ("ours", "ours-compiled", "plain", "plain-compiled")
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}  # dense, SXM parts
 
@@ -44,8 +53,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def plain_loop(cfg, corpus, device, steps_per_block: int, blocks: list[float]):
-    """The baseline a user would write: sample, forward, backward, AdamW step. Nothing else."""
+def plain_loop(cfg, corpus, device, steps_per_block: int, blocks: list[float], compiled: bool):
+    """The baseline a user would write: sample, forward, backward, AdamW step (loss-scaled in
+    fp16). Nothing else."""
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.model.vocab_size or corpus.vocab_size, device)
     cuda = device.type == "cuda"
@@ -53,8 +63,9 @@ def plain_loop(cfg, corpus, device, steps_per_block: int, blocks: list[float]):
     rng = np.random.default_rng(0)
     seq, batch = cfg.data.seq_len, cfg.train.micro_batch_size
     window = np.arange(seq + 1)
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda \
-        else contextlib.nullcontext
+    precision = device_precision(device, cfg.train.precision)
+    scaler = torch.amp.GradScaler(device.type) if precision.loss_scaling else None
+    loss_fn = torch.compile(model.loss) if compiled else model.loss
 
     def run_block():
         synchronize(device)
@@ -63,17 +74,23 @@ def plain_loop(cfg, corpus, device, steps_per_block: int, blocks: list[float]):
             starts = rng.integers(0, len(corpus.train) - seq - 1, size=batch)
             chunk = torch.from_numpy(corpus.train[starts[:, None] + window].astype(np.int64))
             chunk = chunk.to(device)
-            with autocast():
-                loss = model.loss(chunk[:, :-1], chunk[:, 1:])
-            loss.backward()
-            opt.step()
+            with autocast(device, precision):
+                loss = loss_fn(chunk[:, :-1], chunk[:, 1:])
+            if scaler:
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                loss.backward()
+                opt.step()
             opt.zero_grad(set_to_none=True)
         synchronize(device)
         blocks.append(steps_per_block * batch * seq / (time.perf_counter() - started))
     return run_block
 
 
-def ours(cfg, corpus, device, steps_per_block: int, blocks: list[float]):
+def ours(cfg, corpus, device, steps_per_block: int, blocks: list[float], compiled: bool):
+    cfg.train.compile, cfg.train.micro_batch_probe = ("on" if compiled else "off"), "off"
     trainer = InnerTrainer(cfg.model, cfg.train, corpus, cfg.data.seq_len,
                            stream_seed(b"benchmark", 0), device)
 
@@ -110,53 +127,74 @@ def main() -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help="a config value, e.g. model.dim=768")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto")
+    parser.add_argument("--precision", default="auto", choices=("auto", "bf16", "fp16", "fp32"),
+                        help="train.precision of every loop (auto: the trainer's choice)")
+    parser.add_argument("--loops", default="ours,plain",
+                        help=f"comma-separated, of {', '.join(LOOPS)}; the last is the reference")
     parser.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak")
     parser.add_argument("--json", type=Path, help="write the results here too")
     args = parser.parse_args()
+    loops = args.loops.split(",")
+    if not loops or set(loops) - set(LOOPS):
+        parser.error(f"--loops {args.loops!r}: choose from {', '.join(LOOPS)}")
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config, args.overrides)
     # one micro-batch per step, as in the plain loop
     cfg.train.tokens_per_step = cfg.train.micro_batch_size * cfg.data.seq_len
+    cfg.train.precision = args.precision
     device = pick_device(args.device)
     corpus = load_corpus(cfg.data)
-    rates = {"lowcomm-node InnerTrainer": [], "plain torch loop": []}
-    ours_block, trainer = ours(cfg, corpus, device, args.steps, rates["lowcomm-node InnerTrainer"])
-    runners = [ours_block, plain_loop(cfg, corpus, device, args.steps, rates["plain torch loop"])]
-    for run in runners:  # warm-up block each, not recorded
-        run()
+    rates: dict[str, list[float]] = {loop: [] for loop in loops}
+    runners, compile_seconds, trainer, use = [], {}, None, None
+    for loop in loops:
+        compiled = loop.endswith("-compiled")
+        if loop.startswith("ours"):
+            run, trainer = ours(copy.deepcopy(cfg), corpus, device, args.steps, rates[loop], compiled)
+            use = trainer.device_use()
+        else:
+            run = plain_loop(cfg, corpus, device, args.steps, rates[loop], compiled)
+        started = time.perf_counter()
+        run()  # the warm-up block, not recorded: compilation happens here
+        compile_seconds[loop] = time.perf_counter() - started
+        if trainer is not None and loop.startswith("ours"):
+            use = trainer.device_use()  # after the first steps: compiled, or fallen back
+        runners.append(run)
     for values in rates.values():
         values.clear()
     for block in range(args.blocks):
-        # alternate which loop goes first, so neither always inherits the other's cache state
-        for run in (runners if block % 2 == 0 else runners[::-1]):
+        # rotate which loop goes first, so none always inherits another's cache state
+        shift = block % len(runners)
+        for run in runners[shift:] + runners[:shift]:
             run()
-    ours_rate = statistics.median(rates["lowcomm-node InnerTrainer"])
-    plain_rate = statistics.median(rates["plain torch loop"])
-    paired = statistics.median(o / p for o, p in zip(rates["lowcomm-node InnerTrainer"],
-                                                       rates["plain torch loop"]))
-    per_token, peak = flops_per_token(cfg, trainer.model), peak_flops(device, args.peak_tflops)
+    reference = loops[-1]
+    medians = {loop: statistics.median(values) for loop, values in rates.items()}
+    model = trainer.model if trainer else build_model(cfg.model, cfg.model.vocab_size or corpus.vocab_size)
+    per_token, peak = flops_per_token(cfg, model), peak_flops(device, args.peak_tflops)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"model {cfg.model.preset} ({count_parameters(trainer.model):,} parameters), batch "
-          f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}, device {name}, threads "
+    precision = device_precision(device, cfg.train.precision).describe()
+    print(f"model {cfg.model.preset} ({count_parameters(model):,} parameters), batch "
+          f"{cfg.train.micro_batch_size}x{cfg.data.seq_len}, device {name}, {precision}, threads "
           f"{args.threads}, {args.blocks} blocks of {args.steps} steps")
-    print("| loop | median tokens/s | MFU | blocks (tokens/s) |")
-    print("|---|---|---|---|")
+    print(f"| loop | median tokens/s | MFU | / {reference} | warm-up block s | blocks (tokens/s) |")
+    print("|---|---|---|---|---|---|")
     mfu = {}
     for loop, values in rates.items():
-        rate = statistics.median(values)
-        mfu[loop] = rate * per_token / peak if peak else None
+        mfu[loop] = medians[loop] * per_token / peak if peak else None
         shown = f"{mfu[loop]:.1%}" if peak else "n/a"
-        print(f"| {loop} | {rate:,.0f} | {shown} | {', '.join(f'{v:,.0f}' for v in values)} |")
-    print(f"ratio of medians ours / plain = {ours_rate / plain_rate:.3f}; "
-          f"median of per-block ratios = {paired:.3f}; {per_token / 1e9:.3f} GFLOP a token")
+        print(f"| {loop} | {medians[loop]:,.0f} | {shown} | {medians[loop] / medians[reference]:.3f} | "
+              f"{compile_seconds[loop]:.1f} | {', '.join(f'{v:,.0f}' for v in values)} |")
+    if use:
+        print(f"ours: {use.compute}; {per_token / 1e9:.3f} GFLOP a token")
     if args.json:
         args.json.write_text(json.dumps({
             "command": " ".join(sys.argv), "device": name, "model": cfg.model.preset,
-            "parameters": count_parameters(trainer.model), "batch": cfg.train.micro_batch_size,
+            "precision": precision, "ours_compute": use.compute if use else None,
+            "parameters": count_parameters(model), "batch": cfg.train.micro_batch_size,
             "seq_len": cfg.data.seq_len, "flops_per_token": per_token,
-            "peak_flops": peak, "blocks": rates, "median": {"ours": ours_rate, "plain": plain_rate},
-            "mfu": mfu, "ratio_of_medians": ours_rate / plain_rate,
-            "median_of_block_ratios": paired,
+            "peak_flops": peak, "blocks": rates, "median": medians, "mfu": mfu,
+            "reference": reference, "ratio_to_reference": {
+                loop: medians[loop] / medians[reference] for loop in loops},
+            "warmup_block_seconds": compile_seconds,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device)
             if device.type == "cuda" else None}, indent=2))
 

@@ -20,6 +20,9 @@
 #                       for the others' LOWCOMM_PEERS_FILE (compose.yaml uses it)
 #   LOWCOMM_DEVICE      train.device (auto, cuda, cpu): the GPU image refuses to start without
 #                       a usable GPU unless this (or --set train.device=...) says otherwise
+#   LOWCOMM_GPU         train on this GPU of those the container sees (join --gpu N): one
+#                       container per GPU with `--gpus all`; or give each container one GPU
+#                       with `docker run --gpus device=N` and leave this unset
 #   LOWCOMM_DATA_DIR    identity and checkpoints: the volume (default /data)
 #   LOWCOMM_MQTT, LOWCOMM_PREEMPTION   read by `join` itself (telemetry, spot notices)
 set -eu
@@ -94,6 +97,9 @@ if has --help "$@" || has -h "$@"; then
 fi
 if [ -n "${LOWCOMM_DEVICE:-}" ]; then
   set -- --set "train.device=$LOWCOMM_DEVICE" "$@"
+fi
+if [ -n "${LOWCOMM_GPU:-}" ] && ! has --gpu "$@"; then
+  set -- --gpu "$LOWCOMM_GPU" "$@"
 fi
 require_gpu "$@"
 if ! has --swarm "$@" && ! has --manifest "$@"; then

@@ -8,7 +8,8 @@ Rooms, one concern each (import modules directly; this package imports nothing e
     data/            corpus: the bytes or tokens, and each node's batch stream; prepare-data:
                      sources (documents), tokenizer, prepare (the pipeline), shards (the
                      prepared directory, its digests and the manifest's pins on them)
-    train/           model, trainer (the inner loop), checkpoint, standalone (`train`: alone)
+    train/           model, trainer (the inner loop), accelerator (precision, compilation and the
+                     micro-batch a device fits), checkpoint, standalone (`train`: alone)
     rounds/          what happens every H steps, shared by the daemon and the simulator:
                      policy (the round's interface), noloco/ and dilocox/ (round.py in the
                      training thread, payload.py on the wire, exchange.py on the event loop),

@@ -70,7 +70,22 @@ def _multiaddr(text: str, option: str) -> str:
                           f"/ip4/203.0.113.7/tcp/31337") from None
 
 
+def _gpu_overrides(gpu: int | None, overrides: list[str]) -> list[str]:
+    """`--gpu N`: train.device = cuda:N, checked against this machine's GPUs before anything
+    starts; ValueError in one sentence for one it lacks or a train.device also given."""
+    if gpu is None:
+        return []
+    if any(o.replace(" ", "").startswith("train.device=") for o in overrides):
+        raise ValueError(f"--gpu {gpu} and --set train.device both choose the device: give one")
+    import torch
+
+    from node.train.accelerator import gpu_device
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return [f'train.device="{gpu_device(gpu, count, f"--gpu {gpu}")}"']
+
+
 def cmd_join(args: argparse.Namespace) -> int:
+    args.overrides += _gpu_overrides(args.gpu, args.overrides)
     manifest = _load_manifest(args)
     import logging
 
@@ -102,9 +117,11 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_local_swarm(args: argparse.Namespace) -> int:
-    if args.nodes < 1:
+    if args.nodes is not None and args.nodes < 1:
         raise ConfigError(f"--nodes = {args.nodes} is out of range: it must be >= 1")
-    from node.ops.local_swarm import run_local_swarm
+    from node.ops.local_swarm import gpu_arguments, run_local_swarm
+    node_args = gpu_arguments(args.gpus, args.nodes)  # checked before any process starts
+    args.nodes = len(node_args)
     manifest = _load_manifest(args)  # validated here, once, before any process starts
     join_args = ["--swarm", args.swarm] if args.swarm else ["--manifest", str(args.manifest)]
     for override in args.overrides:
@@ -115,7 +132,7 @@ def cmd_local_swarm(args: argparse.Namespace) -> int:
     if args.max_steps:
         join_args += ["--max-steps", str(args.max_steps)]
     base = Path(args.base_dir or f"runs/local-{manifest.swarm.id}")
-    return run_local_swarm(args.nodes, base, join_args, grace_s=args.grace)
+    return run_local_swarm(args.nodes, base, join_args, grace_s=args.grace, node_args=node_args)
 
 
 def cmd_init_swarm(args: argparse.Namespace) -> int:
@@ -254,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "training while the host does the round's arithmetic (on one H100: 1.5 "
                       "steps held instead of 52) but on a CPU takes its cores; auto (default): "
                       "beside on CUDA, inline elsewhere")
+    join.add_argument("--gpu", type=int, metavar="N",
+                      help="train on GPU N of this machine (train.device = cuda:N): one daemon per "
+                      "GPU, each with its own --data-dir and --listen port")
     from node.ops.cli import add_join_ops_arguments
     add_join_ops_arguments(join)
     join.set_defaults(func=cmd_join)
@@ -264,7 +284,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "under --base-dir; node 0 bootstraps the others. Shows them together until "
                     "they finish or Ctrl-C, which makes every node checkpoint and leave.")
     _swarm_arguments(local)
-    local.add_argument("--nodes", type=int, default=3, help="how many nodes (default 3)")
+    local.add_argument("--nodes", type=int, default=None,
+                       help="how many nodes (default 3, or one per GPU of --gpus)")
+    local.add_argument("--gpus", metavar="LIST", help="give each node its own GPU, e.g. 0,1,2,3: "
+                       "node i trains on the i-th (join --gpu); one GPU per node")
     local.add_argument("--base-dir", metavar="DIR", help="default runs/local-<swarm id>")
     local.set_defaults(func=cmd_local_swarm, swarm_default="local")
 

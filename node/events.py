@@ -139,6 +139,16 @@ class PairCorrected(Event, kind="pair_correction"):
 
 
 @dataclass(frozen=True)
+class DeviceUse(Event, kind="device_use", logged=True):
+    """How the trainer uses its device (node/train/accelerator.py): at the start, and again
+    when it changes (a compilation that fell back to eager, a micro-batch halved)."""
+
+    precision: str     # "bf16: compute capability 9.0 has bf16 units (>= 8.0)"
+    compute: str       # "compiled (train.compile = auto)" or "eager (<why>)"
+    micro_batch: int   # sequences per forward and backward
+
+
+@dataclass(frozen=True)
 class Evaluated(Event, kind="eval"):
     step: int
     val_loss: float

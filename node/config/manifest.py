@@ -36,7 +36,8 @@ SWARM_ID = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 # protocol.wire_dtype; the quantized ones are node/rounds/wire_tensors.py QUANTIZED_BITS
 WIRE_DTYPE_CHOICES = ("bf16", "fp16", "fp32", "int8", "int4")
 NODE_LOCAL_TRAIN_KEYS = ("threads", "device", "log_every", "checkpoint_every", "eval_every",
-                         "eval_batches", "min_step_seconds", "activation_checkpointing")
+                         "eval_batches", "min_step_seconds", "activation_checkpointing",
+                         "compile", "precision", "micro_batch_probe")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -21,6 +22,9 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs"
 MODEL_PRESET_DIR = CONFIG_DIR / "models"
+
+
+DEVICE = re.compile(r"auto|cuda|cuda:\d+|mps|cpu")  # train.device
 
 
 class ConfigError(ValueError):
@@ -95,8 +99,18 @@ class TrainConfig:
     min_step_seconds: float = spec(0.0, "pad every inner step to at least this wall time, idle "
                                    "(caps the duty cycle of a shared GPU or CPU); 0 disables",
                                    min=0.0, max=3600.0)
-    device: str = spec("auto", "auto picks cuda, then mps, then cpu",
-                       choices=("auto", "cuda", "mps", "cpu"))
+    device: str = spec("auto", "auto picks cuda, then mps, then cpu; cuda:N one GPU of several "
+                       "(one daemon per GPU: join --gpu N)")
+    compile: str = spec("auto", "torch.compile the model's forward and backward: on, off, or auto "
+                        "(on CUDA only); eager where compilation is unavailable or fails",
+                        choices=("auto", "on", "off"))
+    precision: str = spec("auto", "auto: bf16 on CUDA compute capability >= 8.0, fp16 with loss "
+                          "scaling below it, fp32 off CUDA; or bf16, fp16, fp32",
+                          choices=("auto", "bf16", "fp16", "fp32"))
+    micro_batch_probe: str = spec("auto", "find the largest micro-batch (an even split of "
+                                  "tokens_per_step) that fits the device at start: on, off, or "
+                                  "auto (on CUDA only); off keeps micro_batch_size",
+                                  choices=("auto", "on", "off"))
     activation_checkpointing: bool = spec(False, "keep only each block's input during the "
                                           "forward pass and recompute the rest in the backward "
                                           "one: a step's activations shrink to one block's, for "
@@ -208,6 +222,9 @@ def _check_cross_fields(cfg: Any) -> None:
     if d.seq_len > m.max_seq_len:
         raise ConfigError(f"config key 'data.seq_len' = {d.seq_len} is longer than "
                           f"model.max_seq_len = {m.max_seq_len}: lower it or raise max_seq_len")
+    if not DEVICE.fullmatch(t.device):
+        raise ConfigError(f"config key 'train.device' = {t.device!r} is not allowed: choose one of "
+                          f"'auto', 'cuda', 'cuda:N' (a GPU's index), 'mps', 'cpu'")
     micro = t.micro_batch_size * d.seq_len
     if t.tokens_per_step % micro:
         raise ConfigError(f"config key 'train.tokens_per_step' = {t.tokens_per_step} is not a "

@@ -106,6 +106,8 @@ class TrainingWorker(threading.Thread):
 
     def _loop(self) -> None:
         trainer = self.trainer
+        device_use = trainer.device_use()
+        self.publish(device_use)
         round_started = time.monotonic()
         between = 0.0  # this round's time in the protocol's between_steps
         while trainer.step < self.total_steps and not self.stop_requested.is_set():
@@ -118,6 +120,9 @@ class TrainingWorker(threading.Thread):
                 if event is not None:
                     self.publish(event)
             result = trainer.train_step()
+            if changed := trainer.device_use_changed(device_use):
+                device_use = changed
+                self.publish(changed)
             self.tokens += result.tokens
             self.compute_seconds += result.seconds
             self.publish(StepDone(step=result.step, round=self.round_index, loss=result.loss,

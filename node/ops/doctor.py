@@ -70,16 +70,28 @@ def check_python_and_torch() -> Finding:
 def check_device(manifest: Manifest) -> Finding:
     import torch
 
+    from node.train.accelerator import device_precision
     from node.train.trainer import pick_device
     try:
         device = pick_device(manifest.train.device)
-    except RuntimeError as error:
+        precision = device_precision(device, manifest.train.precision)
+    except (RuntimeError, ValueError) as error:
         return Finding("device", "fail", f"{error}.")
+    use = device_use_text(precision.describe(), manifest.train.compile, device.type)
     if device.type == "cuda":
-        return Finding("device", "ok", f"training runs on {device} ({torch.cuda.get_device_name(device)}).")
+        return Finding("device", "ok", f"training runs on {device} ({torch.cuda.get_device_name(device)}), {use}.")
     note = "" if manifest.train.device == "cpu" else " (no GPU found: training will be slow)"
     return Finding("device", "ok" if device.type != "cpu" or not note else "warn",
-                   f"training runs on {device}{note}.")
+                   f"training runs on {device}{note}, {use}.")
+
+
+def device_use_text(precision: str, compile_setting: str, device_type: str) -> str:
+    """The precision and why, and whether the model will be compiled, in one clause."""
+    from node.train.accelerator import eager_reason
+
+    eager = eager_reason(compile_setting, device_type)
+    compiled = f"eager ({eager})" if eager else f"compiled (train.compile = {compile_setting})"
+    return f"in {precision}, {compiled}"
 
 
 def check_manifest(manifest: Manifest, peers: list[str]) -> Finding:

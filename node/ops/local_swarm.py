@@ -66,14 +66,40 @@ def wait_for_address(data_dir: Path, process: subprocess.Popen, timeout: float) 
     raise RuntimeError(f"node 0 did not write {path} within {timeout:.0f} s: see {layout.log}")
 
 
-def start_node(index: int, base: Path, join_args: list[str], peers: list[str]) -> NodeProcess:
-    data_dir = base / f"node-{index}"
-    data_dir.mkdir(parents=True, exist_ok=True)
-    DataDir(data_dir).address.unlink(missing_ok=True)
+DEFAULT_NODES = 3
+
+
+def gpu_arguments(gpus: str | None, nodes: int | None) -> list[list[str]]:
+    """Each node's own `join` arguments: `--gpu N` for the i-th GPU of `gpus` ("0,1,..."), or
+    none; one list per node. ValueError in one sentence for a GPU this machine lacks, or a
+    --nodes that is not one per GPU."""
+    if gpus is None:
+        return [[] for _ in range(DEFAULT_NODES if nodes is None else nodes)]
+    from node.train.accelerator import gpu_device, parse_gpus
+    indices = parse_gpus(gpus)
+    if nodes is not None and nodes != len(indices):
+        raise ValueError(f"--nodes {nodes} and --gpus {gpus} differ: each node gets one GPU, so "
+                         f"give {len(indices)} nodes or leave --nodes out")
+    import torch
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for index in indices:
+        gpu_device(index, count, f"--gpus {gpus}")
+    return [["--gpu", str(index)] for index in indices]
+
+
+def join_command(data_dir: Path, join_args: list[str], peers: list[str]) -> list[str]:
     command = [sys.executable, "-m", "node.cli", "join", "--data-dir", str(data_dir),
                "--listen", LOOPBACK, *join_args]
     for peer in peers:
         command += ["--peer", peer]
+    return command
+
+
+def start_node(index: int, base: Path, join_args: list[str], peers: list[str]) -> NodeProcess:
+    data_dir = base / f"node-{index}"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    DataDir(data_dir).address.unlink(missing_ok=True)
+    command = join_command(data_dir, join_args, peers)
     log = open(DataDir(data_dir).log, "ab")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -115,18 +141,20 @@ def stop_all(nodes: list[NodeProcess], grace_s: float) -> None:
 
 
 def run_local_swarm(count: int, base: Path, join_args: list[str], grace_s: float,
-                    console: Console | None = None) -> int:
+                    console: Console | None = None, node_args: list[list[str]] | None = None) -> int:
+    """`node_args[i]`: node i's own join arguments after the shared ones (its --gpu)."""
     console = console or Console()
+    own = node_args or [[] for _ in range(count)]
     nodes: list[NodeProcess] = []
     stopping = []
     previous = {sig: signal.signal(sig, lambda *_: stopping.append(True))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         # node 0 waits for the others before round 0, so the first rounds have partners
-        nodes.append(start_node(0, base, [*join_args, "--min-peers", str(count - 1)], []))
+        nodes.append(start_node(0, base, [*join_args, *own[0], "--min-peers", str(count - 1)], []))
         address = wait_for_address(nodes[0].data_dir, nodes[0].process, timeout=60)
         console.print(f"node 0 is up at {address}; starting {count - 1} more")
-        nodes.extend(start_node(i, base, join_args, [address]) for i in range(1, count))
+        nodes.extend(start_node(i, base, [*join_args, *own[i]], [address]) for i in range(1, count))
         with Live(swarm_view(nodes), console=console, refresh_per_second=2,
                   auto_refresh=console.is_terminal) as live:
             while not stopping and any(n.process.poll() is None for n in nodes):

@@ -31,6 +31,10 @@ Fields, units and meaning (None = not known yet):
     device_util_percent      float  accelerator utilisation, % (None on CPU or unknown)
     device_memory_bytes      int    accelerator memory in use by this process, bytes
     device_memory_total_bytes int   accelerator memory in total, bytes
+    precision                str    the training precision and why: "bf16: compute capability
+                                    9.0 has bf16 units (>= 8.0)", "fp32: a CPU trains in fp32"
+    compute                  str    "compiled (train.compile = auto)" or "eager (<why>)"
+    micro_batch              int    sequences per forward and backward on this device
     cpu_percent              float  this process's CPU use, % of one core (can pass 100)
     rss_bytes                int    this process's resident memory, bytes
     peers_known              int    swarm members seen on the DHT
@@ -107,6 +111,9 @@ class NodeStatus:
     device_util_percent: float | None = None
     device_memory_bytes: int | None = None
     device_memory_total_bytes: int | None = None
+    precision: str = ""
+    compute: str = ""
+    micro_batch: int | None = None
     cpu_percent: float | None = None
     rss_bytes: int | None = None
     peers_known: int = 0

@@ -4,6 +4,7 @@ The daemon subscribes a StatusFeed to its event bus (node/events.py); the contro
 telemetry and the terminal view all read the NodeStatus it keeps. Per field (node/ops/status.py):
 
     step, round, state=training, tokens_per_second, train_loss   StepDone (the last step)
+    precision, compute, micro_batch                DeviceUse (at start, and when it changes)
     val_loss                                       RoundEnded, when the round was evaluated
     bytes_*_round, bytes_*_total, last_exchange_at  RoundEnded: the transport's byte counters
                                                    since the last round; an exchange when the
@@ -42,7 +43,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from node.events import (Checkpointed, EventBus, LinkJudged, PairingPaced, ReachabilityFound,
+from node.events import (Checkpointed, DeviceUse, EventBus, LinkJudged, PairingPaced, ReachabilityFound,
                          RoundEnded, Sent, Started, StepDone, Stopping, Swapped, WaitingForPeers)
 from node.ops.status import NodeStatus
 
@@ -62,6 +63,7 @@ class StatusFeed:
 
     def subscribe(self, bus: EventBus) -> None:
         bus.subscribe(self._step, StepDone)
+        bus.subscribe(self._device_use, DeviceUse)
         bus.subscribe(self._round, RoundEnded)
         bus.subscribe(self._started_at, Started)
         bus.subscribe(self._payload, Swapped, Sent)
@@ -88,6 +90,10 @@ class StatusFeed:
                      forwarded_for_others=for_others)
         if any(getattr(self.status, name) != value for name, value in paths.items()):
             self.status.update(**paths)
+
+    def _device_use(self, event: DeviceUse) -> None:
+        self.status.update(precision=event.precision, compute=event.compute,
+                           micro_batch=event.micro_batch)
 
     def _step(self, event: StepDone) -> None:
         self.status.update(step=event.step, round=event.round, state="training",

@@ -92,6 +92,12 @@ def _system_rows(doc: dict) -> list[tuple[str, str]]:
         if doc.get("device_memory_total_bytes"):
             mem += f" / {human_bytes(doc['device_memory_total_bytes'])}"
         rows.append(("accel mem", mem))
+    if doc.get("precision"):
+        rows.append(("precision", doc["precision"]))
+    if doc.get("compute"):
+        rows.append(("compute", doc["compute"]))
+    if doc.get("micro_batch"):
+        rows.append(("micro-batch", f"{doc['micro_batch']} sequences"))
     rows.append(("cpu", _num(doc.get("cpu_percent"), ".0f") + "%"))
     rows.append(("rss", human_bytes(doc.get("rss_bytes"))))
     return rows

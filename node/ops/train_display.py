@@ -10,7 +10,7 @@ import sys
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from node.events import (CheckpointSkipped, Evaluated, Event, StepDone, Stopping, TrainingDone,
+from node.events import (CheckpointSkipped, DeviceUse, Evaluated, Event, StepDone, Stopping, TrainingDone,
                          TrainingStarted)
 
 
@@ -50,6 +50,9 @@ class TrainDisplay:
                 self.progress.start()
                 self.task = self.progress.add_task("train", total=event.steps,
                                                    completed=event.step, status="")
+        elif isinstance(event, DeviceUse):
+            self._line(f"device use: {event.precision}; {event.compute}; micro-batch "
+                       f"{event.micro_batch} sequences")
         elif isinstance(event, StepDone):
             status = f"loss {event.loss:.3f}  lr {event.lr:.2e}  {event.tokens_per_second:,.0f} tok/s"
             if self.last_val is not None:

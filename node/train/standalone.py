@@ -109,6 +109,8 @@ def run_training(cfg: Config, identity: bytes, subscribers: list[Handler] = (),
             parameters=count_parameters(trainer.model), threads=torch.get_num_threads(),
             step=trainer.step, steps=cfg.train.steps,
             resumed_from=loaded.path.name if loaded else None))
+        device_use = trainer.device_use()
+        events.publish(device_use)
 
         def save() -> None:
             path = store.save(checkpoint_state(cfg, trainer, corpus.digest), trainer.step)
@@ -122,6 +124,9 @@ def run_training(cfg: Config, identity: bytes, subscribers: list[Handler] = (),
         val_loss, tokens, seconds = math.nan, 0, 0.0
         while trainer.step < cfg.train.steps and not stop:
             result = trainer.train_step()
+            if changed := trainer.device_use_changed(device_use):
+                device_use = changed
+                events.publish(changed)
             tokens += result.tokens
             seconds += result.seconds
             events.publish(StepDone(step=result.step, round=None, loss=result.loss, lr=result.lr,

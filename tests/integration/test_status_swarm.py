@@ -315,6 +315,11 @@ def test_status_json_returns_what_the_daemon_publishes(swarm):
     print(f"matched seq {local['seq']} after {attempts} status --json call(s)")
     compared = sorted(set(local) - set(DERIVED))
     assert set(remote) == set(local)
+    # how the trainer uses this CPU, and why (node/train/accelerator.py)
+    assert (local["precision"], local["compute"]) == (
+        "fp32: a CPU trains in fp32",
+        "eager (train.compile = auto compiles on CUDA only, and this is cpu)")
+    assert local["micro_batch"] >= 1
     assert {k: local[k] for k in compared} == {k: remote[k] for k in compared}
     for key in DERIVED:  # the ages: each computed at its own reading, a moment apart
         if local[key] is None:

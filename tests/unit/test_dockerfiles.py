@@ -214,6 +214,13 @@ def test_gpu_image_refuses_the_cpu_unless_told(stub_lowcomm):
     assert argv(run_entrypoint(stub_lowcomm, {"LOWCOMM_SWARM": "local"}))[0] == "join"  # CPU image
 
 
+def test_entrypoint_picks_one_gpu_of_several(stub_lowcomm):
+    env = {"LOWCOMM_SWARM": "local", "LOWCOMM_DATA_DIR": "/d", "LOWCOMM_GPU": "2"}
+    assert " ".join(argv(run_entrypoint(stub_lowcomm, env))).endswith("--swarm local --gpu 2")
+    given = " ".join(argv(run_entrypoint(stub_lowcomm, env, "--gpu", "1")))
+    assert given.endswith("--gpu 1") and "--gpu 2" not in given  # the option given wins
+
+
 def test_compose_has_three_nodes_and_a_broker():
     compose = yaml.safe_load((DOCKER / "compose.yaml").read_text())
     assert "name" not in compose, "docker-compose 1.29 refuses a top-level name"

@@ -76,7 +76,7 @@ def _gpu_overrides(gpu: int | None, overrides: list[str]) -> list[str]:
     if gpu is None:
         return []
     if any(o.replace(" ", "").startswith("train.device=") for o in overrides):
-        raise ValueError(f"--gpu {gpu} and --set train.device both choose the device: give one")
+        raise ConfigError(f"--gpu {gpu} and --set train.device both choose the device: give one")
     import torch
 
     from node.train.accelerator import gpu_device
@@ -107,7 +107,7 @@ def cmd_join(args: argparse.Namespace) -> int:
                             relays=check_peer_maddrs(args.relay, "--relay"),
                             round_end=args.round_end)
     if args.round_end == "beside" and manifest.protocol.name != "dilocox":
-        raise ValueError(f"--round-end beside is for DiLoCoX swarms, and {manifest.swarm.id} runs "
+        raise ConfigError(f"--round-end beside is for DiLoCoX swarms, and {manifest.swarm.id} runs "
                          f"{manifest.protocol.name}: leave it out (NoLoCo's round end runs on the "
                          f"training device)")
     settings.timeouts.p2pd_start_s = args.p2pd_timeout

@@ -75,10 +75,11 @@ def gpu_arguments(gpus: str | None, nodes: int | None) -> list[list[str]]:
     --nodes that is not one per GPU."""
     if gpus is None:
         return [[] for _ in range(DEFAULT_NODES if nodes is None else nodes)]
+    from node.config.schema import ConfigError
     from node.train.accelerator import gpu_device, parse_gpus
     indices = parse_gpus(gpus)
     if nodes is not None and nodes != len(indices):
-        raise ValueError(f"--nodes {nodes} and --gpus {gpus} differ: each node gets one GPU, so "
+        raise ConfigError(f"--nodes {nodes} and --gpus {gpus} differ: each node gets one GPU, so "
                          f"give {len(indices)} nodes or leave --nodes out")
     import torch
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from node.config.schema import ConfigError
+
 log = logging.getLogger(__name__)
 
 BF16_MIN_CAPABILITY = (8, 0)  # Ampere: the first CUDA cards with bf16 arithmetic units
@@ -62,13 +64,13 @@ def choose_precision(device_type: str, capability: tuple[int, int] | None,
     """The precision of a device of this kind and CUDA compute capability (None off CUDA).
 
     auto: bf16 on CUDA capability >= 8.0, fp16 (loss-scaled) below, fp32 elsewhere. A requested
-    bf16 or fp16 is honoured where the device can run it; otherwise ValueError in one sentence.
+    bf16 or fp16 is honoured where the device can run it; otherwise ConfigError in one sentence.
     """
     if requested not in PRECISION_CHOICES:
-        raise ValueError(f"train.precision = {requested!r} is not one of {', '.join(PRECISION_CHOICES)}")
+        raise ConfigError(f"train.precision = {requested!r} is not one of {', '.join(PRECISION_CHOICES)}")
     if device_type != "cuda":
         if requested in ("bf16", "fp16"):
-            raise ValueError(f"train.precision = {requested} needs a CUDA device, and this node "
+            raise ConfigError(f"train.precision = {requested} needs a CUDA device, and this node "
                              f"trains on {device_type}: use auto or fp32")
         return Precision("fp32", f"a {device_type.upper()} trains in fp32"
                          + (" (train.precision = fp32)" if requested == "fp32" else ""))
@@ -80,7 +82,7 @@ def choose_precision(device_type: str, capability: tuple[int, int] | None,
             return Precision("bf16", f"{shown} has bf16 units (>= 8.0)")
         return Precision("fp16", f"{shown} has no bf16 units (< 8.0)")
     if requested == "bf16" and not has_bf16:
-        raise ValueError(f"train.precision = bf16 needs CUDA compute capability >= 8.0, and this "
+        raise ConfigError(f"train.precision = bf16 needs CUDA compute capability >= 8.0, and this "
                          f"card has {cap[0]}.{cap[1]}: use auto or fp16")
     return Precision(requested, f"train.precision = {requested} on {shown}")
 
@@ -119,7 +121,7 @@ def eager_reason(setting: str, device_type: str) -> str | None:
     """Why the model will run eager with train.compile = `setting` on this device, in one
     clause; None when it will be compiled (a compilation may still fail at its first step)."""
     if setting not in SWITCH_CHOICES:
-        raise ValueError(f"train.compile = {setting!r} is not one of {', '.join(SWITCH_CHOICES)}")
+        raise ConfigError(f"train.compile = {setting!r} is not one of {', '.join(SWITCH_CHOICES)}")
     if setting == "off":
         return "train.compile = off"
     if setting == "auto" and device_type != "cuda":
@@ -171,22 +173,22 @@ class LossFunction:
 # ------------------------------------------------------------------------------ one daemon per GPU
 
 def gpu_device(index: int, count: int, option: str) -> str:
-    """train.device for GPU `index` of a machine with `count` GPUs ("cuda:N"); ValueError in
+    """train.device for GPU `index` of a machine with `count` GPUs ("cuda:N"); ConfigError in
     one sentence, naming the `option` that asked, for an index the machine does not have."""
     if 0 <= index < count:
         return f"cuda:{index}"
     has = f"has {count} (0-{count - 1})" if count else "has none that torch can use"
-    raise ValueError(f"{option} names GPU {index}, which this machine does not have: it {has}")
+    raise ConfigError(f"{option} names GPU {index}, which this machine does not have: it {has}")
 
 
 def parse_gpus(text: str) -> list[int]:
-    """`local-swarm --gpus 0,1,3`: the GPU indices, each once; ValueError in one sentence."""
+    """`local-swarm --gpus 0,1,3`: the GPU indices, each once; ConfigError in one sentence."""
     try:
         gpus = [int(part) for part in text.split(",")]
     except ValueError:
-        raise ValueError(f"--gpus {text!r} is not a list of GPU indices: write it like 0,1,2") from None
+        raise ConfigError(f"--gpus {text!r} is not a list of GPU indices: write it like 0,1,2") from None
     if len(set(gpus)) != len(gpus):
-        raise ValueError(f"--gpus {text!r} names a GPU twice: each node gets its own")
+        raise ConfigError(f"--gpus {text!r} names a GPU twice: each node gets its own")
     return gpus
 
 

@@ -36,7 +36,7 @@ def test_round_end_beside_is_refused_for_noloco_with_one_sentence(tmp_path):
     done = subprocess.run([sys.executable, "-m", "node.cli", "join", "--swarm", "local",
                            "--data-dir", str(tmp_path), "--round-end", "beside"],
                           capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert done.stderr.strip() == ("lowcomm-node: error: --round-end beside is for DiLoCoX "
+    assert done.returncode == 2  # a usage error, refused before anything starts
+    assert done.stderr.strip() == ("lowcomm-node: config error: --round-end beside is for DiLoCoX "
                                    "swarms, and local runs noloco: leave it out (NoLoCo's round "
                                    "end runs on the training device)")

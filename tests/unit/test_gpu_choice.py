@@ -22,9 +22,9 @@ def fake_four_gpus(monkeypatch):
 def test_join_refuses_a_gpu_this_machine_lacks_in_one_sentence(capsys, tmp_path):
     code = main(["join", "--swarm", "local", "--gpu", str(GPUS_HERE), "--data-dir", str(tmp_path / "n")])
     err = capsys.readouterr().err
-    assert code == 1
+    assert code == 2  # a usage error, refused before anything starts
     has = f"has {GPUS_HERE} (0-{GPUS_HERE - 1})" if GPUS_HERE else "has none that torch can use"
-    assert err == (f"lowcomm-node: error: --gpu {GPUS_HERE} names GPU {GPUS_HERE}, which this "
+    assert err == (f"lowcomm-node: config error: --gpu {GPUS_HERE} names GPU {GPUS_HERE}, which this "
                    f"machine does not have: it {has}\n")
     assert not (tmp_path / "n").exists()  # refused before the daemon made anything
 
@@ -36,7 +36,7 @@ def test_local_swarm_refuses_before_starting_any_node(capsys, tmp_path):
              ("--gpus", "0,x"): "--gpus '0,x' is not a list of GPU indices",
              ("--gpus", "0,1", "--nodes", "3"): "--nodes 3 and --gpus 0,1 differ"}
     for arguments, message in cases.items():
-        assert main(["local-swarm", "--swarm", "local", "--base-dir", str(base), *arguments]) == 1
+        assert main(["local-swarm", "--swarm", "local", "--base-dir", str(base), *arguments]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1, err
     assert not base.exists()

@@ -6,7 +6,7 @@ Every job runs on the convergence table's budget: STEPS inner steps of 3×64 tok
 inner lr 1e-3, the tiny model, evaluated every 50 steps.
 
 Method strings:
-- "noloco", "dilocox", "diloco", "local": the simulator's defaults, which are what a swarm's
+- "noloco", "dilocox", "diloco", "local", "data-parallel": the simulator's defaults, what a swarm's
   manifest ships (DiLoCo's: its best measured outer step; node/simulator/settings.py);
 - "diloco-<μ>" (η = 0.7, Nesterov);
 - "noloco-new[-a<α>][-g<β = γ>][-w<wire dtype>][-sr]" (θ alone, in int8 unless w names another
@@ -39,7 +39,7 @@ from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator import SimulationSettings, run_simulation  # noqa: E402
 
 STEPS = 800
-SHIPPED = ("noloco", "dilocox", "diloco", "local")
+SHIPPED = ("noloco", "dilocox", "diloco", "local", "data-parallel")
 NEW_PAYLOAD = {"snapshot": "theta", "wire_dtype": "int8"}
 OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
 

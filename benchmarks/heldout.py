@@ -98,7 +98,8 @@ def report(finished: dict[str, dict]) -> tuple[str, dict]:
                                    "minutes": run["rounds"][-1]["wall_seconds"] / 60}
             rows.append({"setting": s.name,
                          "model": f"{runs['local']['parameters'] / 1e6:.2f}M (d{s.dim} L{s.n_layers})",
-                         "N": s.workers, "H": s.inner_steps, "rounds": s.rounds, "seed": s.seed,
+                         "N": str(s.workers), "H": str(s.inner_steps), "rounds": str(s.rounds),
+                         "seed": str(s.seed),
                          "protocol": run["method"], "final val loss": f"{loss:.4f}",
                          "local-only": f"{local:.4f}", "vs local-only": relative(loss, local),
                          "vs DiLoCo": "-" if diloco is None else relative(loss, diloco),

@@ -32,7 +32,8 @@ MANIFEST_KEY = {("topk", "bits"): "topk_bits"}
 # protocol: its baseline takes the outer step measured best for it on our models
 # (benchmarks/RESULTS.md, "DiLoCo's outer momentum"), not protocol/diloco.py's paper value, so
 # that the first comparison a researcher runs is against a tuned baseline. Every method's H is
-# the manifest's, so that methods run by default compare at equal H.
+# the manifest's, so that methods run by default compare at equal H (for data-parallel and
+# local training a round is only the interval between evaluations).
 MANIFEST_DEFAULTS = ProtocolSection()
 DILOCO_BASELINE = DiLoCoHyperParameters(outer_lr=0.7, momentum=0.6)
 DEFAULT_INNER_STEPS = {protocol: MANIFEST_DEFAULTS.inner_steps for protocol in PROTOCOLS}

@@ -6,7 +6,9 @@ Every job runs on the convergence table's budget: STEPS inner steps of 3×64 tok
 inner lr 1e-3, the tiny model, evaluated every 50 steps.
 
 Method strings:
-- "local"; "diloco-<μ>" (η = 0.7, Nesterov);
+- "noloco", "dilocox", "diloco", "local", "data-parallel": the simulator's defaults, what a swarm's
+  manifest ships (DiLoCo's: its best measured outer step; node/simulator/settings.py);
+- "diloco-<μ>" (η = 0.7, Nesterov);
 - "noloco-new[-a<α>][-g<β = γ>][-w<wire dtype>][-sr]" (θ alone, in int8 unless w names another
   wire dtype, rounded to nearest unless "sr": stochastically), "noloco-old" (φ and Δ in bf16);
 - "dilocox-<codec>[-arr][-d0][-m<μ>][-e<η>][-r<decay>][-l<steps>]": codec "lr<rank>b<bits>"
@@ -37,6 +39,7 @@ from node.data.corpus import load_corpus  # noqa: E402
 from node.simulator import SimulationSettings, run_simulation  # noqa: E402
 
 STEPS = 800
+SHIPPED = ("noloco", "dilocox", "diloco", "local", "data-parallel")
 NEW_PAYLOAD = {"snapshot": "theta", "wire_dtype": "int8"}
 OLD_PAYLOAD = {"snapshot": "phi_delta", "wire_dtype": "bf16"}
 
@@ -107,16 +110,22 @@ class Job:
     inner_steps: int
     method: str          # see the module's docstring
     seed: int
+    rounds: int | None = None        # None: STEPS // inner_steps
+    model: tuple[str, ...] = ()      # node-config overrides, e.g. ("model.dim=64",); () the tiny model
+    tag: str = ""                    # names the model (and rounds) in the key where they are set
 
     @property
     def key(self) -> str:
-        return f"N{self.workers}-H{self.inner_steps}-{self.method}-s{self.seed}"
+        prefix = f"{self.tag}-" if self.tag else ""
+        return f"{prefix}N{self.workers}-H{self.inner_steps}-{self.method}-s{self.seed}"
 
     def settings(self) -> SimulationSettings:
         common = {"workers": self.workers, "seed": self.seed, "inner_steps": self.inner_steps,
-                  "rounds": STEPS // self.inner_steps,
+                  "rounds": self.rounds or STEPS // self.inner_steps,
                   # evaluate every 50 steps in every cell: the same evaluation cost per token
                   "eval_every": max(1, 50 // self.inner_steps)}
+        if self.method in SHIPPED:
+            return SimulationSettings(self.method, **common)
         if self.method.startswith("noloco"):
             return SimulationSettings("noloco", timing="overlap", **noloco_settings(self.method),
                                       **common)
@@ -129,7 +138,7 @@ class Job:
 
 
 def run_job(job: Job, out_dir: Path) -> str:
-    args = convergence_args([])
+    args = convergence_args([arg for override in job.model for arg in ("--set", override)])
     config = node_config(args)
     result = run_simulation(job.settings(), config, load_corpus(config.data))
     data = {"job": job.__dict__, **result.to_dict()}

@@ -25,7 +25,10 @@ SETTING_OF_FLAG = {"alpha": "noloco_momentum", "beta": "noloco_progress_weight",
 
 
 def add_simulate_command(subparsers) -> argparse.ArgumentParser:
-    from node.simulator.settings import PROTOCOLS, TIMINGS, WIRE_DTYPES
+    from node.simulator.settings import (DEFAULT_INNER_STEPS, DILOCO_BASELINE, MANIFEST_DEFAULTS,
+                                         PROTOCOLS, TIMINGS, WIRE_DTYPES)
+
+    d = MANIFEST_DEFAULTS  # every default below: the swarm manifest's, DiLoCo's baseline apart
 
     p = subparsers.add_parser(
         "simulate", help="train N replicas in this process with one protocol (no network)",
@@ -35,7 +38,8 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--protocol", required=True, choices=PROTOCOLS)
     p.add_argument("--workers", type=int, default=8, metavar="N", help="replicas (default 8)")
     p.add_argument("-H", "--inner-steps", type=int, metavar="H",
-                   help="inner steps per round (default: noloco 50, others 100)")
+                   help=f"inner steps per round (default {DEFAULT_INNER_STEPS['noloco']}, the "
+                   "manifest's, for every protocol)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="inner steps per replica in all, a multiple of "
                         "H (default: train.steps of the config)")
@@ -54,30 +58,32 @@ def add_simulate_command(subparsers) -> argparse.ArgumentParser:
                      "inner steps (noloco blocking: the partner's snapshot; dilocox: the "
                      "group's messages; default H)")
     outer = p.add_argument_group("DiLoCo and DiLoCoX outer Nesterov")
-    outer.add_argument("--outer-lr", type=float, help="η (default 0.7)")
-    outer.add_argument("--outer-momentum", type=float, help="μ (default 0.9; the NoLoCo paper's "
-                       "DiLoCo baseline used 0.3)")
+    outer.add_argument("--outer-lr", type=float, help=f"η (default: diloco "
+                       f"{DILOCO_BASELINE.outer_lr}, dilocox {d.outer_lr})")
+    outer.add_argument("--outer-momentum", type=float, help=f"μ (default: diloco "
+                       f"{DILOCO_BASELINE.momentum}, its best measured; dilocox {d.outer_momentum})")
     noloco = p.add_argument_group("NoLoCo")
-    noloco.add_argument("--timing", choices=TIMINGS, help="overlap (default) or blocking")
-    noloco.add_argument("--alpha", type=float, help="outer momentum α (default 0.5)")
-    noloco.add_argument("--beta", type=float, help="progress weight β (default 0.7)")
-    noloco.add_argument("--gamma", type=float, help="consensus weight γ (default 0.7)")
+    noloco.add_argument("--timing", choices=TIMINGS, help=f"overlap or blocking (default {d.timing})")
+    noloco.add_argument("--alpha", type=float, help=f"outer momentum α (default {d.momentum})")
+    noloco.add_argument("--beta", type=float, help=f"progress weight β (default {d.progress_weight})")
+    noloco.add_argument("--gamma", type=float, help=f"consensus weight γ (default {d.consensus_weight})")
     noloco.add_argument("--wire-dtype", choices=WIRE_DTYPES,
-                        help="how the snapshots travel (default int4, the manifest's; int4 and "
+                        help=f"how the snapshots travel (default {d.wire_dtype}; int4 and "
                         "int8: quantized in blocks of 64, about 0.5 and 1 bytes a parameter; "
                         "their rounding: --set protocol.wire_rounding=stochastic|nearest)")
     noloco.add_argument("--snapshot", choices=("theta", "phi_delta"),
                         help="what a snapshot sends: the fast weights θ alone (default when "
                         "β = γ; half the bytes) or φ and Δ (default, and needed, when β ≠ γ)")
-    noloco.add_argument("--max-staleness", type=int, help="largest round difference of a pair (default 2)")
+    noloco.add_argument("--max-staleness", type=int, help="largest round difference of a pair "
+                        f"(default {d.max_staleness})")
     dilocox = p.add_argument_group("DiLoCoX")
     dilocox.add_argument("--delay", type=int, choices=(0, 1), help="rounds between sending and "
-                         "applying the pseudo-gradients (default 1)")
-    dilocox.add_argument("--codec", help="pseudo-gradient codec: lowrank (default), topk, blockwise, "
-                         "bf16, fp16, identity")
-    dilocox.add_argument("--rank", type=int, help="lowrank: rank k (default: the codec's, 4)")
+                         f"applying the pseudo-gradients (default {d.delay})")
+    dilocox.add_argument("--codec", help="pseudo-gradient codec: lowrank, topk, blockwise, bf16, "
+                         f"fp16, identity (default {d.codec})")
+    dilocox.add_argument("--rank", type=int, help=f"lowrank: rank k (default {d.rank})")
     dilocox.add_argument("--bits", type=int, choices=(2, 4, 8), help="lowrank, blockwise: bits "
-                         "(4 or 8, default 8); topk: bits per value (default 2)")
+                         f"(4 or 8, default {d.bits}); topk: bits per value (default {d.topk_bits})")
     cfg = p.add_argument_group("model, data and inner optimizer (the node config)")
     cfg.add_argument("--model", metavar="PRESET", help="model preset in configs/models/ (default tiny)")
     cfg.add_argument("--config", type=Path, metavar="PATH", help="a node config TOML file")

@@ -23,17 +23,20 @@ PROTOCOLS = ("data-parallel", "diloco", "noloco", "dilocox", "local")
 TIMINGS = ("overlap", "blocking")
 WIRE_DTYPES = WIRE_DTYPE_CHOICES  # bf16, fp16, fp32; int8, int4 quantized
 SNAPSHOTS = ("theta", "phi_delta")
-# H by protocol: NoLoCo's paper uses 50, its DiLoCo baseline 100 (docs/protocols.md §1, §2); for
-# data-parallel and local training a "round" is only the interval between evaluations.
-DEFAULT_INNER_STEPS = {"data-parallel": 100, "diloco": 100, "noloco": 50, "dilocox": 100, "local": 100}
 CODEC_PARAMETERS = {"lowrank": ("rank", "bits"), "blockwise": ("bits",), "topk": ("bits",)}
 # the manifest key each codec parameter sets, where it is not the parameter's own name
 MANIFEST_KEY = {("topk", "bits"): "topk_bits"}
-# DiLoCoX's defaults are the swarm manifest's (node/config/manifest.py ProtocolSection), so a
-# simulation and a daemon on a default manifest run the same protocol; DiLoCo's baseline takes
-# protocol/diloco.py's (docs/protocols.md §2).
-DILOCOX_DEFAULTS = ProtocolSection()
-DILOCO_DEFAULTS = DiLoCoHyperParameters()
+# Every default of a simulation comes from here. NoLoCo's and DiLoCoX's are the swarm manifest's
+# (node/config/manifest.py ProtocolSection: what a manifest that leaves a key out runs), so a
+# simulation and a daemon on a default manifest run the same protocol. DiLoCo is no swarm
+# protocol: its baseline takes the outer step measured best for it on our models
+# (benchmarks/RESULTS.md, "DiLoCo's outer momentum"), not protocol/diloco.py's paper value, so
+# that the first comparison a researcher runs is against a tuned baseline. Every method's H is
+# the manifest's, so that methods run by default compare at equal H (for data-parallel and
+# local training a round is only the interval between evaluations).
+MANIFEST_DEFAULTS = ProtocolSection()
+DILOCO_BASELINE = DiLoCoHyperParameters(outer_lr=0.7, momentum=0.6)
+DEFAULT_INNER_STEPS = {protocol: MANIFEST_DEFAULTS.inner_steps for protocol in PROTOCOLS}
 
 
 class SimulationError(ValueError):
@@ -51,22 +54,22 @@ class SimulationSettings:
     # the exchange
     latency_steps: int = 0                 # one message's travel time, in inner steps
     drop_probability: float = 0.0          # per point-to-point message (noloco, dilocox)
-    # DiLoCo and DiLoCoX outer Nesterov; None: DILOCO_DEFAULTS or DILOCOX_DEFAULTS
+    # DiLoCo and DiLoCoX outer Nesterov; None: DILOCO_BASELINE or MANIFEST_DEFAULTS
     outer_lr: float | None = None
     outer_momentum: float | None = None
     # NoLoCo (docs/protocols.md §1 defaults)
-    timing: str = "overlap"
+    timing: str = MANIFEST_DEFAULTS.timing
     # the longest wait for a message (NoLoCo blocking: the partner's snapshot; DiLoCoX: the
     # group's messages of the round applied); None: H
     deadline_steps: int | None = None
-    noloco_momentum: float = 0.5           # α
-    noloco_progress_weight: float = 0.7    # β
-    noloco_consensus_weight: float = 0.7   # γ
-    wire_dtype: str = ProtocolSection().wire_dtype  # of the snapshots sent: the manifest's default
+    noloco_momentum: float = MANIFEST_DEFAULTS.momentum                    # α
+    noloco_progress_weight: float = MANIFEST_DEFAULTS.progress_weight      # β
+    noloco_consensus_weight: float = MANIFEST_DEFAULTS.consensus_weight    # γ
+    wire_dtype: str = MANIFEST_DEFAULTS.wire_dtype  # of the snapshots sent
     # what a snapshot sends: "theta" or "phi_delta"; None: theta when β = γ, else phi_delta
     snapshot: str | None = None
-    max_staleness: int = 2
-    # DiLoCoX (docs/protocols.md §3); None: the manifest's default (DILOCOX_DEFAULTS)
+    max_staleness: int = MANIFEST_DEFAULTS.max_staleness
+    # DiLoCoX (docs/protocols.md §3); None: the manifest's default (MANIFEST_DEFAULTS)
     delay: int | None = None
     codec: str | None = None
     rank: int | None = None                # lowrank only
@@ -97,10 +100,10 @@ class SimulationSettings:
             raise SimulationError(f"protocol {s.protocol!r} is unknown: choose one of {', '.join(PROTOCOLS)}.")
         if s.inner_steps is None:
             s.inner_steps = DEFAULT_INNER_STEPS[s.protocol]
-        outer = (DILOCOX_DEFAULTS.outer_lr, DILOCOX_DEFAULTS.outer_momentum) \
-            if s.protocol == "dilocox" else (DILOCO_DEFAULTS.outer_lr, DILOCO_DEFAULTS.momentum)
+        outer = (DILOCO_BASELINE.outer_lr, DILOCO_BASELINE.momentum) if s.protocol == "diloco" \
+            else (MANIFEST_DEFAULTS.outer_lr, MANIFEST_DEFAULTS.outer_momentum)
         for name, default in (("outer_lr", outer[0]), ("outer_momentum", outer[1]),
-                              ("delay", DILOCOX_DEFAULTS.delay), ("codec", DILOCOX_DEFAULTS.codec)):
+                              ("delay", MANIFEST_DEFAULTS.delay), ("codec", MANIFEST_DEFAULTS.codec)):
             if getattr(s, name) is None:
                 setattr(s, name, default)
         if s.deadline_steps is None:
@@ -166,7 +169,7 @@ class SimulationSettings:
         if self.protocol == "noloco":
             latency = f", swap takes {self.latency_steps} steps" if self.latency_steps else ""
             wire = self.protocol_values.get("wire_dtype", self.wire_dtype)
-            wire = f", {wire} snapshots" if wire != ProtocolSection().wire_dtype else ""
+            wire = f", {wire} snapshots" if wire != MANIFEST_DEFAULTS.wire_dtype else ""
             return f"NoLoCo H={self.inner_steps} {self.timing}{latency}{wire}"
         if self.protocol == "dilocox":
             values = dict(self.codec_parameters())

@@ -7,7 +7,6 @@ from collections import Counter
 import pytest
 import torch
 
-from node.config.manifest import ProtocolSection
 from node.config.schema import load_config
 from node.data.corpus import load_corpus, stream_seed
 from node.simulator import Simulation, SimulationError, SimulationSettings
@@ -103,17 +102,6 @@ def test_local_only_sends_nothing_and_replicas_drift_apart(config, corpus):
 
 
 # ---------------------------------------------------------------------------- DiLoCoX
-def test_dilocox_simulation_defaults_are_the_manifests():
-    """One set of defaults: a simulation and a daemon on a default manifest run the same protocol."""
-    protocol, _ = SimulationSettings("dilocox").validated().sections()
-    manifest = ProtocolSection()
-    for key in ("outer_lr", "outer_momentum", "delay", "codec", "rank", "bits", "topk_k",
-                "topk_chunk", "topk_bits", "max_density", "fan_out"):
-        assert getattr(protocol, key) == getattr(manifest, key), key
-    diloco = SimulationSettings("diloco").validated()
-    assert (diloco.outer_lr, diloco.outer_momentum) == (0.7, 0.9)  # docs/protocols.md §2
-
-
 def test_dilocox_delay_zero_identity_codec_is_exactly_diloco(config, corpus):
     diloco, diloco_result = simulate(config, corpus, "diloco", outer_momentum=0.3)
     # clipping off: DiLoCo's mean scales no one down

@@ -16,12 +16,16 @@ Invariants:
 - the event loop never runs torch work longer than a copy (state exports and decoding go to a
   thread);
 - SIGINT/SIGTERM lead to a checkpoint and exit 0 within `grace_s`; a second signal exits at once;
+  a stop that comes while the node is still joining (resuming, or downloading the swarm's state)
+  ends the join there and exits 0 without training: what it has trained is already in its
+  checkpoint, and a state half taken is never used (its servers may be the peers leaving with it);
 - every event of the node is one JSON line in <data_dir>/metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import signal
 
@@ -49,6 +53,8 @@ from node.rounds.swarm import Swarm
 from node.train.checkpoint import CheckpointStore
 from node.train.trainer import InnerTrainer, pick_device
 from p2p.identity import NodeIdentity
+
+log = logging.getLogger("lowcomm.daemon")
 
 
 class Daemon:
@@ -132,7 +138,10 @@ class Daemon:
             policy = self._protocol(trainer, swarm)
             swarm.state_layout = await self.loop.run_in_executor(
                 None, lambda: StateLayout.of(policy.export_state()[1]["phi"]))
-            start_round = await resume_or_join(self, trainer, policy)
+            start_round = await self._unless_stopped(resume_or_join(self, trainer, policy))
+            if start_round is None:
+                log.info("stopped while joining: leaving before training (nothing new to checkpoint)")
+                return 0
             serve_state(self, policy)
             serve_probe(self.network.transport)  # `doctor`s time their links against us
             self.network.exchange.start(start_round)
@@ -141,6 +150,25 @@ class Daemon:
             return await train(self, trainer, policy, corpus_digest)
         finally:
             await leave(self)
+
+    async def _unless_stopped(self, work):
+        """`work`'s result, or None when a stop (signal, preemption notice) comes first: then
+        `work` is cancelled, and an error it ends with meanwhile is the stop's, not the node's."""
+        task = asyncio.ensure_future(work)
+        stopping = asyncio.ensure_future(self.stop_event.wait())
+        try:
+            await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopping.cancel()
+            if not task.done():  # stopped, or this wait itself was cancelled
+                task.cancel()
+            await asyncio.gather(task, stopping, return_exceptions=True)
+        if self.stop_event.is_set() and (task.cancelled() or task.exception() is not None):
+            if not task.cancelled():
+                log.info("after the stop, the join ended with %s: %s", type(task.exception()).__name__,
+                         task.exception())
+            return None
+        return task.result()
 
     def _protocol(self, trainer: InnerTrainer, swarm: Swarm) -> RoundPolicy:
         """The manifest's protocol: its round (training thread) and exchange (event loop)."""

@@ -7,6 +7,11 @@ stored, longer than the single look (`first_members_s`) a node given no peer tak
 from what the joiner writes: its lookups found the records hidden (the fault took effect), it
 never trained a round of its own, and it started from a member's state, whose φ digest that
 member had announced.
+
+A node stopped (SIGTERM) while it is still joining leaves there with exit 0: its join is held
+open by the same fault, hiding the members for longer than the test runs, so the stop always
+comes mid-join; joining on regardless, it would have waited out `join_members_s` and failed
+(exit 1), as a home stopped mid-download did when the members serving its state left with it.
 """
 
 import pytest
@@ -41,3 +46,17 @@ def test_a_joiner_whose_dht_answers_slowly_takes_the_swarms_state(harness_factor
     joiner.wait_rounds(1, timeout=90)
     assert min(r["round"] for r in joiner.events("round")) >= late["round"]  # no round of its own
     assert stop_all([*members, joiner]) == [0, 0, 0]
+
+
+def test_a_node_stopped_while_joining_leaves_at_once_with_exit_0(harness_factory):
+    harness = harness_factory(small_manifest("t-stopped-joining", "noloco"), harness_class=FaultHarness)
+    member = harness.start_node(0)
+    member.wait_for(joined, 90, "joining")
+    joiner = harness.start_node(1, [member.address], adversary="slow-members",
+                                env={"LOWCOMM_TEST_SLOW_MEMBERS_S": "3600"})  # hidden all along
+    joiner.wait_log("adversary: member lookup answered no member", 90)  # in its join, waiting
+    assert stop_all([joiner]) == [0], joiner.log_tail()
+    assert "stopped while joining: leaving before training" in joiner.log_tail(100_000)
+    kinds = {e["event"] for e in joiner.events()}
+    assert {"joined", "left"} <= kinds and not kinds & {"late_join", "started", "step"}, kinds
+    assert stop_all([member]) == [0], member.log_tail()

@@ -267,7 +267,6 @@ def test_a_swarm_without_a_public_member_and_a_slow_p2pd_are_one_sentence_each(t
     asyncio.run(slow_start())
 
 
-@pytest.mark.xfail(reason='open: in the merged suite of 2026-12-02 the home behind a closed port exited 1 when stopped (stop_all gave [0, 0, 1]); not diagnosed: a regression of the progress-bounded transfers or the load of that run', strict=False)
 def test_announce_of_a_forwarded_port_makes_a_home_public_and_of_a_closed_one_keeps_its_relays(tmp_path):
     harness = FaultHarness(tmp_path / "swarm", small_manifest("t-nat-announce", "noloco"))
     net = NatTestbed(publics=1, homes=2)
@@ -290,6 +289,7 @@ def test_announce_of_a_forwarded_port_makes_a_home_public_and_of_a_closed_one_ke
             assert closed["mode"] == "private" and closed["relay_addrs"], closed
             assert any("/p2p-circuit/" in a for a in homes[1].events("joined")[-1]["addresses"])
             assert f"--announce /ip4/{net.router_address(1)}/tcp/4100 is not reachable" in homes[1].log_tail(100_000)
+            # a home may still be taking the swarm's state from the others: stopped, it leaves too
             assert stop_all([public, *homes]) == [0, 0, 0]
     finally:
         harness.close()

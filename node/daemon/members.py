@@ -220,13 +220,14 @@ class Reconnector:
         if not candidates:
             return
         self._next_try = now + self.interval_s
-        self._task = self.cache.tasks.spawn(self._redial(candidates), "redial")
+        self._task = self.cache.tasks.spawn(self._redial(candidates, self._alone_since), "redial")
 
-    async def _redial(self, candidates: list[str]) -> None:
+    async def _redial(self, candidates: list[str], alone_since: float) -> None:
+        """`alone_since`: since when this node has seen no other member (the loop's clock); passed
+        in, since a member seen while the dials run resets `_alone_since`."""
         answered = await self.host.reconnect(candidates)
         log.info("no other member seen for %.0f s: redialled %d address(es), %d answered",
-                 asyncio.get_running_loop().time() - (self._alone_since or 0), len(candidates),
-                 answered)
+                 asyncio.get_running_loop().time() - alone_since, len(candidates), answered)
         if answered:
             await self.cache.refresh()
 

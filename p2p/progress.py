@@ -5,12 +5,16 @@ split over parallel streams progresses while any of them moves; a swap while eit
 and gives the two verdicts that end an exchange which is not done:
 
 - stalled: no byte moved, on any of its streams, either way, for `TransferLimits.stall_s`;
-- too slow: even at the swarm's minimum link rate (`TransferLimits.min_rate_bytes_per_s`) from
-  now on, its remaining bytes (the larger direction: both travel at once) could not arrive by
-  its need-by. The need-by is the caller's (`NeedBy`: what its logic can still use, e.g. the
-  rounds a NoLoCo swap may take) or by default what its bytes take at that rate plus one
-  stall's worth (`TransferLimits.need_by_s`). A peer trickling a byte every few seconds is
-  cut by this rule, not by a constant, and one on a link at the swarm's minimum rate never is.
+- too slow: its need-by passed with bytes still to move; or, once it has run for one stall
+  bound (its rate is then a measurement), its remaining bytes could not arrive by its need-by
+  even if each direction went on at the better of the rate it has moved at so far and the
+  swarm's minimum link rate (`TransferLimits.min_rate_bytes_per_s`).
+  The need-by is the caller's (`NeedBy`: what its logic can still use, e.g. the rounds a NoLoCo
+  swap may take) or by default what its bytes take at the minimum rate plus one stall's worth
+  (`TransferLimits.need_by_s`). A peer trickling a byte every few seconds is cut by this rule,
+  not by a constant; one on a link at the swarm's minimum rate is never cut by the default
+  need-by; and a transfer whose link is faster than the minimum is judged at its own rate, so a
+  caller's short need-by cuts it only when its own progress shows it cannot make it.
 
 Once every byte of ours left, the answer (the receiver's status) may wait on bytes still in the
 link: such an exchange ends at its need-by, or a stall's worth after our last byte if that is
@@ -122,13 +126,22 @@ class Progress:
             self.failure = Refusal(Reason.TIMEOUT, self._unanswered_sentence())
         elif self._moving() and now - self.last_moved >= self.limits.stall_s:
             self.failure = self._stalled()
-        elif self.rate_bound and self.remaining and \
-                now + self.remaining / self.limits.min_rate_bytes_per_s > self.need_by_at:
+        elif self.rate_bound and self.remaining and (now >= self.need_by_at or (
+                now - self.started >= self.limits.stall_s
+                and now + self._time_to_finish(now) > self.need_by_at)):
             self.too_slow = True
             # our own half behind: our link, not the peer, is the slow one (no strike for it)
             ours = self.sending - self.sent >= self.receiving - self.received
             self.failure = Refusal(Reason.TIMEOUT, self._too_slow_sentence(now), congested=ours)
         return self.failure
+
+    def _time_to_finish(self, now: float) -> float:
+        """Seconds the remaining bytes take, each direction at the better of its rate so far and
+        the minimum rate (both directions travel at once: the slower one decides)."""
+        elapsed = max(now - self.started, 1e-9)
+        floor = self.limits.min_rate_bytes_per_s
+        return max((size - done) / max(floor, done / elapsed)
+                   for size, done in ((self.sending, self.sent), (self.receiving, self.received)))
 
     def _answer_due(self) -> float:
         """With every byte of ours moved, when the answer (a status) must have come: what we
@@ -151,7 +164,8 @@ class Progress:
         if self._moving():
             at = self.last_moved + self.limits.stall_s
             if self.rate_bound:
-                at = min(at, self.need_by_at - self.remaining / self.limits.min_rate_bytes_per_s)
+                at = min(at, self.need_by_at, max(self.started + self.limits.stall_s,
+                                                  self.need_by_at - self._time_to_finish(now)))
         return max(at, now + self.limits.stall_s / CHECKS_PER_STALL)
 
     def _stalled(self) -> Refusal:

@@ -81,9 +81,33 @@ def test_a_trickler_is_cut_once_even_the_minimum_rate_could_not_finish_by_its_ne
     assert refusal.detail == ("at 2 bit/s it could not finish 48 MB within the 3 rounds it may take "
                               "(44 bytes moved)")
     assert not refusal.congested  # their half was behind: the peer's doing
-    # a timer is armed for the moment the rule can first hold, not later
+    # a timer is armed for the moment the rule can first hold: one stall bound in (its rate is
+    # not measured before), not at the 16 s where the minimum rate alone would already fail it
     late = progress(clock, receiving=48 * MB, need_by=NeedBy(400.0))
-    assert late.next_check(clock.now) == pytest.approx(clock.now + 400.0 - 384.0)
+    assert late.next_check(clock.now) == pytest.approx(clock.now + 30.0)
+
+
+def test_a_link_faster_than_the_minimum_is_judged_at_its_own_rate():
+    """48 MB each way within 4 rounds of 10 s: at the swarm's 1 Mbit/s minimum that is 384 s, but
+    on an 16 Mbit/s link the swap takes 24 s and is never cut; on an 8 Mbit/s link it would take
+    48 s, which its own rate shows once measured (after one stall bound), not at its start."""
+    clock = Clock()
+    fast = progress(clock, sending=48 * MB, receiving=48 * MB, need_by=NeedBy(40.0, "4 rounds"))
+    assert fast.verdict(clock.now) is None  # nothing measured yet: not judged at the minimum rate
+    for _ in range(24):
+        clock.now += 1.0
+        fast.moved(sent=2 * MB, received=2 * MB)
+        assert fast.verdict(clock.now) is None
+    assert fast.remaining == 0
+    slow = progress(clock, sending=48 * MB, receiving=48 * MB, need_by=NeedBy(40.0, "4 rounds"))
+    verdicts = []
+    for _ in range(40):
+        clock.now += 1.0
+        slow.moved(sent=MB, received=MB)
+        verdicts.append(slow.verdict(clock.now))
+    first = next(i for i, v in enumerate(verdicts) if v is not None) + 1
+    assert first == 30 and slow.too_slow  # 18 MB left at 8 Mbit/s: 18 s, with 10 s to go
+    assert verdicts[-1].detail == "at 8 Mbit/s it could not finish 48 MB within 4 rounds (30 MB moved)"
 
 
 def test_the_default_need_by_follows_the_bytes_and_grows_when_a_reply_declares_its_size():
@@ -101,7 +125,7 @@ def test_our_own_half_behind_is_our_link_and_strikes_no_one():
     clock = Clock()
     swap = progress(clock, sending=48 * MB, receiving=48 * MB, need_by=NeedBy(100.0, "one round"))
     swap.moved(received=48 * MB)
-    clock.now += 10.0
+    clock.now += 30.0
     swap.moved(sent=1)
     refusal = swap.verdict(clock.now)
     assert swap.too_slow and refusal.congested

@@ -63,12 +63,12 @@ def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
         swarm = unit_swarm(loop, [member("a", 0)], transport=TransportAtAFixedRate())
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         small = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
-        assert ex.send_ratio() is None  # nothing measured yet
+        assert ex.costs().send_ratio is None  # nothing measured yet
         await ex.sender._send_all(0, small)  # 0.1 s
         ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 20_000
-        assert 0.19 < ex.send_ratio() < 0.3
+        assert 0.19 < ex.costs().send_ratio < 0.3
         ex.sender._handed_bytes = 10_000
-        assert 0.09 < ex.send_ratio() < 0.15
+        assert 0.09 < ex.costs().send_ratio < 0.15
     asyncio.run(main())
 
 
@@ -93,10 +93,10 @@ def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
         big = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         await ex.sender._send_all(0, big)  # 0.1 s to "a"; "b" fails
         ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 10_000
-        before = ex.send_ratio()
+        before = ex.costs().send_ratio
         ex.members.records = {"b": member("b", 0)}  # a round whose only send fails at once
         await ex.sender._send_all(1, big)
-        assert ex.send_ratio() >= before * 0.99, (before, ex.send_ratio())
+        assert ex.costs().send_ratio >= before * 0.99, (before, ex.costs().send_ratio)
     asyncio.run(main())
 
 
@@ -124,14 +124,14 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
         transport.seconds = 0.2
         await ex.sender._send_all(0, message)
         ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 10_000
-        slow = ex.send_ratio()
+        slow = ex.costs().send_ratio
         assert 0.19 < slow < 0.3
         transport.seconds = 0.02
         for r in range(1, LINK_MEMORY):
             await ex.sender._send_all(r, message)
-            assert ex.send_ratio() == slow  # still within memory of the slow send
+            assert ex.costs().send_ratio == slow  # still within memory of the slow send
         await ex.sender._send_all(LINK_MEMORY, message)
-        assert ex.send_ratio() < slow / 4  # forgotten after LINK_MEMORY faster sends
+        assert ex.costs().send_ratio < slow / 4  # forgotten after LINK_MEMORY faster sends
     asyncio.run(main())
 
 
@@ -157,16 +157,16 @@ def test_a_receiver_slower_than_the_others_bounds_the_growth_of_every_senders_me
         swarm = unit_swarm(loop, [member("a", 0), member("b", 0), member("slow", 0)], transport=transport)
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         message = OutgoingMessage.from_arrays(PGRAD, 0, {"w": np.zeros(10_000, np.uint8)})
-        assert ex.shared_ratio() == 0.0  # nothing measured
+        assert ex.costs().shared_ratio == 0.0  # nothing measured
         await ex.sender._send_all(0, message)
         ex.sender._round_durations, ex.sender._handed_bytes = (2.0,), message.total_bytes
-        assert 0.4 < ex.shared_ratio() < 0.5  # 3 × (0.3 − 0.01) s over a 2 s round
-        assert ex.send_ratio() < 0.2          # our own link: 0.3 s of 2
+        assert 0.4 < ex.costs().shared_ratio < 0.5  # 3 × (0.3 − 0.01) s over a 2 s round
+        assert ex.costs().send_ratio < 0.2          # our own link: 0.3 s of 2
         transport.uplink_bound = True
         own = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         await own.sender._send_all(0, message)
         own.sender._round_durations, own.sender._handed_bytes = (2.0,), message.total_bytes
-        assert own.shared_ratio() < 0.05
+        assert own.costs().shared_ratio < 0.05
     asyncio.run(main())
 
 
@@ -222,7 +222,7 @@ def test_a_round_stretched_by_a_wait_does_not_make_the_link_look_idle():
                              random.Random(0))
         ex.sender._link_costs, ex.sender._handed_bytes = (1e-4,), 100_000  # 10 s to send
         ex.sender._round_durations = (16.0, 16.0, 97.0)
-        assert ex.send_ratio() == pytest.approx(10 / 16)
+        assert ex.costs().send_ratio == pytest.approx(10 / 16)
     asyncio.run(main())
 
 

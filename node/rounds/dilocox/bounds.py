@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from node.rounds.dilocox.catch_up import CATCH_UP_LAG
+from node.rounds.dilocox.link import CATCH_UP_LAG
 from node.rounds.state import majority, round_bound, settled
 from node.rounds.swarm import Swarm
 from p2p.errors import Reason, Refusal

@@ -30,7 +30,7 @@ import asyncio
 import logging
 from collections import Counter
 
-from node.rounds.dilocox.link import REPLAY_ROUNDS, SwarmState
+from node.rounds.dilocox.link import CATCH_UP_LAG, REPLAY_ROUNDS, Download, SwarmState
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import StateLayout, agreed_round, phi_holders
 from node.rounds.state_fetch import download_bound_s
@@ -38,9 +38,6 @@ from node.rounds.swarm import Swarm, failure_sentence
 from protocol.vote import winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
-# Rounds behind the swarm's agreed round before a node takes the swarm's state. One round
-# behind is left to the resync: members still announce φ of the round before their latest.
-CATCH_UP_LAG = 2
 
 
 class SwarmCatchUp:
@@ -96,7 +93,7 @@ class SwarmCatchUp:
         recipe = await self.replay.recipe(target, agreed, digest, holders)
         if recipe is None:
             return None
-        return SwarmState(swarm_round, target, {"replay": recipe}, recipe["source"], digest)
+        return SwarmState(swarm_round, target, recipe, recipe.source, digest)
 
     def _agreed_phi(self, round_index: int) -> tuple[str, list[str]] | None:
         """(the φ digest of `round_index` held by two or more members and by most of those
@@ -120,6 +117,6 @@ class SwarmCatchUp:
             log.warning("%d rounds behind the swarm (round %d), and could not take its state: %s",
                         behind, swarm_round, failure_sentence(exc))
             return None
-        return SwarmState(joined.round_index,
-                          int(joined.meta.get("phi_round", joined.round_index - 1)),
-                          joined.tensors, joined.source, joined.meta.get("phi"))
+        state_round = int(joined.meta.get("phi_round", joined.round_index - 1))
+        state = Download(state_round, joined.tensors["phi"], joined.tensors["momentum"], joined.source)
+        return SwarmState(joined.round_index, state_round, state, joined.source, joined.meta.get("phi"))

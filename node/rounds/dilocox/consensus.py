@@ -46,7 +46,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from node.events import Diverged, ResyncReady
-from node.rounds.dilocox.link import REPLAY_ROUNDS
+from node.rounds.dilocox.link import REPLAY_ROUNDS, Download, Replay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import agreed_round, phi_holders
 from node.rounds.state_fetch import StateFetchFailed, fetch_state
@@ -75,7 +75,7 @@ class PhiConsensus:
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.checks: dict[int, asyncio.Task] = {}  # checks in flight, by round
-        self.resyncs: dict[int, dict] = {}  # by round: a replay's recipe, or a downloaded state
+        self.resyncs: dict[int, Replay | Download] = {}  # by round: the repair of our φ
         self.agreed = -1  # the last round whose φ of ours a check found the majority's
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
         # our last finished check found our φ off the majority's: until one finds it agreed, a
@@ -167,7 +167,7 @@ class PhiConsensus:
         since = self.agreed
         if since < round_index <= since + REPLAY_ROUNDS and (recipe := await self.replay.recipe(
                 round_index, since, majority, holders)):
-            self.resyncs[round_index] = {"replay": recipe}
+            self.resyncs[round_index] = recipe
             return
         layout = self.swarm.state_layout
         if layout is None:
@@ -186,8 +186,8 @@ class PhiConsensus:
             peer = fetched.sources[0]
             if fetched.meta.get("phi_round") == round_index and fetched.digest == majority:
                 # the training thread checks it as a contribution of `source` before adopting it
-                self.resyncs[round_index] = {"slow_weights": fetched.groups["phi"], "round": round_index,
-                                             "momentum": fetched.groups["momentum"], "source": peer}
+                self.resyncs[round_index] = Download(round_index, fetched.groups["phi"],
+                                                     fetched.groups["momentum"], peer)
                 self.publish(ResyncReady(round=round_index, source=peer))
                 return
             liar = fetched.served_phi_alone()
@@ -211,7 +211,7 @@ class PhiConsensus:
                 and agreed_round(self.members.eligible()) <= round_index + 1:
             await asyncio.wait({check}, timeout=min(wait_s, pace))
 
-    def pop_resync(self, round_index: int) -> dict | None:
+    def pop_resync(self, round_index: int) -> Replay | Download | None:
         """The resync due at the outer step after `round_index`: of that round, or the latest of
         an earlier one whose step it came too late for (the training thread replays its own
         steps since over it); all are dropped. Its steps are recorded as ours, so that we serve
@@ -220,9 +220,9 @@ class PhiConsensus:
         state = self.resyncs[max(due)] if due else None
         for old in due:
             del self.resyncs[old]
-        if state is not None and "replay" in state:  # our steps are the majority's now
-            for step, target, senders in state["replay"]["steps"]:
+        if isinstance(state, Replay):  # our steps are the majority's now
+            for step, target, senders in state.steps:
                 self.replay.record(step, (target, senders))
         elif state is not None:  # a state downloaded whole: we do not know its step's messages
-            self.replay.record(state["round"], None)
+            self.replay.record(state.round, None)
         return state

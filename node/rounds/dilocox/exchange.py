@@ -60,10 +60,11 @@ import random
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Equivocated, Missing, Stored
 from node.rounds.dilocox.bounds import RoundBound
-from node.rounds.dilocox.catch_up import CATCH_UP_LAG, SwarmCatchUp
+from node.rounds.dilocox.catch_up import SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
 from node.rounds.dilocox.evidence import Equivocations, Proof
-from node.rounds.dilocox.link import GroupMessage, SwarmState
+from node.rounds.dilocox.link import (Agreement, Collected, GroupMessage, Refused, Rejoined, Replay,
+                                      ReplayFailed, Report, SendCosts, Stepped, SwarmState)
 from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD, RoundSender
@@ -116,6 +117,7 @@ class DiLoCoXExchange:
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
         self.ran_ahead_s = 0.0  # of the last collect's wait, the part for members still in its round
+        self.swarm_round = -1  # the round a majority of our members reached (`_watch_missing`)
         self.catching_up = SwarmCatchUp(swarm, self.replay)  # when we fall rounds behind
 
     def start(self, round_index: int) -> None:
@@ -166,54 +168,36 @@ class DiLoCoXExchange:
         return peers if len(peers) <= self.fan_out else self.rng.sample(peers, self.fan_out)
 
     # ------------------------------------------------------------------ training thread side
+    def in_committee(self, round_index: int) -> bool:
+        return self.swarm.bridge.call("the committee's draw", lambda: bool(
+            self._in_committee(round_index, {self.peer_id})))
+
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sender.send_round(round_index, tensors)
 
-    def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
-        return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
-                                      round_index, wait_s, wait_s=wait_s)
+    def costs(self) -> SendCosts:
+        return SendCosts(self.sender.send_ratio(), self.sender.shared_ratio())
 
-    def behind(self, round_index: int) -> bool:
-        """True while we train `round_index` and a majority of our members already finished the
-        round after it (they collect our message of `round_index` now, and wait for it at most
-        one of their rounds): the round should end now (DiLoCoXRound.between_steps). Not when
-        they are further ahead: the round's end then takes the swarm's state (`catch_up`), where
-        rounds ended one after another would each send a message too late to count."""
-        return self.swarm.bridge.call("the swarm's round", self._behind, round_index)
-
-    def _behind(self, round_index: int) -> bool:
-        # asked between every two steps: the swarm's rounds must be as fresh as a waiting
-        # decision's, so a DiLoCoX node keeps the cache's fast cadence while it trains
-        self.members.want_fresh()
-        lag = agreed_round(self.members.eligible()) - (round_index + 1)  # as catch_up counts it
-        return 1 <= lag < CATCH_UP_LAG
-
-    def ran_ahead(self) -> float:
-        """Seconds the last `collect` waited for members still training its round (read once it
-        returned: the loop wrote it before answering)."""
-        return self.ran_ahead_s
+    def collect(self, round_index: int, wait_s: float) -> Collected:
+        async def collected() -> Collected:
+            messages = await self._collect(round_index, wait_s)
+            return Collected(messages, self.ran_ahead_s)
+        return self.swarm.bridge.call(f"the messages of round {round_index}", collected,
+                                      wait_s=wait_s)
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.swarm.bridge.call(f"round {round_index} if complete", self._take_if_complete,
                                       round_index)
 
-    def publish_digest(self, round_index: int, digest: str,
-                       applied: tuple[int, tuple[str, ...]] | None = None) -> None:
-        self.swarm.bridge.post(self._after_round, round_index, digest, applied)
-
-    def take_resync(self, round_index: int) -> dict | None:
-        return self.swarm.bridge.call("a resync state", self.consensus.pop_resync, round_index)
-
-    def settle(self, round_index: int, wait_s: float) -> None:
-        """While this node is known to be off the majority's φ, waits at most `wait_s` (and one
-        of our rounds) before the outer step of `round_index` for the consensus check of the
-        round before, whose resync is due at this step (PhiConsensus.settle). A node that
-        agrees never waits here."""
-        self.swarm.bridge.call("the consensus check in flight", self.consensus.settle, round_index,
-                               wait_s, self.pace, wait_s=wait_s)
-
-    def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.swarm.refuse_from_thread(peer, reason, sentence)
+    def resync(self, round_index: int, wait_s: float) -> Agreement:
+        """While this node is known to be off the majority's φ, first waits at most `wait_s`
+        (and one of our rounds) for the consensus check of the round before, whose repair is
+        due at this step (PhiConsensus.settle); a node that agrees never waits here."""
+        async def agreement() -> Agreement:
+            if wait_s > 0:
+                await self.consensus.settle(round_index, wait_s, self.pace)
+            return Agreement(self.consensus.agreed, self.consensus.pop_resync(round_index - 1))
+        return self.swarm.bridge.call("the consensus check in flight", agreement, wait_s=wait_s)
 
     def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
         """The swarm's state once this node, ending `round_index`, has fallen CATCH_UP_LAG or
@@ -225,24 +209,11 @@ class DiLoCoXExchange:
         return self.swarm.bridge.call("a catch-up to the swarm", self.catching_up.poll,
                                       round_index, self.consensus.agreed, reference)
 
-    def rejoin(self, from_round: int, state: SwarmState) -> None:
-        self.swarm.bridge.call("the swarm's round", self._rejoin, from_round, state)
-
-    def in_committee(self, round_index: int) -> bool:
-        return self.swarm.bridge.call("the committee's draw", lambda: bool(
-            self._in_committee(round_index, {self.peer_id})))
-
-    def send_ratio(self) -> float | None:
-        return self.sender.send_ratio()
-
-    def shared_ratio(self) -> float:
-        return self.sender.shared_ratio()
-
-    def replay_failed(self, recipe: dict, start: int | None) -> None:
-        self.swarm.bridge.post(self._replay_failed, recipe, start)
-
-    def last_agreed(self) -> int:
-        return self.consensus.agreed  # an int the loop replaces: read from the training thread as is
+    def report(self, note: Report) -> None:
+        if isinstance(note, Refused):
+            self.swarm.refuse_from_thread(note.peer, note.reason, note.sentence)
+        else:
+            self.swarm.bridge.post(self._reported, note)
 
     # ------------------------------------------------------------------ loop side
     def _check_head(self, header) -> None:
@@ -295,6 +266,7 @@ class DiLoCoXExchange:
         the round and did not send them to us, so that they are here before the round's end."""
         while True:
             await asyncio.sleep(WATCH_S)
+            self._refresh_swarm_round()
             self.evidence.report()  # the versions we accepted, to the members (evidence.py)
             # not the round a collect waits for: it asks for that one itself, and stops asking
             # past one of our rounds
@@ -303,6 +275,12 @@ class DiLoCoXExchange:
                 box = self.inbox.get(round_index, {})
                 self._ask_for(round_index, self._in_committee(
                     round_index, self._finished(round_index)) - set(box))
+
+    def _refresh_swarm_round(self) -> None:
+        """The round a majority of our members reached, kept as fresh as a waiting decision's:
+        the training thread reads it between every two steps (link.is_behind)."""
+        self.members.want_fresh()
+        self.swarm_round = agreed_round(self.members.eligible())
 
     def _ask_for(self, round_index: int, authors: set[str]) -> None:
         if authors:
@@ -461,16 +439,17 @@ class DiLoCoXExchange:
         self.relay.store.drop(author)
         self.publish(Equivocated(round=proof.first.round, author=author))
 
-    def _after_round(self, round_index: int, digest: str,
-                     applied: tuple[int, tuple[str, ...]] | None = None) -> None:
-        self.replay.record(round_index, applied)
-        self.members.update(round=round_index + 1, status="training")
-        self.consensus.start(round_index, digest)
-
-    def _replay_failed(self, recipe: dict, start: int | None) -> None:
-        for step, _, _ in recipe["steps"]:  # recorded as ours when the recipe was handed over
-            self.replay.record(step, None)
-        self.consensus.replay_failed(recipe["since"], start)
+    def _reported(self, note: Stepped | ReplayFailed | Rejoined) -> None:
+        if isinstance(note, Stepped):
+            self.replay.record(note.round, note.applied)
+            self.members.update(round=note.round + 1, status="training")
+            self.consensus.start(note.round, note.digest)
+        elif isinstance(note, ReplayFailed):
+            for step, _, _ in note.replay.steps:  # recorded as ours when the recipe was handed over
+                self.replay.record(step, None)
+            self.consensus.replay_failed(note.replay.since, note.start)
+        else:
+            self._rejoin(note.from_round, note.state)
 
     def _rejoin(self, from_round: int, got: SwarmState) -> None:
         """The training thread adopted the swarm's state instead of training `from_round`: we
@@ -487,4 +466,4 @@ class DiLoCoXExchange:
         self.members.update(round=got.next_round, status="training", extra={"since": got.next_round})
         self.publish(CaughtUp(source=got.source, from_round=from_round, round=got.next_round,
                               state_round=got.state_round, digest=got.digest,
-                              by="replay" if "replay" in got.state else "download"))
+                              by="replay" if isinstance(got.state, Replay) else "download"))

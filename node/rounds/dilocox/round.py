@@ -39,7 +39,8 @@ from node.events import RoundShortened
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.dilocox import payload
 from node.rounds.dilocox.adapt import CompressionAdapter
-from node.rounds.dilocox.link import REPLAY_ROUNDS, DiLoCoXLink, GroupMessage, SwarmState
+from node.rounds.dilocox.link import (REPLAY_ROUNDS, DiLoCoXLink, Download, GroupMessage, Refused,
+                                      Rejoined, Replay, ReplayFailed, Stepped, SwarmState, is_behind)
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
@@ -131,6 +132,9 @@ class DiLoCoXRound:
         self.own_sent: dict[int, PseudoGradientMessage] = {}
         self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
         self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
+        # False from the first change of a round's end (or of a step mid-round) until it is
+        # whole; a call that raised leaves it False: the worker then writes no checkpoint
+        self.consistent = True
 
     def between_steps(self, round_index: int) -> RoundShortened | None:
         """With `apply_on_arrival` (delay 1): once every message of round r − 1 is here (the
@@ -140,8 +144,8 @@ class DiLoCoXRound:
         travel time rather than a round. Δ at the round's end is still this round's progress
         alone (it is measured from the shifted start).
 
-        A node that fell a round behind its swarm (`link.behind`) ends the round at the next step
-        instead: the steps it skips were the ones that would have made its message late."""
+        A node that fell a round behind its swarm (`link.swarm_round`, which the loop keeps
+        fresh: no call to it) ends the round at the next step instead: the steps it skips were the ones that would have made its message late."""
         self._apply_on_arrival(round_index)
         return self._shorten_if_behind(round_index)
 
@@ -153,15 +157,18 @@ class DiLoCoXRound:
         arrived = self.link.take_if_complete(target)
         if arrived is None:
             return
+        agreement = self.link.resync(round_index, 0.0)
+        self.consistent = False
         before = self.outer.round_start_weights()
-        _, self.early_refused = self._take_step(round_index, arrived)
+        _, self.early_refused = self._take_step(round_index, arrived, agreement)
         shift_in_place(self.trainer.named_parameters(),
                        difference(self.outer.round_start_weights(), before))
+        self.consistent = True
 
     def _shorten_if_behind(self, round_index: int) -> RoundShortened | None:
         last_step = (round_index + 1) * self.config.inner_steps  # the step that ends the round
         skipped = last_step - 1 - self.trainer.step
-        if skipped <= 0 or not self.link.behind(round_index):
+        if skipped <= 0 or not is_behind(round_index, self.link.swarm_round):
             return None
         self.trainer.start_at(last_step - 1)
         return RoundShortened(round=round_index, skipped_steps=skipped)
@@ -171,6 +178,7 @@ class DiLoCoXRound:
         self.trainer.load_parameters(start)
         if next_round is not None:
             self.trainer.start_at(next_round * self.config.inner_steps)
+        self.consistent = True
         return outcome
 
     def end_round_beside(self, round_index: int, fast_weights: dict[str, torch.Tensor]
@@ -181,6 +189,7 @@ class DiLoCoXRound:
         outcome, what θ must be shifted by (the next round's start minus `fast_weights`: the
         steps trained meanwhile keep their progress) and the swarm's round if it caught up."""
         outcome, start, next_round = self._end(round_index, fast_weights)
+        self.consistent = True  # the worker holds its checkpoint until θ is shifted
         return outcome, difference(start, fast_weights), next_round
 
     def _end(self, round_index: int, fast_weights: dict[str, torch.Tensor]
@@ -188,6 +197,7 @@ class DiLoCoXRound:
         """Send this round's message, take the outer step that is due, follow the swarm if this
         node fell behind it; returns (outcome, where θ starts the next round, the swarm's round
         if caught up). The trainer is not touched."""
+        self.consistent = False
         delta = self.outer.pseudo_gradient(fast_weights)
         self.own_norm = global_norm(delta)
         self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
@@ -196,8 +206,9 @@ class DiLoCoXRound:
             own = self.outer.compress(delta, round_index)
             self.own_sent[round_index] = own
             self.link.send_round(round_index, payload.encode_message(own))
-            compression = self.adapter.after_send(own, self.link.send_ratio(),
-                                                  self.link.shared_ratio()) if self.adapter else None
+            costs = self.link.costs()
+            compression = self.adapter.after_send(own, costs.send_ratio, costs.shared_ratio) \
+                if self.adapter else None
         else:  # not in this round's committee: our next message carries what kept_decay keeps
             self.outer.keep(delta, round_index)
         early = self.stepped_round == round_index
@@ -209,7 +220,7 @@ class DiLoCoXRound:
         next_round = None
         if caught is not None and (state := self._swarm_state(caught, refused)) is not None:
             self._adopt_state(state, caught.state_round)
-            self.link.rejoin(round_index + 1, caught)
+            self.link.report(Rejoined(round_index + 1, caught))
             next_round, self.state_round, start = caught.next_round, caught.state_round, state["phi"]
         outcome = DiLoCoXOutcome(
             phi_digest=digest, refused=refused, network_wait_seconds=waited,
@@ -235,13 +246,14 @@ class DiLoCoXRound:
         in the round)."""
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
-        arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
-        ahead = self.link.ran_ahead() if target >= 0 else 0.0
+        collected = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else None
+        arrived = collected.messages if collected else []
+        ahead = collected.ran_ahead_s if collected else 0.0
         refused: list[str] = []
         if self.stepped_round < round_index:
-            self.link.settle(round_index, self.config.message_deadline_s)
+            agreement = self.link.resync(round_index, self.config.message_deadline_s)
             waited = time.monotonic() - waited
-            _, refused = self._take_step(round_index, arrived)
+            _, refused = self._take_step(round_index, arrived, agreement)
         else:
             waited = time.monotonic() - waited
             self.outer.counters.late += len(arrived)
@@ -249,26 +261,26 @@ class DiLoCoXRound:
         # a step with nothing due (the first round, delay 1) applied nothing: round -1, no one
         applied = (-1 if step.applied_round is None else step.applied_round,
                    tuple(sorted(self.outer.last_messages))) if step is not None else None
-        self.link.publish_digest(round_index, self.phi_digest, applied)
+        self.link.report(Stepped(round_index, self.phi_digest, applied))
         return step, refused, waited, ahead
 
-    def _take_step(self, round_index: int, arrived: list[GroupMessage]):
-        """Checks each message against our own last Δ, adopts a pending resync, takes the outer
-        step of `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
+    def _take_step(self, round_index: int, arrived: list[GroupMessage], agreement):
+        """Checks each message against our own last Δ, adopts the repair `agreement` brings (our
+        φ of the last round, or of one before it, left the majority's), takes the outer step of
+        `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
         refused: list[str] = []
         for item in arrived:
             self._admit(item, refused)
         with self.lock:
-            self._note_agreed(self.link.last_agreed())
-            resync = self.link.take_resync(round_index - 1)
-            # our φ of the last round, or of one before it, disagreed with the majority's
-            if resync is not None and "replay" in resync:
-                replayed = self._replayed(resync["replay"], refused)
-                if replayed is not None and self._adopt_round(
-                        resync["replay"]["round"], replayed, round_index - 1):
+            self._note_agreed(agreement.agreed)
+            resync = agreement.resync
+            if isinstance(resync, Replay):
+                replayed = self._replayed(resync, refused)
+                if replayed is not None and self._adopt_round(resync.round, replayed, round_index - 1):
                     self.replays += 1
-            elif resync is not None and self._resync_usable(resync) and self._adopt_round(
-                    resync.get("round", round_index - 1), resync, round_index - 1):
+            elif isinstance(resync, Download) and self._resync_usable(resync) and self._adopt_round(
+                    resync.round, {"slow_weights": resync.phi, "momentum": resync.momentum},
+                    round_index - 1):
                 self.resyncs += 1
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
@@ -284,17 +296,17 @@ class DiLoCoXRound:
                         f"follow the other senders' less than {self.contributions.noise_ratio:g}x "
                         f"the median sender's; left out of the mean")
             refused.append(sentence)
-            self.link.refused(sender, "noise", sentence)
+            self.link.report(Refused(sender, "noise", sentence))
         return self.outer.last_step, refused
 
     def _swarm_state(self, caught: SwarmState, refused: list) -> dict | None:
         """{"phi", "momentum"} of a catch-up: as downloaded, or replayed from our agreed state
         (None, and we stay where we are, if the replay does not give the swarm's digest)."""
-        if "replay" not in caught.state:
-            return caught.state
+        if isinstance(caught.state, Download):
+            return {"phi": caught.state.phi, "momentum": caught.state.momentum}
         with self.lock:
-            self._note_agreed(self.link.last_agreed())  # the check of our last step may be in
-            replayed = self._replayed(caught.state["replay"], refused)
+            self._note_agreed(caught.state.since)  # the recipe starts at a round found agreed
+            replayed = self._replayed(caught.state, refused)
         if replayed is None:
             return None
         self.replays += 1
@@ -309,9 +321,9 @@ class DiLoCoXRound:
         if held is not None:
             self.agreed_before, self.agreed = self.agreed, (round_index, held)
 
-    def _replayed(self, recipe: dict, refused: list) -> dict | None:
-        """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: from
-        our agreed state of round `recipe["since"]`, each step since over the majority's
+    def _replayed(self, recipe: Replay, refused: list) -> dict | None:
+        """φ and m after round `recipe.round` as the majority holds them, rebuilt here: from
+        our agreed state of round `recipe.since`, each step since over the majority's
         senders' messages (ours where our step applied the same sender's, our own as we sent it,
         the copies the link fetched for the others, each checked as any contribution; a
         catch-up replays steps we never took), kept only if the last
@@ -320,16 +332,16 @@ class DiLoCoXRound:
         hold), or the digest differs: a holder's records were wrong, a sender sent different
         messages to different members, or our state of that round was not the majority's after
         all; the next replay then starts from the agreed state before it, and with none the
-        state is downloaded (`link.replay_failed`)."""
+        state is downloaded (`ReplayFailed`)."""
         # our agreed state may be later than the link knows (a replay adopted since): the steps
         # up to it are ours already
-        steps = [step for step in recipe["steps"] if self.agreed and step[0] > self.agreed[0]]
-        if self.agreed is not None and self.agreed[0] >= recipe["since"] and not steps:
+        steps = [step for step in recipe.steps if self.agreed and step[0] > self.agreed[0]]
+        if self.agreed is not None and self.agreed[0] >= recipe.since and not steps:
             return None  # a replay adopted since covers it
-        if self.agreed is None or self.agreed[0] < recipe["since"]:
+        if self.agreed is None or self.agreed[0] < recipe.since:
             log.info("round %d: our agreed state is of round %s, the replay's from round %d: no "
-                     "replay", recipe["round"], self.agreed and self.agreed[0], recipe["since"])
-            self.link.replay_failed(recipe, self.agreed[0] if self.agreed else None)
+                     "replay", recipe.round, self.agreed and self.agreed[0], recipe.since)
+            self.link.report(ReplayFailed(recipe, self.agreed[0] if self.agreed else None))
             return None
         groups = self.agreed[1]
         state = {"slow_weights": groups["phi"], "momentum": groups["momentum"]}
@@ -337,7 +349,7 @@ class DiLoCoXRound:
         for step, target, senders in steps:
             ours, messages = self.step_log.get(step, {}), {}
             for sender in senders:
-                copy = recipe["messages"].get((target, sender))
+                copy = recipe.messages.get((target, sender))
                 if sender in ours:
                     messages[sender] = ours[sender]
                 elif sender == self.outer.node_id and target in self.own_sent:
@@ -347,22 +359,22 @@ class DiLoCoXRound:
                     messages[sender] = checked
                 else:
                     log.info("round %d: the message of %s of round %d to replay it is missing or "
-                             "refused", recipe["round"], sender[-8:], target)
-                    self.link.replay_failed(recipe, self.agreed[0])  # another holder may have it
+                             "refused", recipe.round, sender[-8:], target)
+                    self.link.report(ReplayFailed(recipe, self.agreed[0]))  # another holder may have it
                     return None
             state = self.outer.replay(state, messages)
             replayed_steps[step] = messages
-        if weights_digest(state["slow_weights"]) != recipe["digest"]:
+        if weights_digest(state["slow_weights"]) != recipe.digest:
             # either a holder's records were wrong or our state of that round was not the
             # majority's after all (its check counted the votes that came first): a replay from
             # it can never heal the second, so the next one starts from the agreed state before
             # it, and with none the next divergence downloads the state
             self.agreed, self.agreed_before = self.agreed_before, None
             log.warning("round %d replayed over the majority's messages of %d steps does not give "
-                        "its φ %s: %s", recipe["round"], len(steps), recipe["digest"][:12],
+                        "its φ %s: %s", recipe.round, len(steps), recipe.digest[:12],
                         f"the next replay starts from our φ of round {self.agreed[0]}"
                         if self.agreed else "the state will be downloaded")
-            self.link.replay_failed(recipe, self.agreed[0] if self.agreed else None)
+            self.link.report(ReplayFailed(recipe, self.agreed[0] if self.agreed else None))
             return None
         self.step_log.update(replayed_steps)
         return state
@@ -395,18 +407,17 @@ class DiLoCoXRound:
         self.agreed_before, self.agreed = self.agreed, (round_index, verified or adopted)
         return True
 
-    def _resync_usable(self, resync: dict) -> bool:
+    def _resync_usable(self, resync: Download) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within
         max_norm_ratio of our φ's): the majority's digest proves agreement, not health."""
-        source = resync.pop("source", "the majority")
         own = self.outer.slow_weights
         own_norm = global_norm(own)
         try:
-            for group in ("slow_weights", "momentum"):
-                check_contribution(source, resync[group], own, own_norm,
+            for group, tensors in (("slow_weights", resync.phi), ("momentum", resync.momentum)):
+                check_contribution(resync.source, tensors, own, own_norm,
                                    self.contributions.max_norm_ratio, f"the resync's {group}")
         except ContributionRefused as exc:
-            self.link.refused(source, exc.reason, str(exc))
+            self.link.report(Refused(resync.source, exc.reason, str(exc)))
             return False
         return True
 
@@ -441,7 +452,7 @@ class DiLoCoXRound:
 
     def _refuse(self, peer: str, exc: Exception, refused: list) -> None:
         refused.append(f"{peer}: {exc}")
-        self.link.refused(peer, getattr(exc, "reason", "malformed"), str(exc))
+        self.link.report(Refused(peer, getattr(exc, "reason", "malformed"), str(exc)))
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": m}, digest of φ) after `round_index` if still held,

@@ -65,13 +65,13 @@ class PhiConsensus:
 
     def __init__(self, swarm: Swarm, replay: StepReplay, *,
                  finished: Callable[[int], set[str]], in_round: Callable[[int], set[str]],
-                 pace: Callable[[], float]):
+                 pace: Callable[[], float], clock: Callable[[], float]):
         """`finished(k)`: the members that took part in round k and finished it (whose votes a
         check of round k + 1 can expect); `in_round(k)`: those still training round k (their
         vote of round k comes at its end); `pace()`: seconds one of our rounds takes (0 before
         we know)."""
         self.swarm, self.replay = swarm, replay
-        self.finished, self.in_round, self.pace = finished, in_round, pace
+        self.finished, self.in_round, self.pace, self.clock = finished, in_round, pace, clock
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.checks: dict[int, asyncio.Task] = {}  # checks in flight, by round
@@ -106,11 +106,11 @@ class PhiConsensus:
 
     async def check(self, round_index: int, digest: str) -> None:
         """Waits for the members that reach this round to announce their φ, then compares."""
-        began = self.loop.time()
+        began = self.clock()
         while True:  # the votes are counted after every wait, the last one included
             votes, holders = self._votes(round_index, digest)
             complete = sum(votes.values()) > len(self.finished(round_index - 1))
-            if complete or self._waited_enough(round_index, self.loop.time() - began):
+            if complete or self._waited_enough(round_index, self.clock() - began):
                 break  # everyone who could vote has voted, or we waited long enough
             self.members.want_fresh()  # votes arrive with the member cache
             await asyncio.sleep(self.members.refresh_s)

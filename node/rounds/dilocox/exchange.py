@@ -56,6 +56,7 @@ import asyncio
 import logging
 import math
 import random
+from collections.abc import Callable
 
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Equivocated, Missing, Stored
@@ -90,8 +91,13 @@ ON_ITS_WAY_S = 3.0
 
 
 class DiLoCoXExchange:
-    def __init__(self, config: ProtocolSection, swarm: Swarm, rng: random.Random):
+    def __init__(self, config: ProtocolSection, swarm: Swarm, rng: random.Random, *,
+                 clock: Callable[[], float] | None = None):
+        """`clock`: seconds, monotonic, read by every part of the exchange (the loop's time
+        unless given: the waits are the loop's timers, so a test gives the loop a virtual clock,
+        tests/virtual_time.py)."""
         self.swarm, self.rng = swarm, rng
+        self.clock = clock or swarm.loop.time
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
@@ -102,14 +108,16 @@ class DiLoCoXExchange:
         # rounds no member may name (bounds.py); versions of one message compared (evidence.py)
         self.bound = RoundBound(swarm, own_round=lambda: max(self.collected + 2, self.first_round))
         self.evidence = Equivocations(swarm, PGRAD, members=self._members,
-                                      check_round=self.bound.check, on_proof=self._equivocated)
-        self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted)  # signs, keeps, serves, fetches
+                                      check_round=self.bound.check, on_proof=self._equivocated,
+                                      clock=self.clock)
+        self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted,  # signs, keeps, serves, fetches
+                           clock=self.clock)
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
-        self.sender = RoundSender(swarm, self.group, self.relay.sign)
+        self.sender = RoundSender(swarm, self.group, self.relay.sign, clock=self.clock)
         self.replay = StepReplay(swarm, self.relay, self._members)
         self.consensus = PhiConsensus(swarm, self.replay,
                                       finished=self._finished, in_round=self._in_round,
-                                      pace=lambda: self.pace)
+                                      pace=lambda: self.pace, clock=self.clock)
         self.arrived = asyncio.Event()
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
@@ -360,7 +368,7 @@ class DiLoCoXExchange:
         if round_index <= self.collected:
             return []  # taken mid-round (apply_on_arrival): what came since is for no one
         self.collected = round_index
-        now = self.loop.time()
+        now = self.clock()
         # one of our rounds: between our last two collects, or at the first our last round's
         # length (the training thread replaces that tuple whole)
         pace = now - self.last_collect_at if self.last_collect_at is not None else self.sender.last_round_s
@@ -388,7 +396,7 @@ class DiLoCoXExchange:
         given_up: set[str] = set()
         while True:
             box = self.inbox.get(round_index, {})
-            at = self.loop.time()
+            at = self.clock()
             for peer in self._arriving(round_index) | self.relay.fetching(round_index):
                 on_its_way[peer] = at
             unsent = (self._in_committee(round_index, self._finished(round_index))
@@ -413,7 +421,7 @@ class DiLoCoXExchange:
             except asyncio.TimeoutError:
                 pass  # members may have moved on: recompute who is missing
             if laggards:
-                ahead_until = self.loop.time()
+                ahead_until = self.clock()
         self.ran_ahead_s = ahead_until - now
         self.relay.stop_asking(round_index)
         self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)

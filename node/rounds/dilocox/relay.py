@@ -78,10 +78,10 @@ class Relay:
     """Signs our messages, checks and keeps those we accept, serves and fetches copies."""
 
     def __init__(self, swarm: Swarm, kind: str,
-                 witness: Callable[[str, ReceivedMessage], bool]):
+                 witness: Callable[[str, ReceivedMessage], bool], clock: Callable[[], float]):
         """`witness(author, message)`: False for a checked message that must not be kept, a
         second version of its author's message of the round (evidence.py `accepted`)."""
-        self.swarm, self.kind, self.witness = swarm, kind, witness
+        self.swarm, self.kind, self.witness, self.clock = swarm, kind, witness, clock
         self.transport = swarm.transport
         self.store = MessageStore()
         self._asking: dict[tuple[int, str], asyncio.Task] = {}
@@ -128,7 +128,7 @@ class Relay:
         each that has been missing ASK_AFTER_S, is not arriving and is not being fetched;
         `holders(author)`: whom to ask, in order; `deliver(author, message)` takes a checked
         copy."""
-        now = self.swarm.loop.time()
+        now = self.clock()
         for author in authors:
             key = (round_index, author)
             task = self._asking.get(key)

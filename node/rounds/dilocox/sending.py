@@ -37,9 +37,11 @@ RETRY_PAUSE_S = 1.0
 
 
 class RoundSender:
-    def __init__(self, swarm: Swarm, group: Callable[[], list[str]], sign: Callable[[OutgoingMessage], None]):
-        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature."""
-        self.swarm, self.group, self.sign = swarm, group, sign
+    def __init__(self, swarm: Swarm, group: Callable[[], list[str]],
+                 sign: Callable[[OutgoingMessage], None], *, clock: Callable[[], float] = time.monotonic):
+        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature;
+        `clock()`: seconds, read from either thread."""
+        self.swarm, self.group, self.sign, self.clock = swarm, group, sign, clock
         self._send_called_at: float | None = None  # training thread: the last send_round
         self._send_called_round = -1  # ... and its round (a committee skips rounds between them)
         self._round_durations: tuple[float, ...] = ()  # one round, from the last send_round calls
@@ -57,7 +59,7 @@ class RoundSender:
 
     # ------------------------------------------------------------------ training thread side
     def send_round(self, round_index: int, tensors: list) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self._send_called_at is not None:
             rounds = max(1, round_index - self._send_called_round)
             self._round_durations = (*self._round_durations,
@@ -79,7 +81,7 @@ class RoundSender:
         Over the shortest of the last rounds: a round stretched by a wait on the network is not
         compute, and after an 81 s wait the ratio read 0.17 and the rank doubled onto the same
         saturated link."""
-        now, in_flight = time.monotonic(), self._sends_in_flight
+        now, in_flight = self.clock(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
         return self._per_round([*rates, *self._link_costs])
 
@@ -105,7 +107,7 @@ class RoundSender:
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
         group = self.group()
-        started = time.monotonic()
+        started = self.clock()
         self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
 
         failed: list[str] = []
@@ -122,16 +124,16 @@ class RoundSender:
         async def send(peer: str) -> None:
             for attempt in range(1, SEND_TRIES + 1):
                 try:
-                    need_by = NeedBy(max(give_up_at - time.monotonic(), 1e-3), why)
+                    need_by = NeedBy(max(give_up_at - self.clock(), 1e-3), why)
                     await self.swarm.transport.push(peer, message, need_by=need_by)
-                    took[peer] = time.monotonic() - started
+                    took[peer] = self.clock() - started
                     return
                 except Exception as exc:  # whatever broke it, a failed send is counted and logged once
                     if isinstance(exc, RemoteRefused) and exc.reason in (Reason.REPLAYED, Reason.HELD):
                         return  # an earlier try arrived, its answer did not; or a member relayed it
                     broke = isinstance(exc, TransferFailed) and not isinstance(exc, TransferTimeout)
                     if broke and attempt < SEND_TRIES \
-                            and give_up_at - time.monotonic() > 2 * RETRY_PAUSE_S:
+                            and give_up_at - self.clock() > 2 * RETRY_PAUSE_S:
                         log.info("round %d to %s, try %d: %s", round_index, peer[-8:], attempt, exc)
                         await asyncio.sleep(RETRY_PAUSE_S)
                         continue
@@ -140,7 +142,7 @@ class RoundSender:
                     return
         await asyncio.gather(*(send(p) for p in group))
         if message.total_bytes:
-            measured = (time.monotonic() - started) / message.total_bytes
+            measured = (self.clock() - started) / message.total_bytes
             # A send that failed at once (a reset stream, a refusal) says nothing of the link and
             # may only raise its cost: read as fast, it let the controller double the rank onto a
             # slow member's saturated downlink (benchmarks/NOTEBOOK.md, "One of 4 nodes on a link

@@ -12,9 +12,8 @@ round's end, training on from the swarm's round:
   announcing one hold for that round, two at least (node/rounds/dilocox/round.py `_replayed`);
 - otherwise, or when no such recipe can be had, by download, as a late joiner does (the
   daemon's StateAdoption: a majority's digest, the state checked as a contribution).
-On a 512 kbit/s link the download (φ and m in fp32: 27 MB for `tiny`) outlasts its three
-120 s tries, and the node never came back (benchmarks/NOTEBOOK.md, the replay runs); a replay
-moves the steps' messages instead (about 120 KB a round there).
+A replay moves the steps' messages (a compressed message a sender and step); a download moves
+φ and m in fp32 (8 bytes a parameter), which a slow link may never finish.
 
 Invariants:
 - one catch-up at a time; a try that failed is repeated CATCH_UP_LAG rounds later, not every

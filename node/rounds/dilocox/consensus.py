@@ -19,15 +19,13 @@ Invariants:
   never comes cannot keep it;
 - a round counts as agreed (`agreed`, where a replay starts) only when our digest holds a
   strict majority of the votes the check expects (the members that finished the round before,
-  and us), not just two of those that came: the two sides of a 2:2 split each counted their
-  round agreed from the votes that reached them first, and the pair that lost the tie replayed
-  from a state that was not the majority's, never reaching its digest (benchmarks/NOTEBOOK.md, "A
-  diverged DiLoCoX node replays its steps", the 512 kbit/s runs);
+  and us), not just two of those that came: two sides of a split cannot both count a round
+  agreed, so a replay never starts from a state that was not the majority's;
 - a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
   while that is at most REPLAY_ROUNDS back; then it downloads the state. A replay that did not
   give the majority's φ (`replay_failed`) is not tried again from that round: the next one
   starts from the agreed state the training thread held before it, and with none the next
-  divergent check downloads (over 512 kbit/s a download never came);
+  divergent check downloads;
 - a downloaded state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution;
@@ -152,11 +150,8 @@ class PhiConsensus:
 
     def _waited_enough(self, round_index: int, waited_s: float) -> bool:
         """consensus_wait_s for the votes; as long as one of our rounds while members still
-        train the round, whose votes come only at its end. A node ahead of its members by most
-        of a round (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512
-        kbit/s runs: 8-10 s ahead, rounds of 10-11 s) checked each round before their votes came,
-        heard none, and never learned that its φ had left theirs at round 2: it held another φ for
-        18 rounds."""
+        train the round, whose votes come only at its end: a node ahead of its members by most
+        of a round still compares its φ with theirs."""
         if waited_s < self.swarm.timeouts.consensus_wait_s:
             return False
         return waited_s >= self.pace() or not self.in_round(round_index)

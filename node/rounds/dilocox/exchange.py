@@ -37,12 +37,11 @@ Invariants:
   its author's signature, and every member applies the same messages;
 - a node still training a round that a majority of its members finished a round ago (it
   resumed, or caught up, late in their round, or trained slower), and not further behind, ends
-  that round at its next step (`behind`, DiLoCoXRound.between_steps): its message then comes
-  while they still wait for it, and it starts their round with them; otherwise it stays a round
-  behind at equal speeds, its every message late for the members a round ahead (a CI run of the
-  catch-up test: refused STALE_ROUND for ten rounds by one member while the third stayed in
-  step). A node ahead is held back by its own wait for them (`ran_ahead`, which a round's end
-  beside training makes training wait as long: node/daemon/worker.py);
+  that round at its next step (link.is_behind, DiLoCoXRound.between_steps): its message then
+  comes while they still wait for it, and it starts their round with them (at equal speeds it
+  would otherwise stay a round behind, its every message late). A node ahead is held back by
+  its own wait for them (`ran_ahead_s`, which a round's end beside training makes training
+  wait as long: node/daemon/worker.py);
 - a node `CATCH_UP_LAG` or more rounds behind the round a majority of its members reached (it
   stalled, or joined from a stale view of the swarm) takes the swarm's state, replayed or
   downloaded (catch_up.py), and trains on from the swarm's round: nothing else would bring it
@@ -80,12 +79,9 @@ WATCH_S = 0.25  # how often the messages that did not come are looked for (relay
 # Past one of our rounds, and at least ASKING_S, a collect waits (up to its deadline) only for
 # a message on its way: a push from its author or a copy from a holder coming in now, or less
 # than ON_ITS_WAY_S ago (a broken push is tried again a second later: sending.py). A member
-# that finished the round and sent us nothing is then given up: at 512 kbit/s a slow node's
-# view of its members emptied, it sent its message of round 4 to no one, and each fast node
-# waited the whole 120 s deadline for it (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays
-# its steps", the 512 kbit/s runs); a φ split that follows heals by replay. ASKING_S: the time a
-# message needs to reach the members that hold it and a relay to find it there; at 3 s a loaded CI
-# machine's 2 s rounds gave up on a copy beyond the fan-out that the others applied, and φ split.
+# that finished the round and sent us nothing is then given up (a split that follows is
+# repaired). ASKING_S bounds below the time a message needs to reach the members that hold it
+# and a relay to find it there.
 ASKING_S = 15.0
 ON_ITS_WAY_S = 3.0
 
@@ -157,8 +153,7 @@ class DiLoCoXExchange:
         await self.catching_up.stop()
 
     def _members(self) -> list[str]:
-        # not a member still joining: its exchange is not listening yet, and a push to it was
-        # refused UNSUPPORTED (a refusal on both nodes' status) while it waited for its peers
+        # not a member still joining: its exchange is not listening yet (a push would be refused)
         return sorted(r.peer_id for r in settled(self.members.eligible()))
 
     def _share(self) -> float:
@@ -307,10 +302,8 @@ class DiLoCoXExchange:
     def _rounds(self, round_index: int) -> dict[str, int]:
         """The round each member that took part in `round_index` (joined at or before it,
         announced `since`) trains now, by the freshest word of it: its record, or its message of
-        the round before, which came to us. Records come through the DHT, and on a slow link
-        they lag: a node at 512 kbit/s saw its members rounds behind where they were, waited for
-        none, ran ahead and refused their every message as stale (benchmarks/NOTEBOOK.md, "The
-        same slow-link DiLoCoX run with relayed messages", runs A and B)."""
+        the round before, which came to us (records come through the DHT, and on a slow link
+        they lag)."""
         return {r.peer_id: max(r.round, self.heard.get(r.peer_id, -1) + 1)
                 for r in self.bound.plausible(self.members.eligible())
                 if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
@@ -321,9 +314,7 @@ class DiLoCoXExchange:
 
     def _arriving(self, round_index: int) -> set[str]:
         """Members whose message of the round is on its way to us: they finished the round,
-        whatever their record says. Over 512 kbit/s three 200-400 KB pushes took 19 s; the
-        receiver, its view of the senders a round old, waited one of its rounds for them, applied
-        the round without them and split φ for good (a resync there is a 27 MB download)."""
+        whatever their record says (a record may lag the push it announced)."""
         return {peer for peer in self._members() if self.transport.receiving(peer, PGRAD, round_index)}
 
     def _in_round(self, round_index: int) -> set[str]:
@@ -334,10 +325,8 @@ class DiLoCoXExchange:
         """Members that took part in `round_index` and have not finished it, whom a collect
         waits for at most one of our rounds: those still in it; and those behind it too when
         the members that have not finished it outnumber us and those that did: then we are the
-        one ahead (a tie waits for no one behind: a straggler must not halve a pair's pace).
-        A node on a slow link that started a round before the others never waited for members
-        two rounds behind, refused their every message as stale and applied its own alone for
-        18 rounds; waiting one of its rounds each round, its pace slows to theirs."""
+        one ahead, and waiting one of our rounds each round slows our pace to theirs (a tie
+        waits for no one behind: a straggler must not halve a pair's pace)."""
         rounds = self._rounds(round_index)
         unfinished = {peer for peer, at in rounds.items() if at <= round_index}
         if len(unfinished) > len(rounds) - len(unfinished) + 1:  # + 1: we finished it
@@ -353,10 +342,7 @@ class DiLoCoXExchange:
         its message, and no consensus check is running (a resync it brings must be adopted
         before the next outer step, which `apply_on_arrival` would take early). Never true for
         the rounds a (re)joining node may have missed: those wait for the round's end as before.
-        Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
-        Without the members behind, a node all of whose members were behind stepped alone at
-        once every round and ran ahead of them (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node
-        replays its steps")."""
+        Beyond the fan-out the messages not sent to us are fetched from members (relay.py)."""
         if round_index < self.first_round or round_index <= self.collected or self.consensus.checks:
             return False
         box = self.inbox.get(round_index, {})
@@ -387,9 +373,7 @@ class DiLoCoXExchange:
             # The first round we take part in (the swarm's first, or the one we joined late in):
             # a member may have ended it before its member cache listed us, and then it never
             # sends us that message. Waiting the whole deadline for it would stall us; we wait as
-            # long as for a member still in the round (CI: a node of four that started together
-            # waited 9.4 s for a round-0 message sent to the two members its sender knew of,
-            # fell 7 rounds behind and caught up, skipping them).
+            # long as for a member still in the round.
             deadline = asking_deadline = laggard_deadline
         ahead_until = now  # until when we waited for members still training the round
         on_its_way: dict[str, float] = {}  # member -> when its message was last on its way to us
@@ -463,11 +447,8 @@ class DiLoCoXExchange:
         """The training thread adopted the swarm's state instead of training `from_round`: we
         take part from the swarm's round on, and say so."""
         # a downloaded state may be of a round before the swarm's last (the φ its majority
-        # announced): our φ then lacks the steps since, and the check's replay starts there. As
-        # the round before the swarm's, a fast node that downloaded round 5's state to train
-        # round 7 had every later replay refused (its state older than the recipe's start) and
-        # stayed off the majority's φ for 8 rounds (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX
-        # node replays its steps", the 512 kbit/s runs).
+        # announced): our agreed round is that state's, so that a replay of the steps since
+        # starts where our φ is
         self._restart_at(got.next_round, got.state_round)
         for old in [r for r in self.inbox if r < self.oldest_wanted]:
             del self.inbox[old]

@@ -13,8 +13,8 @@ from the relay's store or fetches them from members (relay.py: each copy checked
 author's signature), and hands the training thread a recipe: each step's senders, the copies,
 and the majority's digest of round k. The training thread replays those steps from its agreed
 state of round a (node/rounds/dilocox/round.py `_replayed`) and keeps the result only if its
-digest is the majority's. Where a resync downloads φ and the outer momentum whole (27 MB for
-the tiny model, 1 GB for `small`), a replay moves the messages the member missed: kilobytes.
+digest is the majority's. Where a resync downloads φ and the outer momentum whole (8 bytes a
+parameter), a replay moves the compressed messages the member missed.
 
 Invariants:
 - a holder's records are a claim, not a proof: the replayed φ must have the majority's digest

@@ -121,10 +121,8 @@ class DiLoCoXRound:
         self.agreed: tuple[int, dict] | None = (-1, {"phi": self.outer.slow_weights,
                                                      "momentum": self.outer.momentum})
         # The agreed state before it (one more φ and m held): where a replay starts when one from
-        # `agreed` did not give the majority's φ. A check counts its round agreed on the votes
-        # that came, and the majority's chain may have left it there (in a 512 kbit/s run:
-        # the slow node's round 3 held 3 of 4 votes, the pair that won round 5 went through the
-        # fourth); the state downloaded instead never came over that link.
+        # `agreed` did not give the majority's φ (a check counts its round agreed on the votes
+        # that came, and the majority's chain may have left that state since).
         self.agreed_before: tuple[int, dict] | None = None
         self.step_log: dict[int, dict[str, PseudoGradientMessage]] = {}
         # our own messages of the last REPLAY_ROUNDS rounds: a catch-up replays steps we never

@@ -21,17 +21,13 @@ from p2p.progress import NeedBy
 
 log = logging.getLogger("lowcomm.dilocox")
 PGRAD = "dilocox.pgrad"
-# The controller reads the link's cost as the worst of this many last sends. Each message goes
-# to every member, so a slow member's downlink carries all of them: a round whose sends did not
-# overlap there measured fast, the next slow, and with the last send alone the rank doubled and
-# halved round after round (16-32-64, benchmarks/NOTEBOOK.md, "One of 4 nodes on a link 4x
-# slower").
+# The controller reads the link's cost as the worst of this many last sends: each message goes
+# to every member, so a slow member's downlink carries all of them, and one send whose copies
+# did not overlap there says too little of it.
 LINK_MEMORY = 4
 # A push that broke (stalled, reset, ended early, a dial that failed) is tried again within its
-# need-by, this many times in all: its receiver waits up to the whole deadline for
-# the message of a member that finished the round, and then φ splits (at 1.1 Mbit/s, 54d930d,
-# 6 of 9 failed pushes of rounds 14-23 broke this way; two members waited 81-86 s at round 19,
-# and 5 resyncs followed). A refusal (STALE_ROUND: it came too late) is final.
+# need-by, this many times in all (its receiver waits for the message of a member that finished
+# the round). A refusal (STALE_ROUND: it came too late) is final.
 SEND_TRIES = 3
 RETRY_PAUSE_S = 1.0
 
@@ -75,12 +71,8 @@ class RoundSender:
         """The seconds the message just handed over will take to send (to its whole group),
         over the last round's: the link's seconds per message byte, the worst of the last
         LINK_MEMORY finished sends and any send in flight slower already, times that message's
-        bytes. Not the last send's own seconds: those are of an earlier message, and the
-        controller, which judges the current one, doubled the rank on a send half its size and
-        saturated a 1.8 Mbit/s link (benchmarks/NOTEBOOK.md, "Time to loss where volunteers live").
-        Over the shortest of the last rounds: a round stretched by a wait on the network is not
-        compute, and after an 81 s wait the ratio read 0.17 and the rank doubled onto the same
-        saturated link."""
+        bytes (the controller judges the message just encoded, not the one measured). Over the
+        shortest of the last rounds: a round stretched by a wait on the network is not compute."""
         now, in_flight = self.clock(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
         return self._per_round([*rates, *self._link_costs])
@@ -92,9 +84,7 @@ class RoundSender:
         our push longer than the fastest did is slower on its side; every member sends it a
         message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
         sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
-        reads less: its pushes share that uplink and end closer together (on the slow link the
-        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/NOTEBOOK.md,
-        "A diverged DiLoCoX node replays its steps")."""
+        reads less: its pushes share that uplink and end closer together."""
         return self._per_round(self._shared_costs) or 0.0
 
     def _per_round(self, costs) -> float | None:
@@ -143,10 +133,8 @@ class RoundSender:
         await asyncio.gather(*(send(p) for p in group))
         if message.total_bytes:
             measured = (self.clock() - started) / message.total_bytes
-            # A send that failed at once (a reset stream, a refusal) says nothing of the link and
-            # may only raise its cost: read as fast, it let the controller double the rank onto a
-            # slow member's saturated downlink (benchmarks/NOTEBOOK.md, "One of 4 nodes on a link
-            # 4x slower")
+            # a send that failed at once (a reset stream, a refusal) says nothing of the link:
+            # it may only raise its cost
             if not failed or not self._link_costs or measured > max(self._link_costs):
                 self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
             if len(took) >= 2:

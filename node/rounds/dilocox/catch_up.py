@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections import Counter
 
-from node.rounds.dilocox.link import CATCH_UP_LAG, REPLAY_ROUNDS, Download, SwarmState
+from node.rounds.dilocox.link import CATCH_UP_LAG, Download, SwarmState
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import StateLayout, agreed_round, phi_holders
 from node.rounds.state_fetch import download_bound_s
@@ -86,7 +86,7 @@ class SwarmCatchUp:
         """The recipe of the swarm's steps from our agreed round to its φ of the round before
         `swarm_round`, if that is at most REPLAY_ROUNDS steps and the φ is agreed."""
         target = swarm_round - 1
-        if not agreed < target <= agreed + REPLAY_ROUNDS or (held := self._agreed_phi(target)) is None:
+        if (held := self._agreed_phi(target)) is None:
             return None
         digest, holders = held
         recipe = await self.replay.recipe(target, agreed, digest, holders)

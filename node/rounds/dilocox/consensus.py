@@ -44,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from node.events import Diverged, ResyncReady
-from node.rounds.dilocox.link import REPLAY_ROUNDS, Download, Replay
+from node.rounds.dilocox.link import Download, Replay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import agreed_round, phi_holders
 from node.rounds.state_fetch import StateFetchFailed, fetch_state
@@ -159,9 +159,7 @@ class PhiConsensus:
     async def _resync(self, round_index: int, majority: str, holders: list[str]) -> None:
         """Our steps replayed over the majority's messages when our last agreed round is near,
         or else the majority's state downloaded from one of its `holders`."""
-        since = self.agreed
-        if since < round_index <= since + REPLAY_ROUNDS and (recipe := await self.replay.recipe(
-                round_index, since, majority, holders)):
+        if recipe := await self.replay.recipe(round_index, self.agreed, majority, holders):
             self.resyncs[round_index] = recipe
             return
         layout = self.swarm.state_layout

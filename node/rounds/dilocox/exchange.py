@@ -63,9 +63,9 @@ from node.rounds.dilocox.bounds import RoundBound
 from node.rounds.dilocox.catch_up import SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
 from node.rounds.dilocox.evidence import Equivocations, Proof
-from node.rounds.dilocox.link import (Agreement, Collected, GroupMessage, Refused, Rejoined, Replay,
+from node.rounds.dilocox.link import (REPLAY_ROUNDS, Agreement, Collected, GroupMessage, Refused, Rejoined, Replay,
                                       ReplayFailed, Report, SendCosts, Stepped, SwarmState)
-from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
+from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import agreed_round, settled
@@ -138,10 +138,14 @@ class DiLoCoXExchange:
         """Takes part from `round_index` on (at start, or after catching up): the rounds before
         it are never waited for (see _collect). `state_round`: the round of the swarm's state we
         start from, if not the one before `round_index`."""
-        self.oldest_wanted = max(0, round_index - 1)
+        self.oldest_wanted = max(0, round_index - 1)  # the oldest round whose messages we take
         self.first_round = round_index
         # the state we start from, the swarm's or the initial φ, is agreed: a replay starts there
         self.consensus.restart_at(round_index, state_round)
+
+    def _forget_collected(self) -> None:
+        for old in [r for r in self.inbox if r < self.oldest_wanted]:
+            del self.inbox[old]
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
@@ -273,8 +277,7 @@ class DiLoCoXExchange:
             self.evidence.report()  # the versions we accepted, to the members (evidence.py)
             # not the round a collect waits for: it asks for that one itself, and stops asking
             # past one of our rounds
-            for round_index in range(max(self.oldest_wanted, self.first_round, self.collected + 1),
-                                     self.collected + 3):
+            for round_index in range(max(self.first_round, self.collected + 1), self.collected + 3):
                 box = self.inbox.get(round_index, {})
                 self._ask_for(round_index, self._in_committee(
                     round_index, self._finished(round_index)) - set(box))
@@ -408,16 +411,15 @@ class DiLoCoXExchange:
                 ahead_until = self.clock()
         self.ran_ahead_s = ahead_until - now
         self.relay.stop_asking(round_index)
-        self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)
-        self.evidence.forget_before(round_index - KEEP_ROUNDS + 1)
+        self.relay.store.forget_before(round_index - REPLAY_ROUNDS + 1)
+        self.evidence.forget_before(round_index - REPLAY_ROUNDS + 1)
         self.publish(Stored(round=round_index, bytes=self.relay.store.bytes,
                             furthest_round=max((r for r, _ in self.relay.store.messages), default=-1)))
         box = self.inbox.pop(round_index, {})
         if missing := (missing | given_up) - set(box):
             self.publish(Missing(round=round_index, peers=sorted(missing)))
         self.oldest_wanted = round_index + 1
-        for old in [r for r in self.inbox if r < self.oldest_wanted]:
-            del self.inbox[old]
+        self._forget_collected()
         return [GroupMessage(peer, round_index, msg) for peer, msg in sorted(box.items())]
 
     def _equivocated(self, proof: Proof) -> None:
@@ -450,8 +452,7 @@ class DiLoCoXExchange:
         # announced): our agreed round is that state's, so that a replay of the steps since
         # starts where our φ is
         self._restart_at(got.next_round, got.state_round)
-        for old in [r for r in self.inbox if r < self.oldest_wanted]:
-            del self.inbox[old]
+        self._forget_collected()
         self.members.update(round=got.next_round, status="training", extra={"since": got.next_round})
         self.publish(CaughtUp(source=got.source, from_round=from_round, round=got.next_round,
                               state_round=got.state_round, digest=got.digest,

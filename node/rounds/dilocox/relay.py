@@ -18,7 +18,8 @@ Invariants:
   announced the round's end is arriving by then on a link that carries the round at all),
   during the round after it (the exchange looks every WATCH_S), so that the copy is here at the
   round's end; one holder at a time; a failed round of asking is repeated `ASK_AFTER_S` later;
-- the store keeps what it accepted of the last `KEEP_ROUNDS` rounds, at most `KEEP_BYTES`.
+- the store keeps what it accepted of the last REPLAY_ROUNDS rounds (a diverged member may
+  replay as many steps, and lack their messages), at most `KEEP_BYTES`.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from node.events import Relayed
-from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
@@ -39,9 +39,6 @@ log = logging.getLogger("lowcomm.dilocox")
 RELAY = "dilocox.relay"
 AUTHOR = "author"  # the request's and the reply's meta: whose message
 ASK_AFTER_S = 0.5
-# our round, the one before (its laggards collect it now), and the rounds a diverged member may
-# replay (link.py REPLAY_ROUNDS), whose messages it may lack
-KEEP_ROUNDS = REPLAY_ROUNDS
 KEEP_BYTES = 256 << 20
 
 

@@ -82,8 +82,11 @@ class StepReplay:
     async def recipe(self, round_index: int, since: int, digest: str, holders: list[str]
                      ) -> Replay | None:
         """What replays our steps after round `since` (our φ of it was agreed) to the majority's
-        φ of `round_index` (`digest`, held by `holders`); None when no holder answered or a
-        message could not be had."""
+        φ of `round_index` (`digest`, held by `holders`); None beyond the REPLAY_ROUNDS steps
+        records and messages are kept for, when no holder answered or a message could not be
+        had."""
+        if not since < round_index <= since + REPLAY_ROUNDS:
+            return None
         for holder in holders:
             try:
                 reply = await self.transport.request(holder, APPLIED, round_index,

@@ -271,15 +271,10 @@ class DiLoCoXRound:
             self._admit(item, refused)
         with self.lock:
             self._note_agreed(agreement.agreed)
-            resync = agreement.resync
-            if isinstance(resync, Replay):
-                replayed = self._replayed(resync, refused)
-                if replayed is not None and self._adopt_round(resync.round, replayed, round_index - 1):
-                    self.replays += 1
-            elif isinstance(resync, Download) and self._resync_usable(resync) and self._adopt_round(
-                    resync.round, {"slow_weights": resync.phi, "momentum": resync.momentum},
-                    round_index - 1):
-                self.resyncs += 1
+            repair = agreement.resync
+            if repair is not None and (state := self._repaired(repair, refused)) is not None \
+                    and self._adopt_round(repair.round, state, round_index - 1):
+                self._count(repair)
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
             self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
@@ -298,17 +293,34 @@ class DiLoCoXRound:
         return self.outer.last_step, refused
 
     def _swarm_state(self, caught: SwarmState, refused: list) -> dict | None:
-        """{"phi", "momentum"} of a catch-up: as downloaded, or replayed from our agreed state
-        (None, and we stay where we are, if the replay does not give the swarm's digest)."""
-        if isinstance(caught.state, Download):
-            return {"phi": caught.state.phi, "momentum": caught.state.momentum}
+        """{"phi", "momentum"} of a catch-up (`_repaired`); None, and we stay where we are, if
+        the repair does not hold."""
         with self.lock:
-            self._note_agreed(caught.state.since)  # the recipe starts at a round found agreed
-            replayed = self._replayed(caught.state, refused)
-        if replayed is None:
+            if isinstance(caught.state, Replay):
+                self._note_agreed(caught.state.since)  # the recipe starts at a round found agreed
+            state = self._repaired(caught.state, refused)
+        if state is None:
             return None
-        self.replays += 1
-        return {"phi": replayed["slow_weights"], "momentum": replayed["momentum"]}
+        self._count(caught.state)
+        return {"phi": state["slow_weights"], "momentum": state["momentum"]}
+
+    def _repaired(self, repair: Replay | Download, refused: list) -> dict | None:
+        """The one repair path of our φ, for a step's resync and a catch-up alike: the
+        majority's φ and m ({"slow_weights", "momentum"}) after `repair.round`, a Replay rebuilt
+        here from our agreed state and kept only if it gives the majority's digest
+        (`_replayed`), a Download (its digest checked by the loop) checked as a contribution of
+        its source; None when it does not hold."""
+        if isinstance(repair, Replay):
+            return self._replayed(repair, refused)
+        if not self._resync_usable(repair):
+            return None
+        return {"slow_weights": repair.phi, "momentum": repair.momentum}
+
+    def _count(self, repair: Replay | Download) -> None:
+        if isinstance(repair, Replay):
+            self.replays += 1
+        else:
+            self.resyncs += 1
 
     def _note_agreed(self, round_index: int) -> None:
         """The link found our φ of `round_index` the majority's: it is where a replay starts,

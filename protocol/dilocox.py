@@ -124,18 +124,13 @@ class DiLoCoXHyperParameters:
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
             raise ConfigurationError(f"DiLoCoX overlap must be one of {list(OVERLAPS)}, got {self.overlap!r}.")
-        if isinstance(self.residual_decay, bool) or not isinstance(self.residual_decay, (int, float)) \
-                or not 0 < self.residual_decay <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX residual_decay must be a number in (0, 1], got {self.residual_decay!r}.")
-        if isinstance(self.noise_ratio, bool) or not isinstance(self.noise_ratio, (int, float)) \
-                or not 0 <= self.noise_ratio <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX noise_ratio must be a number in [0, 1], got {self.noise_ratio!r}.")
-        if isinstance(self.kept_decay, bool) or not isinstance(self.kept_decay, (int, float)) \
-                or not 0 <= self.kept_decay <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX kept_decay must be a number in [0, 1], got {self.kept_decay!r}.")
+        for name, low, high, low_open in (("residual_decay", 0, 1, True), ("noise_ratio", 0, 1, False),
+                                          ("kept_decay", 0, 1, False), ("in_flight_weight", 0, 1, False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (low < value if low_open else low <= value) or not value <= high:
+                span = f"{'(' if low_open else '['}{low}, {high}]"
+                raise ConfigurationError(f"DiLoCoX {name} must be a number in {span}, got {value!r}.")
         if not isinstance(self.clip_to_median, bool):
             raise ConfigurationError(f"DiLoCoX clip_to_median must be a bool, got {self.clip_to_median!r}.")
         if type(self.delay) is not int or self.delay not in (0, 1):
@@ -143,10 +138,6 @@ class DiLoCoXHyperParameters:
         if type(self.max_rounds_ahead) is not int or not 1 <= self.max_rounds_ahead <= 1024:
             raise ConfigurationError(
                 f"DiLoCoX max_rounds_ahead must be an int in [1, 1024], got {self.max_rounds_ahead!r}.")
-        if isinstance(self.in_flight_weight, bool) or not isinstance(self.in_flight_weight, (int, float)) \
-                or not 0 <= self.in_flight_weight <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX in_flight_weight must be a number in [0, 1], got {self.in_flight_weight!r}.")
 
     def carried_weight(self, rounds: int) -> float:
         """w(n) = 1 + β_k + … + β_k^(n−1): the rounds of work a message of n rounds holds."""

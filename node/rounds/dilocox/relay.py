@@ -28,6 +28,7 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from node.events import Relayed
 from node.rounds.swarm import Swarm, failure_sentence
@@ -71,6 +72,18 @@ class MessageStore:
             self.bytes -= len(self.messages.pop(key).payload)
 
 
+@dataclass
+class Wanted:
+    """A message we lack: missing since `since` (or since our last ask of it failed), and the
+    ask in flight, if any."""
+    since: float
+    task: asyncio.Task | None = None
+
+    @property
+    def asking(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+
 class Relay:
     """Signs our messages, checks and keeps those we accept, serves and fetches copies."""
 
@@ -81,8 +94,7 @@ class Relay:
         self.swarm, self.kind, self.witness, self.clock = swarm, kind, witness, clock
         self.transport = swarm.transport
         self.store = MessageStore()
-        self._asking: dict[tuple[int, str], asyncio.Task] = {}
-        self._missing_since: dict[tuple[int, str], float] = {}  # or since our last ask failed
+        self._wanted: dict[tuple[int, str], Wanted] = {}  # (round, author) -> our asking for it
 
     def start(self) -> None:
         self.transport.on_request(RELAY, self.transport.counters.counted_reply(self._respond),
@@ -128,30 +140,31 @@ class Relay:
         now = self.clock()
         for author in authors:
             key = (round_index, author)
-            task = self._asking.get(key)
-            if task is not None and not task.done():
+            wanted = self._wanted.get(key)
+            if wanted is not None and wanted.asking:
                 continue
             if self.transport.receiving(author, self.kind, round_index):
-                self._missing_since.pop(key, None)
+                self._wanted.pop(key, None)
                 continue
-            since = self._missing_since.setdefault(key, now)
-            if now - since < ASK_AFTER_S:
+            if wanted is None:
+                self._wanted[key] = wanted = Wanted(since=now)
+            if now - wanted.since < ASK_AFTER_S:
                 continue
-            self._missing_since[key] = now  # a failed round of asking is repeated this much later
-            self._asking[key] = self.swarm.tasks.spawn(
+            wanted.since = now  # a failed round of asking is repeated this much later
+            wanted.task = self.swarm.tasks.spawn(
                 self._fetch(round_index, author, holders(author), deliver),
                 f"dilocox relay of round {round_index} from {author[-8:]}")
 
     def fetching(self, round_index: int) -> set[str]:
         """The authors whose message of `round_index` we are asking a holder for now."""
-        return {author for (r, author), task in self._asking.items() if r == round_index and not task.done()}
+        return {author for (r, author), wanted in self._wanted.items() if r == round_index and wanted.asking}
 
     def stop_asking(self, round_index: int) -> None:
         """The round was collected: what is still being fetched of it (or before) is for no one."""
-        for key in [k for k in self._asking if k[0] <= round_index]:
-            self._asking.pop(key).cancel()
-        for key in [k for k in self._missing_since if k[0] <= round_index]:
-            del self._missing_since[key]
+        for key in [k for k in self._wanted if k[0] <= round_index]:
+            task = self._wanted.pop(key).task
+            if task is not None:
+                task.cancel()
 
     async def fetch(self, round_index: int, author: str, holders: list[str]) -> ReceivedMessage | None:
         """A checked copy of `author`'s message of `round_index` from the first of `holders`

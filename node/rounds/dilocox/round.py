@@ -332,19 +332,14 @@ class DiLoCoXRound:
             self.agreed_before, self.agreed = self.agreed, (round_index, held)
 
     def _replayed(self, recipe: Replay, refused: list) -> dict | None:
-        """φ and m after round `recipe.round` as the majority holds them, rebuilt here: from
-        our agreed state of round `recipe.since`, each step since over the majority's
-        senders' messages (ours where our step applied the same sender's, our own as we sent it,
-        the copies the link fetched for the others, each checked as any contribution; a
-        catch-up replays steps we never took), kept only if the last
-        digest is the majority's. None (the node stays off) when that agreed state or a message
-        is missing or a copy is refused (a later check tries again, from the agreed state we
-        hold), or the digest differs: a holder's records were wrong, a sender sent different
-        messages to different members, or our state of that round was not the majority's after
-        all; the next replay then starts from the agreed state before it, and with none the
-        state is downloaded (`ReplayFailed`)."""
-        # our agreed state may be later than the link knows (a replay adopted since): the steps
-        # up to it are ours already
+        """φ and m after round `recipe.round` as the majority holds them, rebuilt from our
+        agreed state of round `recipe.since` by each step since over the majority's senders'
+        messages (ours where our step applied the same sender's, our own as we sent it, else the
+        fetched copy, checked as any contribution), kept only if the last digest is the
+        majority's. None (the node stays off, `ReplayFailed`) when that state or a message is
+        missing, a copy is refused, or the digest differs; after a digest that differs the next
+        replay starts from the agreed state before it, and with none the state is downloaded."""
+        # steps up to our agreed state are ours already (a replay adopted since the link knew)
         steps = [step for step in recipe.steps if self.agreed and step[0] > self.agreed[0]]
         if self.agreed is not None and self.agreed[0] >= recipe.since and not steps:
             return None  # a replay adopted since covers it
@@ -468,16 +463,13 @@ class DiLoCoXRound:
         """(round, {"phi": φ, "momentum": m}, digest of φ) after `round_index` if still held,
         else the latest: for a late joiner or a diverged peer's resync."""
         with self.lock:
-            for held_round, groups, digest in self.history:
-                if held_round == round_index:
-                    return held_round, groups, digest
-            return (self.state_round, {"phi": self.outer.slow_weights,
-                                       "momentum": self.outer.momentum}, self.phi_digest)
+            return next((held for held in self.history if held[0] == round_index), None) or \
+                (self.state_round, {"phi": self.outer.slow_weights, "momentum": self.outer.momentum},
+                 self.phi_digest)
 
     def state_version(self, round_index: int | None = None) -> tuple[int, str]:
-        with self.lock:
-            held = next(((r, d) for r, _, d in self.history if r == round_index), None)
-            return held or (self.state_round, self.phi_digest)
+        held_round, _, digest = self.export_state(round_index)  # no copy: what it would serve
+        return held_round, digest
 
     def adopt(self, groups: dict, state_round: int | None = None) -> None:
         """A late joiner takes the swarm's φ and m (after `state_round`, if known), and θ = φ."""

@@ -63,8 +63,9 @@ from node.rounds.dilocox.bounds import RoundBound
 from node.rounds.dilocox.catch_up import SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
 from node.rounds.dilocox.evidence import Equivocations, Proof
-from node.rounds.dilocox.link import (REPLAY_ROUNDS, Agreement, Collected, GroupMessage, Refused, Rejoined, Replay,
-                                      ReplayFailed, Report, SendCosts, Stepped, SwarmState)
+from node.rounds.dilocox.link import (REPLAY_ROUNDS, Agreement, Collected, GroupMessage, Refused,
+                                      Rejoined, Replay, ReplayFailed, Report, SendCosts, Stepped,
+                                      SwarmState)
 from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD, RoundSender
@@ -174,7 +175,7 @@ class DiLoCoXExchange:
         peers = self._members()
         return peers if len(peers) <= self.fan_out else self.rng.sample(peers, self.fan_out)
 
-    # ------------------------------------------------------------------ training thread side
+    # ------------------------------------------------ training thread side (link.py DiLoCoXLink)
     def in_committee(self, round_index: int) -> bool:
         return self.swarm.bridge.call("the committee's draw", lambda: bool(
             self._in_committee(round_index, {self.peer_id})))
@@ -183,7 +184,7 @@ class DiLoCoXExchange:
         self.sender.send_round(round_index, tensors)
 
     def costs(self) -> SendCosts:
-        return SendCosts(self.sender.send_ratio(), self.sender.shared_ratio())
+        return self.sender.costs()
 
     def collect(self, round_index: int, wait_s: float) -> Collected:
         async def collected() -> Collected:
@@ -207,12 +208,8 @@ class DiLoCoXExchange:
         return self.swarm.bridge.call("the consensus check in flight", agreement, wait_s=wait_s)
 
     def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
-        """The swarm's state once this node, ending `round_index`, has fallen CATCH_UP_LAG or
-        more rounds behind the round a majority of its members reached and a state was had
-        (catch_up.py: replayed from our agreed round, or downloaded); None otherwise. It comes
-        in the background (the training thread never waits for it, so a stop is never held up)
-        and is taken at a later round's end. `reference`: our φ, what a downloaded state's
-        norms are checked against."""
+        """catch_up.py: the state comes in the background (the training thread never waits for
+        it, so a stop is never held up) and is taken at a later round's end."""
         return self.swarm.bridge.call("a catch-up to the swarm", self.catching_up.poll,
                                       round_index, self.consensus.agreed, reference)
 

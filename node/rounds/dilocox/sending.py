@@ -1,8 +1,8 @@
 """A DiLoCoX node's own messages on their way: each round's message pushed to the round's group
 in the background, tried again when a push broke, and the link's cost measured for the adaptive
-controller (`send_ratio`, node/rounds/dilocox/adapt.py).
+controller (`costs`, node/rounds/dilocox/adapt.py).
 
-`send_round` and `send_ratio` run on the training thread, `_send_all` on the event loop; the
+`send_round` and `costs` run on the training thread, `_send_all` on the event loop; the
 values they share are plain numbers and tuples or dicts replaced whole, never changed in place.
 """
 
@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from node.events import SendFailed, Sent
+from node.rounds.dilocox.link import SendCosts
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import Reason, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.messages import OutgoingMessage
@@ -67,25 +68,24 @@ class RoundSender:
         self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
                                 round_index, message, transfer=True)
 
-    def send_ratio(self) -> float | None:
-        """The seconds the message just handed over will take to send (to its whole group),
-        over the last round's: the link's seconds per message byte, the worst of the last
-        LINK_MEMORY finished sends and any send in flight slower already, times that message's
-        bytes (the controller judges the message just encoded, not the one measured). Over the
-        shortest of the last rounds: a round stretched by a wait on the network is not compute."""
+    def costs(self) -> SendCosts:
+        """Of the message just handed over, over the shortest of our last rounds (a round
+        stretched by a wait on the network is not compute):
+        - send_ratio: the seconds it will take to send to its whole group: the link's seconds
+          per message byte, the worst of the last LINK_MEMORY finished sends and any send in
+          flight slower already, times its bytes (the controller judges the message just
+          encoded, not the one measured); None before a send and a round were measured;
+        - shared_ratio: what the busiest receiver's downlink would take for every member's
+          message of its size (protocol/controller.py's r_s: it holds the controller's moves
+          up, never forces one down): a receiver that took our push longer than the fastest
+          did is slower on its side, and every member sends it a message a round. The worst of
+          the last LINK_MEMORY sends; 0 before one reached two receivers. A node whose own
+          uplink is the bottleneck reads less: its pushes share that uplink and end closer
+          together."""
         now, in_flight = self.clock(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
-        return self._per_round([*rates, *self._link_costs])
-
-    def shared_ratio(self) -> float:
-        """What the busiest receiver's downlink would take for every member's message of the
-        size just handed over, over the shortest of our last rounds (protocol/controller.py's
-        r_s: it holds the controller's moves up, never forces one down). A receiver that took
-        our push longer than the fastest did is slower on its side; every member sends it a
-        message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
-        sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
-        reads less: its pushes share that uplink and end closer together."""
-        return self._per_round(self._shared_costs) or 0.0
+        return SendCosts(self._per_round([*rates, *self._link_costs]),
+                         self._per_round(self._shared_costs) or 0.0)
 
     def _per_round(self, costs) -> float | None:
         """The worst of `costs` (seconds per byte) for the message just handed over, over the

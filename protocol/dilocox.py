@@ -37,30 +37,25 @@ start: exactly DiLoCo.
 Why a round does not start from φ (docs/protocols.md §3), as a first design had it (θ ← φ):
 - With delay 1 that φ lacks the node's own last round, so the next round redoes much of that
   progress and the outer step then applies both (each message once, but the same progress
-  twice): measured, the delay alone cost +18.2% final loss against DiLoCo (benchmarks/
-  NOTEBOOK.md, "DiLoCoX diagnostics"); a linear model's iteration has spectral radius 0.99
-  instead of 0.30. So the round in flight stays in the node's own weights, at weight λ, until
+  twice): a linear model's iteration has spectral radius 0.99 instead of 0.30. So the round in flight stays in the node's own weights, at weight λ, until
   the group's mean of that round replaces it. λ = 1 (θ continues where the round ended) fixes
   the repetition, but then the replicas keep their whole last round apart, and in directions
   an inner phase converges fully that deviation never decays (in a noisy linear model the
-  iteration is marginally stable; measured on `tiny`: +5.5% with the identity codec). λ = 1/8
-  oscillates like λ = 0. λ = ½ (the default) contracts by 0.56-0.71 per round (μ = 0.3) in the
+  iteration is marginally stable). λ = 1/8 oscillates like λ = 0. λ = ½ (the default) contracts by 0.56-0.71 per round (μ = 0.3) in the
   noiseless linear model, whatever fraction of a direction a round converges, and stays near
   the noise floor with noise (tests/unit/test_dilocox.py).
 - With a lossy codec, φ holds only the compressed part of the node's own work; the rest waits
   in e for later rounds. Training from φ alone throws that work away for now, so heavy
-  compression made DiLoCoX end worse than training alone (rank 2, delay 0: 2.49 against
-  local-only 1.93). Keeping e in the node's own weights means a node trains on all of its own
+  compression could end worse than training alone. Keeping e in the node's own weights means a node trains on all of its own
   work plus the swarm's consensus: with a codec that sends nothing it is local training.
 - §3 lists "a committee of senders, error feedback keeping the work of nodes that do not send
   this round". The committee is built (protocol/committee.py); keeping the others' work is
-  `kept_decay` = 1, and it lost to sending the fresh round alone: at 32 replicas, 8 senders a
-  round, the identity code, the work kept ended 2.4415, half of it decayed each round 2.1891,
-  the fresh round alone 2.1000, against local-only 2.2528 and DiLoCo (everyone, every round)
-  2.0813 (benchmarks/NOTEBOOK.md, "DiLoCoX at 32 replicas"). A round kept waits N/k rounds on
-  average before it is sent, and φ stepping on work that stale costs more than the work gives. So
-  by default (`kept_decay` = 0) a round outside the committee is not sent: at the committee's size,
-  more senders' rounds add little (DiLoCo at 8 replicas 2.1055, at 32 2.0813).
+  `kept_decay` = 1, and it loses to sending the fresh round alone: a round kept waits N/k
+  rounds on average before it is sent, and φ stepping on work that stale costs more than the
+  work gives. So by default (`kept_decay` = 0) a round outside the committee is not sent: at
+  the committee's size, more senders' rounds add little.
+The measurements behind these choices: benchmarks/NOTEBOOK.md, "DiLoCoX diagnostics" and
+"DiLoCoX at 32 replicas".
 φ stays bitwise identical on every node and every message is still applied exactly once; a
 node's weights differ from φ by its own e and its share of its rounds in flight.
 
@@ -129,18 +124,13 @@ class DiLoCoXHyperParameters:
     def __post_init__(self) -> None:
         if self.overlap not in OVERLAPS:
             raise ConfigurationError(f"DiLoCoX overlap must be one of {list(OVERLAPS)}, got {self.overlap!r}.")
-        if isinstance(self.residual_decay, bool) or not isinstance(self.residual_decay, (int, float)) \
-                or not 0 < self.residual_decay <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX residual_decay must be a number in (0, 1], got {self.residual_decay!r}.")
-        if isinstance(self.noise_ratio, bool) or not isinstance(self.noise_ratio, (int, float)) \
-                or not 0 <= self.noise_ratio <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX noise_ratio must be a number in [0, 1], got {self.noise_ratio!r}.")
-        if isinstance(self.kept_decay, bool) or not isinstance(self.kept_decay, (int, float)) \
-                or not 0 <= self.kept_decay <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX kept_decay must be a number in [0, 1], got {self.kept_decay!r}.")
+        for name, low, high, low_open in (("residual_decay", 0, 1, True), ("noise_ratio", 0, 1, False),
+                                          ("kept_decay", 0, 1, False), ("in_flight_weight", 0, 1, False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                    or not (low < value if low_open else low <= value) or not value <= high:
+                span = f"{'(' if low_open else '['}{low}, {high}]"
+                raise ConfigurationError(f"DiLoCoX {name} must be a number in {span}, got {value!r}.")
         if not isinstance(self.clip_to_median, bool):
             raise ConfigurationError(f"DiLoCoX clip_to_median must be a bool, got {self.clip_to_median!r}.")
         if type(self.delay) is not int or self.delay not in (0, 1):
@@ -148,10 +138,6 @@ class DiLoCoXHyperParameters:
         if type(self.max_rounds_ahead) is not int or not 1 <= self.max_rounds_ahead <= 1024:
             raise ConfigurationError(
                 f"DiLoCoX max_rounds_ahead must be an int in [1, 1024], got {self.max_rounds_ahead!r}.")
-        if isinstance(self.in_flight_weight, bool) or not isinstance(self.in_flight_weight, (int, float)) \
-                or not 0 <= self.in_flight_weight <= 1:
-            raise ConfigurationError(
-                f"DiLoCoX in_flight_weight must be a number in [0, 1], got {self.in_flight_weight!r}.")
 
     def carried_weight(self, rounds: int) -> float:
         """w(n) = 1 + β_k + … + β_k^(n−1): the rounds of work a message of n rounds holds."""

@@ -41,6 +41,11 @@ daemon. Kinds:
 - slow-members: not an adversary, a fault of its DHT: its member lookups answer "no member"
               for the first SLOW_MEMBERS_S seconds (LOWCOMM_TEST_SLOW_MEMBERS_S), as a DHT slow
               to show the records already stored, or split at start, does; then the truth;
+- split:      not an adversary, a fault of its inbox: DiLoCoX: its outer step of round
+              SPLIT_ROUND (LOWCOMM_TEST_SPLIT_ROUND) leaves out the message of the first other
+              member (by peer id) that came, as a node that got that message after it closed
+              the round does: the message reached the rest of the swarm, and this node's φ
+              leaves theirs until the repair (a replay, or a download) brings it back;
 - unlisted:   skips its own allowlist check (node.daemon.join.check_admission), so that in an
               allowlist swarm it joins with a key the manifest does not list: the members'
               refusal is what stops it.
@@ -62,7 +67,7 @@ log = logging.getLogger("lowcomm.adversary")
 THETA_KINDS = ("theta-random", "theta-negate", "theta-target")
 KINDS = ("nan", "inf", "scale", "noise", *THETA_KINDS, "slow-members", "replay", "stall", "flood",
          "ckpt-kill", "swap-kill", "push-kill", "serve-kill", "unlisted", "state-poison",
-         "state-round", "equivocate", "future")
+         "state-round", "equivocate", "future", "split")
 GHOSTS = 30          # fake members a flooding node publishes
 SCALE = 1000.0
 STALL_STREAMS = 20   # more than TransferLimits.max_streams_per_peer (16)
@@ -70,6 +75,7 @@ ROUND_LIE = 10 ** 6
 FUTURE = 10 ** 9
 TARGET_SEED = 1234
 SLOW_MEMBERS_S = 10.0
+SPLIT_ROUND = 2
 
 
 def target_push() -> float:
@@ -479,6 +485,23 @@ def _dilocox_lies(kind: str) -> None:
     members.MemberCache.update = update
 
 
+def _split() -> None:
+    from node.rounds.dilocox import exchange
+
+    split_round = int(os.environ.get("LOWCOMM_TEST_SPLIT_ROUND", SPLIT_ROUND))
+    honest_collect = exchange.DiLoCoXExchange._collect
+
+    async def collect(self, round_index, wait_s):
+        got = await honest_collect(self, round_index, wait_s)
+        others = sorted(g.peer for g in got if g.peer != self.peer_id)
+        if round_index != split_round or not others:
+            return got
+        log.warning("adversary: round %d: the message of %s left out of the step", round_index,
+                    others[0])
+        return [g for g in got if g.peer != others[0]]
+    exchange.DiLoCoXExchange._collect = collect
+
+
 # kind -> (message kind on the wire, what the log says): a SIGKILL halfway through the first
 # frame of the first such message this node writes
 KILL_MID_SEND = {"swap-kill": ("noloco.snapshot", "SIGKILL mid-swap"),
@@ -533,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
         _lie_about_state(args.kind)
     elif args.kind in ("equivocate", "future"):
         _dilocox_lies(args.kind)
+    elif args.kind == "split":
+        _split()
     elif args.kind == "unlisted":
         from node.daemon import daemon
         daemon.check_admission = lambda manifest, peer_id: log.warning(

@@ -18,7 +18,8 @@ from node.config.manifest import ContributionSection, ProtocolSection
 from node.config.schema import load_config
 from node.data.corpus import load_corpus
 from node.rounds.dilocox.consensus import NOTHING_AGREED
-from node.rounds.dilocox.link import GroupMessage, SwarmState
+from node.rounds.dilocox.link import (Agreement, Collected, Download, GroupMessage, Rejoined, Replay,
+                                      ReplayFailed, SendCosts, Stepped, SwarmState)
 from node.rounds.dilocox.round import DiLoCoXRound
 from node.rounds.noloco import payload as noloco_payload
 from node.rounds.noloco.round import NoLoCoRound, PartnerSnapshot
@@ -129,14 +130,14 @@ class ScriptedDiLoCoXLink:
         self.sent: list[tuple[int, list]] = []
         self.inbox: dict[int, list[GroupMessage]] = {}
         self.digests: list[tuple[int, str]] = []
-        self.resync: dict[int, dict] = {}
+        self.resync_due: dict[int, Replay | Download] = {}  # round -> the repair of our φ after it
         self.refusals: list[tuple[str, str]] = []
-        self.ratio: float | None = None  # what send_ratio reports
+        self.ratio: float | None = None  # what costs() reports as the send ratio
         self.catch_ups: dict[int, SwarmState] = {}  # round ended -> the swarm's state
         self.rejoined: list[tuple[int, int]] = []  # (the round we skipped, the swarm's round)
-        self.behind_in: set[int] = set()  # rounds a majority of the swarm finished a round ago
+        self.swarm_round = -1  # the round a majority of the swarm reached
         self.applied: dict[int, tuple | None] = {}  # round -> what its step applied (a replay's record)
-        self.agreed = -1  # what last_agreed reports: the last round a consensus check agreed
+        self.agreed = -1  # what resync reports: the last round a consensus check agreed
         self.failed: list[tuple[int, int, int | None]] = []  # replays failed: (since, round, start)
         self.drawn = True  # what in_committee reports: everyone sends
 
@@ -146,51 +147,34 @@ class ScriptedDiLoCoXLink:
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sent.append((round_index, tensors))
 
-    def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
-        return self.inbox.pop(round_index, [])
+    def costs(self) -> SendCosts:
+        return SendCosts(self.ratio, 0.0)
 
-    def ran_ahead(self) -> float:
-        return 0.0
-
-    def behind(self, round_index: int) -> bool:
-        return round_index in self.behind_in
-
-    def publish_digest(self, round_index: int, digest: str, applied=None) -> None:
-        self.digests.append((round_index, digest))
-        self.applied[round_index] = applied
-
-    def take_resync(self, round_index: int) -> dict | None:
-        return self.resync.pop(round_index, None)
-
-    def replay_failed(self, recipe: dict, start: int | None) -> None:
-        self.failed.append((recipe["since"], recipe["round"], start))
-        self.agreed = NOTHING_AGREED if start is None else start  # as the exchange's consensus does
-
-    def last_agreed(self) -> int:
-        return self.agreed
-
-    def settle(self, round_index: int, wait_s: float) -> None:
-        pass
-
-    def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.refusals.append((peer, reason))
-
-    def send_ratio(self) -> float | None:
-        return self.ratio
-
-    def shared_ratio(self) -> float:
-        return 0.0
+    def collect(self, round_index: int, wait_s: float) -> Collected:
+        return Collected(self.inbox.pop(round_index, []))
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.inbox.pop(round_index, None)
+
+    def resync(self, round_index: int, wait_s: float) -> Agreement:
+        return Agreement(self.agreed, self.resync_due.pop(round_index - 1, None))
 
     def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
         state = self.catch_ups.pop(round_index, None)
         return state() if callable(state) else state  # a callable: the swarm moves on meanwhile
 
-    def rejoin(self, from_round: int, state: SwarmState) -> None:
-        self.rejoined.append((from_round, state.next_round))
-
+    def report(self, note) -> None:
+        if isinstance(note, Stepped):
+            self.digests.append((note.round, note.digest))
+            self.applied[note.round] = note.applied
+        elif isinstance(note, ReplayFailed):
+            self.failed.append((note.replay.since, note.replay.round, note.start))
+            # as the exchange's consensus does
+            self.agreed = NOTHING_AGREED if note.start is None else note.start
+        elif isinstance(note, Rejoined):
+            self.rejoined.append((note.from_round, note.state.next_round))
+        else:
+            self.refusals.append((note.peer, note.reason))
 
 
 def dilocox(config, corpus, name: str, stream: int, delay: int = 1):

@@ -10,6 +10,10 @@ Invariants:
 - a stop request is honoured between inner steps: a step is never cut;
 - a checkpoint is written at the end of every `checkpoint_every`-th step's round and on stop,
   so a restart resumes with the same trainer, outer state and round;
+- a thread that fails writes its checkpoint too when its state is consistent (`consistent`):
+  not inside an inner step, and not inside a call of the round that was changing θ or the
+  outer state (the round says so by its `consistent` attribute; a round without one counts as
+  changing state throughout its calls), so a failure never leaves a half-applied step on disk;
 - every event is handed to `publish`, which carries it to the event loop.
 
 `round_end_beside` (DiLoCoX, `join --round-end beside`): at a round's end the thread copies θ to
@@ -84,6 +88,16 @@ class TrainingWorker(threading.Thread):
         self.compute_seconds = 0.0
         self.beside_pool = ThreadPoolExecutor(1, "lowcomm-round-end") if round_end_beside else None
         self.beside: _RoundBeside | None = None
+        self._in_step = False    # inside an inner step: θ and the optimizer are half-changed
+        self._in_round = False   # inside a call of the round (see `consistent`)
+
+    @property
+    def consistent(self) -> bool:
+        """Whether the trainer's and the round's state may be written as a checkpoint now."""
+        if self._in_step or self.beside is not None:  # θ is not shifted by a round's end beside yet
+            return False
+        round_consistent = getattr(self.policy, "consistent", None)
+        return not self._in_round if round_consistent is None else bool(round_consistent)
 
     @property
     def round_index(self) -> int:
@@ -98,11 +112,21 @@ class TrainingWorker(threading.Thread):
         except BaseException as exc:  # reported to the loop, which exits with the reason
             self.error = exc
             log.error("training thread failed: %s\n%s", exc, traceback.format_exc())
+            self._checkpoint_after_failure()
             self.publish(Failed(error=f"{exc.__class__.__name__}: {exc}"))
         finally:
             if self.beside_pool is not None:
                 self.beside_pool.shutdown(wait=True)
             self.finished.set()
+
+    def _checkpoint_after_failure(self) -> None:
+        if not self.consistent:
+            log.warning("no checkpoint after the failure: it came while the state was changing")
+            return
+        try:
+            self.save_checkpoint()
+        except Exception as exc:  # the failure is what gets reported; this is logged beside it
+            log.error("the checkpoint after the failure could not be written: %s", exc)
 
     def _loop(self) -> None:
         trainer = self.trainer
@@ -115,11 +139,15 @@ class TrainingWorker(threading.Thread):
                 self._finish_beside()
             if self.beside is None:  # the protocol's state is this thread's alone
                 asked = time.monotonic()
+                self._in_round = True
                 event = self.policy.between_steps(self.round_index)
+                self._in_round = False
                 between += time.monotonic() - asked
                 if event is not None:
                     self.publish(event)
+            self._in_step = True
             result = trainer.train_step()
+            self._in_step = False
             if changed := trainer.device_use_changed(device_use):
                 device_use = changed
                 self.publish(changed)
@@ -140,7 +168,9 @@ class TrainingWorker(threading.Thread):
                 continue
             finished_round = trainer.step // self.inner_steps - 1
             outer_started = time.monotonic()
+            self._in_round = True
             outcome = self.policy.end_round(finished_round)
+            self._in_round = False
             self._report(finished_round, trainer.step, compute, time.monotonic() - outer_started,
                          outcome, between)
             round_started, between = time.monotonic(), 0.0
@@ -179,8 +209,8 @@ class TrainingWorker(threading.Thread):
     def _finish_beside(self) -> None:
         """Waits for the round's end beside (if it still runs), shifts θ by what it moved the
         round's start, follows the swarm's round if it caught up, and reports the round."""
-        item, self.beside = self.beside, None
         held = time.monotonic()
+        item = self.beside
         outcome, shift, next_round = item.future.result()  # its error fails this thread
         # what inline would have waited for members behind us, less what we waited here already
         self.stop_requested.wait(max(0.0, outcome.ran_ahead_seconds - (time.monotonic() - held)))
@@ -188,5 +218,6 @@ class TrainingWorker(threading.Thread):
         if next_round is not None:  # the steps trained beside it count in the swarm's round
             trained = self.trainer.step - (item.round + 1) * self.inner_steps
             self.trainer.start_at(next_round * self.inner_steps + trained)
+        self.beside = None
         self._report(item.round, (item.round + 1) * self.inner_steps, item.compute,
                      item.held + time.monotonic() - held, outcome, item.between)

@@ -14,7 +14,7 @@ Each replica's DiLoCoXRound (node/rounds/dilocox/round.py, the daemon's own) tal
   replicas' φ digests (16 bytes to each other replica); a replica whose digest differs from the
   most common one (ties: the smallest digest) takes φ and m of the first replica holding it,
   served by that replica's round (`export_state`, fp32, counted to it), and adopts them before
-  its next outer step (`take_resync`). Without losses all digests agree.
+  its next outer step (`resync`). Without losses all digests agree.
 Bytes: each message counts its encoded size once per recipient (N−1 copies: a compressed
 message cannot be summed on the way as a ring all-reduce sums fp32). With a committee
 (`senders`, protocol/committee.py) only the round's committee sends.
@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from node.rounds.dilocox.link import GroupMessage
+from node.rounds.dilocox.link import (Agreement, Collected, Download, GroupMessage, Refused, Report,
+                                      SendCosts, Stepped)
 from node.rounds.dilocox.round import DiLoCoXRound
 from node.simulator.exchange import InMemoryExchange, InMemoryMessage
 from node.simulator.lockstep import Lockstep
@@ -48,7 +49,7 @@ class DiLoCoXMemoryNetwork:
         self.rounds: dict[str, DiLoCoXRound] = {}  # who serves a resync: each replica's round
         self.outbox: dict[str, InMemoryMessage] = {}  # this round's messages, not sent yet
         self.digests: dict[str, str] = {}  # this round's φ digests
-        self.resyncs: dict[tuple[str, int], dict] = {}  # (replica, round) -> the majority's state
+        self.resyncs: dict[tuple[str, int], Download] = {}  # (replica, round) -> the majority's state
         self.refused: Counter = Counter()  # contributions refused, by reason
         self.late = 0  # messages that arrived after their round was applied
 
@@ -86,14 +87,19 @@ class DiLoCoXMemoryNetwork:
         for name, digest in sorted(self.digests.items()):
             if digest != majority and not last:
                 held, groups, _ = self.rounds[provider].export_state(round_index)
-                self.resyncs[(name, held)] = {"slow_weights": fp32_clone(groups["phi"]),
-                                              "momentum": fp32_clone(groups["momentum"])}
+                self.resyncs[(name, held)] = Download(held, fp32_clone(groups["phi"]),
+                                                      fp32_clone(groups["momentum"]), provider)
                 self.exchange.count_bytes(provider, 2 * numel(groups["phi"]) * FP32_BYTES)
         self.digests.clear()
 
 
 class DiLoCoXMemoryLink:
-    """One replica's DiLoCoXLink (node/rounds/dilocox/round.py) over the in-memory network."""
+    """One replica's DiLoCoXLink (node/rounds/dilocox/round.py) over the in-memory network.
+    In lockstep no replica falls behind or runs ahead of another (`swarm_round` stays unknown,
+    `ran_ahead_s` 0, no catch-up), and a replica that left the majority's φ takes the state
+    whole (`round_ended`), never by replay."""
+
+    swarm_round = -1
 
     def __init__(self, network: DiLoCoXMemoryNetwork, name: str):
         self.network, self.name = network, name
@@ -104,46 +110,15 @@ class DiLoCoXMemoryLink:
     def send_round(self, round_index: int, tensors: list) -> None:
         self.network.outbox[self.name] = InMemoryMessage(round_index, tensors)
 
-    def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
+    def costs(self) -> SendCosts:
+        """0: the in-memory exchange models latency, not bandwidth (the controller sees a free
+        link from the first round on), and no receiver's downlink."""
+        return SendCosts(0.0, 0.0)
+
+    def collect(self, round_index: int, wait_s: float) -> Collected:
         self.network.lockstep.rendezvous(lambda: self.network.send_and_wait(round_index, wait_s))
-        return [GroupMessage(e.sender, round_index, e.payload)
-                for e in self.network.exchange.collect(self.name, TOPIC, round_index)]
-
-    def behind(self, round_index: int) -> bool:
-        """False: in lockstep no replica falls behind another."""
-        return False
-
-    def ran_ahead(self) -> float:
-        """0: in lockstep no replica runs ahead of another."""
-        return 0.0
-
-    def publish_digest(self, round_index: int, digest: str, applied=None) -> None:
-        """`applied` is for the daemon's replays; a simulated replica that left the majority's
-        φ takes the state whole (`round_ended`)."""
-        self.network.digests[self.name] = digest
-
-    def take_resync(self, round_index: int) -> dict | None:
-        return self.network.resyncs.pop((self.name, round_index), None)
-
-    def last_agreed(self) -> int:
-        """-1: the simulated network resyncs a replica whole (`round_ended`), never by replay."""
-        return -1
-
-    def replay_failed(self, recipe: dict, start: int | None) -> None:
-        raise AssertionError("no replica replays: take_resync offers whole states only")
-
-    def settle(self, round_index: int, wait_s: float) -> None:
-        """Nothing to wait for: in lockstep a resync is ready before the next outer step."""
-
-    def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.network.refused[reason] += 1
-
-    def catch_up(self, round_index: int, reference: dict) -> None:
-        """None: replicas run in lockstep, so none falls behind."""
-        return None
-
-    def rejoin(self, from_round: int, state) -> None:
-        raise AssertionError("no replica catches up: catch_up never offers a state")
+        return Collected([GroupMessage(e.sender, round_index, e.payload)
+                          for e in self.network.exchange.collect(self.name, TOPIC, round_index)])
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         """The message of every other replica that sent one in `round_index` (all of them, or the
@@ -157,11 +132,17 @@ class DiLoCoXMemoryLink:
         return [GroupMessage(e.sender, round_index, e.payload)
                 for e in exchange.collect(self.name, TOPIC, round_index)]
 
-    def send_ratio(self) -> float | None:
-        """0: the in-memory exchange models latency, not bandwidth (the controller sees a free
-        link from the first round on)."""
-        return 0.0
+    def resync(self, round_index: int, wait_s: float) -> Agreement:
+        """Nothing to wait for: in lockstep a resync is ready before the next outer step."""
+        return Agreement(-1, self.network.resyncs.pop((self.name, round_index - 1), None))
 
-    def shared_ratio(self) -> float:
-        """0: no receiver's downlink is modelled either."""
-        return 0.0
+    def catch_up(self, round_index: int, reference: dict) -> None:
+        return None
+
+    def report(self, note: Report) -> None:
+        if isinstance(note, Stepped):
+            self.network.digests[self.name] = note.digest
+        elif isinstance(note, Refused):
+            self.network.refused[note.reason] += 1
+        else:
+            raise AssertionError(f"no replica replays or catches up: {note}")

@@ -311,7 +311,8 @@ def test_a_diverged_dilocox_node_replays_its_step_over_real_streams_instead_of_d
             digest = await holder.behave(shared)
             await author.behave(shared)
             holder_swarm = unit_swarm(loop, peer_id=holder.peer, transport=holder.transport)
-            relay = Relay(holder_swarm, PGRAD, witness=lambda _author, _message: True)
+            relay = Relay(holder_swarm, PGRAD, witness=lambda _author, _message: True,
+                          clock=loop.time)
             replay = StepReplay(holder_swarm, relay, lambda: [author.peer, node.peer])
             relay.start()
             replay.start()

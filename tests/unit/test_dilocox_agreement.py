@@ -13,7 +13,7 @@ from node.config.manifest import ProtocolSection
 from node.config.settings import NodeTimeouts
 from node.events import Diverged, ReplayReady
 from node.rounds.dilocox.exchange import DiLoCoXExchange
-from node.rounds.dilocox.link import REPLAY_ROUNDS, SwarmState
+from node.rounds.dilocox.link import REPLAY_ROUNDS, Download, Replay, ReplayFailed, Stepped, SwarmState
 from node.rounds.dilocox.relay import RELAY
 from node.rounds.dilocox.replay import APPLIED, StepReplay
 from node.rounds.state import STATE_KIND
@@ -26,6 +26,9 @@ from tests.dilocox_parts import HoldingTransport, exchange, member, relayed_copy
 from tests.p2p_helpers import as_received
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
+from tests.virtual_time import run_virtual
+
+REFRESH_S = NodeTimeouts().member_refresh_s  # the consensus check looks at the votes this often
 
 
 class ReplayHolders(HoldingTransport):
@@ -81,9 +84,9 @@ def test_a_node_whose_phi_left_the_majoritys_replays_its_steps_then_downloads_wh
         ex.consensus.agreed = 4
         await ex.consensus.check(5, "f" * 32)
         assert transport.kinds == [APPLIED, RELAY]  # its records, and the one message we lacked
-        recipe = ex.consensus.resyncs[5]["replay"]
-        assert recipe["since"] == 4 and recipe["steps"] == [(5, 4, senders)]
-        assert sorted(recipe["messages"]) == sorted([(4, a), (4, b)]) and recipe["digest"] == "0" * 32
+        recipe = ex.consensus.resyncs[5]
+        assert recipe.since == 4 and recipe.steps == [(5, 4, senders)]
+        assert sorted(recipe.messages) == sorted([(4, a), (4, b)]) and recipe.digest == "0" * 32
         assert [(e.round, e.source, e.steps, e.senders, e.fetched) for e in events
                 if isinstance(e, ReplayReady)] == [(5, a, 1, 3, 1)]
         assert ex.consensus.pop_resync(5) is not None
@@ -93,11 +96,11 @@ def test_a_node_whose_phi_left_the_majoritys_replays_its_steps_then_downloads_wh
         ex.members.records = {r.peer_id: r for r in view(6, "1" * 32)}
         await ex.consensus.check(6, "e" * 32)  # off again: both steps since round 4
         assert transport.kinds[2:] == [APPLIED, RELAY]  # b's message of round 4 is not fetched again
-        assert ex.consensus.resyncs[6]["replay"]["steps"] == [(5, 4, senders), (6, 5, senders)]
+        assert ex.consensus.resyncs[6].steps == [(5, 4, senders), (6, 5, senders)]
         ex.members.records = {r.peer_id: r for r in view(4 + REPLAY_ROUNDS + 1, "2" * 32)}
         await ex.consensus.check(4 + REPLAY_ROUNDS + 1, "d" * 32)  # too far: the state, whole
         assert transport.kinds[-2:] == [STATE_KIND, STATE_KIND]
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_record_of_senders_that_cannot_be_true_is_not_read():
@@ -130,7 +133,7 @@ def test_a_record_of_senders_that_cannot_be_true_is_not_read():
         for since in (1, 5, None):  # a round it holds no record of; none; no round asked
             with pytest.raises(Refusal):
                 await reply(5, since)
-    asyncio.run(main())
+    run_virtual(main())
 
 
 class NoStateServer:
@@ -174,7 +177,7 @@ def test_a_tie_left_for_a_missing_vote_is_broken_when_it_lasts_a_second_round():
         events.clear()
         await ex.consensus.check(9, "0" * 32)  # we hold the winner: nothing to do
         assert diverged() == []
-    asyncio.run(main())
+    run_virtual(main())
 
 
 class AskedKinds(NoStateServer):
@@ -227,12 +230,12 @@ def test_agreement_needs_a_majority_of_the_expected_votes_and_a_failed_replay_do
         ex.replay.record(9, (8, ("a", "b", "me")))  # a recipe's step, recorded as ours
         ex.consensus.replay_failed(6, None)  # a replay from a round no longer our agreed one
         assert ex.consensus.agreed == 7
-        ex._replay_failed({"since": 7, "round": 9, "steps": [(9, 8, ("a", "b", "me"))]}, None)
+        ex._reported(ReplayFailed(Replay(7, 9, [(9, 8, ("a", "b", "me"))], {}, ""), None))
         assert ex.consensus.agreed < -REPLAY_ROUNDS and 9 not in ex.replay.applied
         assert await check(10, view(10, set(), {"a", "b", "c"})) < 0
         assert [e.round for e in events if isinstance(e, Diverged)] == [10]
         assert transport.kinds == [STATE_KIND] * 3  # the state from each holder: no records asked
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_node_ahead_waits_up_to_a_round_for_the_votes_of_members_still_in_it():
@@ -256,23 +259,23 @@ def test_a_node_ahead_waits_up_to_a_round_for_the_votes_of_members_still_in_it()
                                                     since=0, phi="0" * 32, phi_round=round_index)
                                   for peer in others}
 
-        voting = asyncio.create_task(vote_later(1.0, 5))
+        voting = asyncio.create_task(vote_later(0.9, 5))
         began = loop.time()
         await ex.consensus.check(5, "f" * 32)
         await voting
         assert [e.round for e in events if isinstance(e, Diverged)] == [5], events
-        assert 0.9 < loop.time() - began < 2.0
+        assert loop.time() - began == pytest.approx(2 * REFRESH_S)  # the look after the votes came
         # members past the round whose votes do not come: consensus_wait_s, as before
         ex.members.records = {peer: member(peer, 8) for peer in others}
         began = loop.time()
         await ex.consensus.check(6, "f" * 32)
-        assert loop.time() - began < 0.9
+        assert loop.time() - began == pytest.approx(REFRESH_S)  # the look past consensus_wait_s
         # members in the round, but our pace not known yet (our first rounds): the same
         ex.members.records = {peer: member(peer, 9) for peer in others}
         ex.pace, began = 0.0, loop.time()
         await ex.consensus.check(9, "f" * 32)
-        assert loop.time() - began < 0.9
-    asyncio.run(main())
+        assert loop.time() - began == pytest.approx(REFRESH_S)
+    run_virtual(main())
 
 
 def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
@@ -306,7 +309,7 @@ def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
         ex.consensus.tied_round, events[:] = ours - 1, []
         await ex.consensus.check(ours, "f" * 32)
         assert [e for e in events if isinstance(e, Diverged)] == []
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never_does():
@@ -334,26 +337,26 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
             await ex.consensus.settle(round_index, wait_s, ex.pace)
             return loop.time() - began
 
-        ex._after_round(6, "f" * 32)  # round 6's votes are not in: the check waits for them
-        assert not ex.consensus.diverged and await settle_seconds(7, 5.0) < 0.05  # agreeing so far: no wait
+        ex._reported(Stepped(6, "f" * 32))  # round 6's votes are not in: the check waits for them
+        assert not ex.consensus.diverged and await settle_seconds(7, 5.0) == 0  # agreeing so far: no wait
         await asyncio.wait(set(ex.consensus.checks.values()))
         await ex.consensus.check(5, "f" * 32)  # two members hold another φ of round 5
         assert ex.consensus.diverged and [e.round for e in events if isinstance(e, Diverged)] == [5]
         ex.members.records = {r.peer_id: r for r in view(8, 5)}  # their votes of 7 and 8 lag
-        ex._after_round(7, "f" * 32)
+        ex._reported(Stepped(7, "f" * 32))
         waited = await settle_seconds(8, 5.0)  # diverged: the check of round 7 is waited for...
-        assert 0.4 < waited < 2.0 and not ex.consensus.checks, waited
+        assert waited == pytest.approx(1.0) and not ex.consensus.checks  # consensus_wait_s
         assert not ex.consensus.diverged  # it heard no other vote: nothing to wait for any more
         ex.consensus.diverged = True  # as a divergent check leaves it
-        ex._after_round(8, "f" * 32)  # a check of 1 s
-        assert 0.15 < await settle_seconds(9, 0.2) < 0.5  # ...at most as long as asked
+        ex._reported(Stepped(8, "f" * 32))  # a check of 1 s
+        assert await settle_seconds(9, 0.2) == pytest.approx(0.2)  # ...at most as long as asked
         ex.pace = 0.2
-        assert 0.15 < await settle_seconds(9, 5.0) < 0.5  # ...and at most one of our rounds
+        assert await settle_seconds(9, 5.0) == pytest.approx(0.2)  # ...and at most one of our rounds
         assert ex.consensus.checks  # still waiting for votes
         ex.pace = 3.0
-        assert await settle_seconds(10, 5.0) < 0.05  # a check of another round is not waited for
+        assert await settle_seconds(10, 5.0) == 0  # a check of another round is not waited for
         ex.members.records = {r.peer_id: r for r in view(11, 10)}
-        assert 8 in ex.consensus.checks and await settle_seconds(9, 5.0) < 0.05  # nor one the swarm is a round ahead of
+        assert 8 in ex.consensus.checks and await settle_seconds(9, 5.0) == 0  # nor one the swarm is a round ahead of
         await asyncio.wait(set(ex.consensus.checks.values()))
         ex.members.records = {r.peer_id: r for r in view(6, 5)}
         await ex.consensus.check(5, "f" * 32)
@@ -361,10 +364,10 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
         ex.members.records = {r.peer_id: r for r in view(10, 9, "f" * 32)}  # our φ again
         await ex.consensus.check(9, "f" * 32)
         assert not ex.consensus.diverged
-        ex._after_round(10, "f" * 32)
-        assert await settle_seconds(11, 5.0) < 0.05
+        ex._reported(Stepped(10, "f" * 32))
+        assert await settle_seconds(11, 5.0) == 0
         await asyncio.wait(set(ex.consensus.checks.values()))
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_round():
@@ -404,14 +407,14 @@ def test_a_node_two_rounds_behind_takes_the_swarms_state_and_counts_from_its_rou
         assert await round_end(7) is None and len(asked) == 2  # asked; the state arrives
         got = ex.catching_up.poll(8, -1, {})
         # the majority's φ it served is of round 10, while the swarm trains round 12
-        assert got == SwarmState(12, 10, state, "b", "d2") and len(asked) == 2
+        assert got == SwarmState(12, 10, Download(10, {}, {}, "b"), "b", "d2") and len(asked) == 2
         assert ex.first_round == 0  # not moved until the training thread adopted it
         ex._rejoin(9, got)
         # a replay starts from the state we hold (R6: from round 11, every one was refused)
         assert ex.first_round == 12 and ex.oldest_wanted == 11 and ex.consensus.agreed == 10
         assert [(e.from_round, e.round, e.source, e.by) for e in events
                 if isinstance(e, CaughtUp)] == [(9, 12, "b", "download")]
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_node_behind_whose_agreed_round_is_near_replays_the_swarms_steps_instead():
@@ -444,18 +447,18 @@ def test_a_node_behind_whose_agreed_round_is_near_replays_the_swarms_steps_inste
         await asyncio.wait({ex.catching_up.task})
         got = ex.catching_up.poll(5, 4, {})
         assert got is not None and downloads == [] and transport.kinds == [APPLIED, RELAY, RELAY, RELAY]
-        recipe = got.state["replay"]
+        recipe = got.state
         assert (got.next_round, got.state_round, got.source, got.digest) == (8, 7, a, "0" * 32)
-        assert recipe["since"] == 4 and recipe["steps"] == [(r, r - 1, senders) for r in (5, 6, 7)]
+        assert recipe.since == 4 and recipe.steps == [(r, r - 1, senders) for r in (5, 6, 7)]
         ex._rejoin(6, got)
         assert [(e.round, e.by) for e in events if isinstance(e, CaughtUp)] == [(8, "replay")]
         # further back than a replay reaches (or no holder's records): the state, downloaded
         ex.catching_up.next_try = 0
         assert ex.catching_up.poll(1, 4 - REPLAY_ROUNDS, {}) is None
         await asyncio.wait({ex.catching_up.task})
-        assert ex.catching_up.poll(2, 4 - REPLAY_ROUNDS, {}).state == {"phi": {}, "momentum": {}}
+        assert ex.catching_up.poll(2, 4 - REPLAY_ROUNDS, {}).state.phi == {}
         assert len(downloads) == 1
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_resync_that_came_after_its_step_is_handed_over_at_the_next():
@@ -464,10 +467,9 @@ def test_a_resync_that_came_after_its_step_is_handed_over_at_the_next():
     the latest of those due; older ones are dropped, later ones kept."""
     async def main():
         ex = exchange(asyncio.get_running_loop(), [])
-        recipe = {"replay": {"steps": [(3, 2, ("a", "b"))]}}
-        ex.consensus.resyncs = {2: {"round": 2, "slow_weights": {}, "momentum": {}}, 3: recipe,
-                                6: {"round": 6}}
+        recipe = Replay(2, 3, [(3, 2, ("a", "b"))], {}, "")
+        ex.consensus.resyncs = {2: Download(2, {}, {}), 3: recipe, 6: Download(6, {}, {})}
         assert ex.consensus.pop_resync(4) is recipe and list(ex.consensus.resyncs) == [6]
         assert ex.replay.applied[3] == (2, ("a", "b"))  # its step is ours now: served so
         assert ex.consensus.pop_resync(4) is None
-    asyncio.run(main())
+    run_virtual(main())

@@ -9,7 +9,7 @@ import math
 import torch
 
 from node.rounds.dilocox import payload as dilocox_payload
-from node.rounds.dilocox.link import GroupMessage, SwarmState
+from node.rounds.dilocox.link import Download, GroupMessage, Replay, SwarmState
 from protocol.tensors import weights_digest
 from tests.round_parts import config, corpus  # noqa: F401 (fixtures)
 from tests.round_parts import H, dilocox, received, train_round
@@ -51,15 +51,15 @@ def test_dilocox_refuses_a_poisoned_message_and_a_poisoned_resync_and_adopts_a_r
     assert link.refusals and link.refusals[0][0] == "c"
     # a resync: the majority's φ and m after round 0, adopted before the next outer step
     _, majority, digest = other.export_state(0)
-    link.resync[0] = {"slow_weights": majority["phi"], "momentum": majority["momentum"]}
+    link.resync_due[0] = Download(0, majority["phi"], majority["momentum"])
     train_round(model, a, 1)
     outcome = a.end_round(1)
     assert outcome.resyncs == 1
     assert a.export_state(0)[2] == digest  # a member asking for round 0 is served the majority's
     assert a.agreed[0] == 0  # and a replay would start from it
     # a poisoned resync (its digest won the vote; issue 24): checked as a contribution, refused
-    link.resync[1] = {"slow_weights": {n: torch.full_like(t, math.nan) for n, t in majority["phi"].items()},
-                      "momentum": majority["momentum"], "source": "liar"}
+    link.resync_due[1] = Download(1, {n: torch.full_like(t, math.nan) for n, t in majority["phi"].items()},
+                                  majority["momentum"], "liar")
     train_round(model, a, 2)
     outcome = a.end_round(2)
     assert outcome.resyncs == 1 and ("liar", "not_finite") in link.refusals
@@ -104,20 +104,20 @@ def test_dilocox_a_node_that_missed_a_message_replays_its_steps_over_the_majorit
             assert outcomes["a"].phi_digest == outcomes["b"].phi_digest != outcomes["c"].phi_digest
         if r == 2:
             assert a_link.applied[1] == (0, ("a", "b", "c")) and c_link.applied[1] == (0, ("a", "c"))
-            c_link.resync[2] = {"replay": {  # from the initial state: no check agreed yet
-                "since": -1, "round": 2, "steps": [(r, *a_link.applied[r]) for r in (0, 1, 2)],
-                "messages": {(0, "b"): sent[("b", 0)]}, "digest": outcomes["a"].phi_digest}}
+            c_link.resync_due[2] = Replay(  # from the initial state: no check agreed yet
+                since=-1, round=2, steps=[(r, *a_link.applied[r]) for r in (0, 1, 2)],
+                messages={(0, "b"): sent[("b", 0)]}, digest=outcomes["a"].phi_digest)
     assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
     assert outcomes["c"].replays == 1 and outcomes["c"].resyncs == 0 and outcomes["a"].replays == 0
     c, _, c_model = nodes["c"]
     assert c.agreed[0] == 2  # the replayed state: a later replay starts there, whatever the link says
     # records that name the wrong senders: the replay does not reach the majority's φ
-    c_link.resync[3] = {"replay": {"since": 2, "round": 3, "steps": [(3, 2, ("a", "c"))],
-                                   "messages": {}, "digest": outcomes["a"].phi_digest}}
+    c_link.resync_due[3] = Replay(since=2, round=3, steps=[(3, 2, ("a", "c"))],
+                                   messages={}, digest=outcomes["a"].phi_digest)
     # and one from before a round it holds as agreed, whose steps after that are the same wrong ones
-    c_link.resync[4] = {"replay": {"since": 0, "round": 4, "steps": [
+    c_link.resync_due[4] = Replay(since=0, round=4, steps=[
         (1, 0, ("a", "b", "c")), (2, 1, ("a", "b", "c")), (3, 2, ("a", "c")), (4, 3, ("a", "c"))],
-        "messages": {}, "digest": outcomes["a"].phi_digest}}
+        messages={}, digest=outcomes["a"].phi_digest)
     for r in (4, 5):
         c_link.inbox[r - 1] = []
         train_round(c_model, c, r)
@@ -144,14 +144,14 @@ def test_dilocox_a_replay_from_a_wrongly_agreed_round_falls_back_to_the_agreed_s
         if r == 2:
             assert c.agreed[0] == 1 and c.agreed_before[0] == 0
             assert outcomes["a"].phi_digest != outcomes["c"].phi_digest
-            c_link.resync[2] = {"replay": {"since": 1, "round": 2, "steps": [(2, *a_link.applied[2])],
-                                           "messages": {}, "digest": outcomes["a"].phi_digest}}
+            c_link.resync_due[2] = Replay(since=1, round=2, steps=[(2, *a_link.applied[2])],
+                                           messages={}, digest=outcomes["a"].phi_digest)
         if r == 3:  # that replay failed: back to round 0, and the link replays from there
             assert c_link.failed == [(1, 2, 0)] and c.agreed[0] == 0 and c_link.agreed == 0
             assert outcomes["c"].replays == 0
-            c_link.resync[3] = {"replay": {
-                "since": 0, "round": 3, "steps": [(r, *a_link.applied[r]) for r in (1, 2, 3)],
-                "messages": {(0, "b"): sent[("b", 0)]}, "digest": outcomes["a"].phi_digest}}
+            c_link.resync_due[3] = Replay(
+                since=0, round=3, steps=[(r, *a_link.applied[r]) for r in (1, 2, 3)],
+                messages={(0, "b"): sent[("b", 0)]}, digest=outcomes["a"].phi_digest)
     assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
     assert outcomes["c"].replays == 1 and outcomes["c"].resyncs == 0 and c.agreed[0] == 3
 
@@ -172,9 +172,9 @@ def test_dilocox_a_replay_that_comes_a_round_late_is_taken_with_our_own_steps_si
             assert theirs_of_1 == outcomes["b"].phi_digest != outcomes["c"].phi_digest
         if r == 2:
             assert outcomes["a"].phi_digest != outcomes["c"].phi_digest
-            c_link.resync[2] = {"replay": {  # of round 1, handed over at the step of round 3
-                "since": -1, "round": 1, "steps": [(r, *a_link.applied[r]) for r in (0, 1)],
-                "messages": {(0, "b"): sent[("b", 0)]}, "digest": theirs_of_1}}
+            c_link.resync_due[2] = Replay(  # of round 1, handed over at the step of round 3
+                since=-1, round=1, steps=[(r, *a_link.applied[r]) for r in (0, 1)],
+                messages={(0, "b"): sent[("b", 0)]}, digest=theirs_of_1)
     assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["c"].phi_digest
     assert outcomes["c"].replays == 1 and nodes["c"][0].agreed[0] == 1
 
@@ -196,9 +196,9 @@ def test_dilocox_a_late_joiners_first_step_is_replayed_from_the_state_it_adopted
     nodes["d"] = d
     play_dilocox(nodes, 2, sent, outcomes)
     assert outcomes["d"].group == [] and outcomes["d"].phi_digest != outcomes["a"].phi_digest
-    d[1].resync[2] = {"replay": {"since": 1, "round": 2, "steps": [(2, 1, ("a", "b"))],
-                                 "messages": {(1, "a"): sent[("a", 1)], (1, "b"): sent[("b", 1)]},
-                                 "digest": outcomes["a"].phi_digest}}
+    d[1].resync_due[2] = Replay(since=1, round=2, steps=[(2, 1, ("a", "b"))],
+                                 messages={(1, "a"): sent[("a", 1)], (1, "b"): sent[("b", 1)]},
+                                 digest=outcomes["a"].phi_digest)
     play_dilocox(nodes, 3, sent, outcomes)
     assert outcomes["d"].replays == 1 and outcomes["d"].resyncs == 0
     assert outcomes["a"].phi_digest == outcomes["b"].phi_digest == outcomes["d"].phi_digest
@@ -227,7 +227,7 @@ def test_dilocox_that_fell_behind_takes_the_swarms_state_and_round_then_goes_on(
     state_round, state, digest = swarm.export_state()
     train_round(model, a, 0)
     ended_at = a.phi_digest
-    link.catch_ups[0] = SwarmState(6, 5, state, "s", digest)
+    link.catch_ups[0] = SwarmState(6, 5, Download(5, state["phi"], state["momentum"], "s"), "s", digest)
     outcome = a.end_round(0)
     assert outcome.caught_up_to == 6 and outcome.phi_digest != digest  # round 0's own φ reported
     assert link.rejoined == [(1, 6)]
@@ -267,8 +267,8 @@ def test_dilocox_a_node_behind_catches_up_by_replaying_the_swarms_steps(config, 
         steps = [(r, *a_link.applied[r]) for r in (2, 3, 4)]
         assert steps[0] == (2, 1, ("a", "b", "c"))  # c's own message is in the swarm's step
         messages = {(r, p): sent[(p, r)] for r in (1, 2, 3) for p in ("a", "b")}
-        return SwarmState(5, 4, {"replay": {"since": 1, "round": 4, "steps": steps, "messages": messages,
-                                            "digest": outcomes["a"].phi_digest}}, "a",
+        return SwarmState(5, 4, Replay(since=1, round=4, steps=steps, messages=messages,
+                                            digest=outcomes["a"].phi_digest), "a",
                           outcomes["a"].phi_digest)
     c_link.catch_ups[1] = swarm_moves_on
     train_round(c_model, c, 1)
@@ -278,8 +278,8 @@ def test_dilocox_a_node_behind_catches_up_by_replaying_the_swarms_steps(config, 
     assert c.phi_digest == outcomes["a"].phi_digest == outcomes["b"].phi_digest
     assert c_link.rejoined == [(2, 5)] and c_model.step == 5 * H and c.agreed[0] == 4
     # a recipe naming the wrong senders: its digest is not reached, and c trains on as it was
-    c_link.catch_ups[5] = SwarmState(8, 7, {"replay": {"since": 4, "round": 7, "steps": [
-        (5, 4, ("c",)), (6, 5, ("c",)), (7, 6, ("c",))], "messages": {}, "digest": "0" * 32}}, "a", "0" * 32)
+    c_link.catch_ups[5] = SwarmState(8, 7, Replay(since=4, round=7, steps=[
+        (5, 4, ("c",)), (6, 5, ("c",)), (7, 6, ("c",))], messages={}, digest="0" * 32), "a", "0" * 32)
     c_link.inbox[4] = []
     train_round(c_model, c, 5)
     outcome = c.end_round(5)
@@ -291,7 +291,7 @@ def test_dilocox_a_round_behind_its_swarm_ends_at_its_next_step(config, corpus):
     the round ends after its next step (the steps that would have made its message late are
     skipped, reported), its message is sent as round 1's, and round 2 is whole again."""
     a, link, model = dilocox(config, corpus, "a", 1)
-    link.behind_in = {1}
+    link.swarm_round = 3  # a majority finished round 2 while we train round 1
     train_round(model, a, 0)
     a.end_round(0)
     trained, events = {}, []

@@ -16,6 +16,7 @@ from p2p.limits import TransferLimits
 from p2p.messages import OutgoingMessage
 from tests.dilocox_parts import member
 from tests.swarm_parts import unit_swarm
+from tests.virtual_time import run_virtual
 
 
 class FailingTransport:
@@ -41,7 +42,7 @@ def test_a_send_failing_with_any_error_is_a_counted_send_failure():
         assert failed == [("a", "the stream broke"), ("b", "ValueError: the send planner failed")]
         assert all(e.logged for e in events if e.kind == "send_failed")
         assert [e.kind for e in events][-1] == "sent" and ex.sender._sends_in_flight == {}
-    asyncio.run(main())
+    run_virtual(main())
 
 
 class TransportAtAFixedRate:
@@ -63,13 +64,13 @@ def test_the_send_ratio_is_projected_for_the_message_just_handed_over():
         swarm = unit_swarm(loop, [member("a", 0)], transport=TransportAtAFixedRate())
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         small = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
-        assert ex.send_ratio() is None  # nothing measured yet
+        assert ex.costs().send_ratio is None  # nothing measured yet
         await ex.sender._send_all(0, small)  # 0.1 s
         ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 20_000
-        assert 0.19 < ex.send_ratio() < 0.3
+        assert ex.costs().send_ratio == pytest.approx(0.2)  # 10 µs a byte, 20 kB, a 1 s round
         ex.sender._handed_bytes = 10_000
-        assert 0.09 < ex.send_ratio() < 0.15
-    asyncio.run(main())
+        assert ex.costs().send_ratio == pytest.approx(0.1)
+    run_virtual(main())
 
 
 class TransportWithAFailingPeer(TransportAtAFixedRate):
@@ -93,11 +94,11 @@ def test_a_send_that_fails_at_once_does_not_make_the_link_look_faster():
         big = OutgoingMessage.from_arrays("dilocox.pgrad", 0, {"w": np.zeros(10_000, np.uint8)})
         await ex.sender._send_all(0, big)  # 0.1 s to "a"; "b" fails
         ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 10_000
-        before = ex.send_ratio()
+        before = ex.costs().send_ratio
         ex.members.records = {"b": member("b", 0)}  # a round whose only send fails at once
         await ex.sender._send_all(1, big)
-        assert ex.send_ratio() >= before * 0.99, (before, ex.send_ratio())
-    asyncio.run(main())
+        assert ex.costs().send_ratio == pytest.approx(before) == pytest.approx(0.1)
+    run_virtual(main())
 
 
 class TransportAtAChosenRate:
@@ -124,15 +125,15 @@ def test_one_fast_send_after_a_slow_one_does_not_make_the_link_look_fast():
         transport.seconds = 0.2
         await ex.sender._send_all(0, message)
         ex.sender._round_durations, ex.sender._handed_bytes = (1.0,), 10_000
-        slow = ex.send_ratio()
-        assert 0.19 < slow < 0.3
+        slow = ex.costs().send_ratio
+        assert slow == pytest.approx(0.2)
         transport.seconds = 0.02
         for r in range(1, LINK_MEMORY):
             await ex.sender._send_all(r, message)
-            assert ex.send_ratio() == slow  # still within memory of the slow send
+            assert ex.costs().send_ratio == slow  # still within memory of the slow send
         await ex.sender._send_all(LINK_MEMORY, message)
-        assert ex.send_ratio() < slow / 4  # forgotten after LINK_MEMORY faster sends
-    asyncio.run(main())
+        assert ex.costs().send_ratio == pytest.approx(slow / 10)  # forgotten after LINK_MEMORY faster sends
+    run_virtual(main())
 
 
 class TransportWithASlowReceiver:
@@ -157,17 +158,17 @@ def test_a_receiver_slower_than_the_others_bounds_the_growth_of_every_senders_me
         swarm = unit_swarm(loop, [member("a", 0), member("b", 0), member("slow", 0)], transport=transport)
         ex = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         message = OutgoingMessage.from_arrays(PGRAD, 0, {"w": np.zeros(10_000, np.uint8)})
-        assert ex.shared_ratio() == 0.0  # nothing measured
+        assert ex.costs().shared_ratio == 0.0  # nothing measured
         await ex.sender._send_all(0, message)
         ex.sender._round_durations, ex.sender._handed_bytes = (2.0,), message.total_bytes
-        assert 0.4 < ex.shared_ratio() < 0.5  # 3 × (0.3 − 0.01) s over a 2 s round
-        assert ex.send_ratio() < 0.2          # our own link: 0.3 s of 2
+        assert ex.costs().shared_ratio == pytest.approx(3 * (0.3 - 0.01) / 2)  # over a 2 s round
+        assert ex.costs().send_ratio == pytest.approx(0.3 / 2)  # our own link: 0.3 s of 2
         transport.uplink_bound = True
         own = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
         await own.sender._send_all(0, message)
         own.sender._round_durations, own.sender._handed_bytes = (2.0,), message.total_bytes
-        assert own.shared_ratio() < 0.05
-    asyncio.run(main())
+        assert own.costs().shared_ratio == pytest.approx(0.0)
+    run_virtual(main())
 
 
 class TransportThatBreaksFirst:
@@ -209,7 +210,7 @@ def test_a_push_that_broke_is_tried_again_within_the_deadline(first, then, tries
         await ex.sender._send_all(0, message)
         assert len(transport.calls) == tries
         assert any(isinstance(e, SendFailed) for e in events) == failed
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_round_stretched_by_a_wait_does_not_make_the_link_look_idle():
@@ -222,11 +223,11 @@ def test_a_round_stretched_by_a_wait_does_not_make_the_link_look_idle():
                              random.Random(0))
         ex.sender._link_costs, ex.sender._handed_bytes = (1e-4,), 100_000  # 10 s to send
         ex.sender._round_durations = (16.0, 16.0, 97.0)
-        assert ex.send_ratio() == pytest.approx(10 / 16)
-    asyncio.run(main())
+        assert ex.costs().send_ratio == pytest.approx(10 / 16)
+    run_virtual(main())
 
 
-def test_a_committee_members_round_is_timed_per_round_not_per_send(monkeypatch):
+def test_a_committee_members_round_is_timed_per_round_not_per_send():
     """A committee member sends every few rounds: one of its rounds is the time between two
     sends over the rounds between them, what the controller's send ratio compares a send with
     (timed per send, a member sending every 4th round read its link 4 times as fast)."""
@@ -237,9 +238,8 @@ def test_a_committee_members_round_is_timed_per_round_not_per_send(monkeypatch):
     from p2p.messages import OutgoingTensor
 
     clock = iter([100.0, 112.0])
-    monkeypatch.setattr(sending.time, "monotonic", lambda: next(clock))
     swarm = SimpleNamespace(bridge=SimpleNamespace(spawn=lambda *args, **kwargs: None))
-    sender = sending.RoundSender(swarm, lambda: [], lambda message: None)
+    sender = sending.RoundSender(swarm, lambda: [], lambda message: None, clock=lambda: next(clock))
     tensors = [OutgoingTensor("w", "uint8", (4,), np.zeros(4, np.uint8))]
     sender.send_round(2, tensors)
     sender.send_round(6, tensors)
@@ -272,7 +272,7 @@ def test_a_push_may_take_what_all_its_copies_take_over_our_uplink_at_the_swarms_
         for need_by in transport.need_bys:  # 3 MB at 125 kB/s: 24 s, and 30 s of stall
             assert need_by.seconds == pytest.approx(54.0, abs=0.5)
             assert need_by.why == "the 54 s that 3 copies of it take at the swarm's minimum link rate of 1 Mbit/s"
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_send_slower_than_the_round_needs_says_in_one_sentence_that_the_link_cannot_carry_it():
@@ -302,4 +302,4 @@ def test_a_send_slower_than_the_round_needs_says_in_one_sentence_that_the_link_c
                "message, lowrank at rank 4 and 8 bits, to 1 members and 1 members' messages in), which " \
                "needs 2.3 Mbit/s up and 2.3 Mbit/s down; and the protocol as configured cannot send less." \
                in judged[0].text
-    asyncio.run(main())
+    run_virtual(main())

@@ -169,6 +169,33 @@ def test_a_round_end_beside_runs_off_the_training_thread_and_shifts_theta_when_d
     assert 2.9 * BesideRound.SHIFT < float(mean) < 3.1 * BesideRound.SHIFT
 
 
+class RoundThatFailsBetweenSteps(ScriptedRound):
+    """A round whose `between_steps` raises at step 4 before changing anything (a loop that no
+    longer answers), and that says so through `consistent`."""
+
+    consistent = True
+
+    def between_steps(self, round_index: int):
+        if self.trainer.step == 4:
+            raise RuntimeError("the event loop did not answer within 30 s")
+        return super().between_steps(round_index)
+
+
+def test_a_thread_that_fails_where_its_state_is_consistent_still_writes_its_checkpoint(corpus):
+    config = load_config(overrides=TINY)
+    trainer = InnerTrainer(config.model, config.train, corpus, config.data.seq_len, 1,
+                           torch.device("cpu"))
+    events, saved = [], []
+    worker = TrainingWorker(config.train, H, trainer, RoundThatFailsBetweenSteps(trainer),
+                            total_steps=3 * H, publish=events.append,
+                            save_checkpoint=lambda: saved.append(trainer.step),
+                            peers_alive=lambda: 5)
+    worker.start()
+    worker.join(60)
+    assert worker.finished.is_set() and isinstance(worker.error, RuntimeError)
+    assert saved == [4] and isinstance(events[-1], Failed)
+
+
 def test_a_failing_round_end_beside_ends_the_thread(corpus):
     worker, _, events, saved = run(corpus, fail_at=1, total=3 * H, beside=True)
     assert isinstance(worker.error, ValueError)

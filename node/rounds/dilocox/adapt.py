@@ -7,24 +7,19 @@ few sends over the shortest of its last few rounds; 0 for the simulator's in-mem
 which model no bandwidth), and, as a bound on moves up only, the busiest receiver's downlink
 (`shared_ratio`: every member's message of this size, judged from how much longer our push
 to it took than to the fastest receiver), and sets the codec's strength (top-k: k per tensor;
-low-rank: rank) and bits for the next round. Before the link has measured anything (None: the daemon's first
-round) the settings are held: read as a free link, the first decision raised the 512 kbit/s
-node's second message from 211 to 390 KiB, the largest of its run, and the others waited for
-it (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512 kbit/s runs).
-After a move up the next decision holds (`measuring`): the first message of the new size has just
-been handed over, and the decision after it reads that message's send, finished or still in flight
-a round later (send_ratio counts a send in flight at its seconds so far). Without the hold, fast
-nodes doubled at three decisions running, each before the last size's send was measured, onto a
-link whose burst made small messages look free; with one decision held no node doubled twice
-running there. A hold of LINK_MEMORY (4) rounds instead (75978fd) climbed from rank 1 to 32 in 21
-rounds on a 20 Mbit/s link, far under budget (benchmarks/NOTEBOOK.md, "DiLoCoX's idle time on a 20
-Mbit/s, 50 ms link").
+low-rank: rank) and bits for the next round.
 
-The controller starts START_DOUBLINGS moves below the manifest's strength: the first two
-rounds' messages are encoded before any send is measured, and at the manifest's rank 16
-(211 KiB) six of them into the 512 kbit/s member were 20 s of its downlink, and it and then
-the others waited up to 11 s. A link with room returns to the manifest's strength in
-two measured moves up.
+Rules:
+- before the link has measured a send (None: the daemon's first round) the settings are held:
+  an unmeasured link is not a free one;
+- after a move up exactly one decision holds (`measuring`): the message of the new size has
+  just been handed over, and the decision after it reads that message's send, finished or
+  still in flight (send_ratio counts a send in flight at its seconds so far); so no move up is
+  decided on a size whose cost was never read, and no more than one decision is lost to it;
+- the controller starts START_DOUBLINGS moves below the manifest's strength (the first rounds'
+  messages are encoded before any send is measured); a link with room returns to the
+  manifest's strength in as many measured moves up.
+The runs behind these rules: benchmarks/NOTEBOOK.md, "Why DiLoCoX's rules are as they are".
 
 Bounds come from the manifest, so every member can decode every other's messages: top-k's k up
 to `max_density · topk_chunk` (the density a receiver accepts), its bits any of 2, 4, 8; low-rank

@@ -17,14 +17,14 @@ of one another; the slack covers member records that lag on a slow link.
 A push's payload has its own bound: at most the largest DiLoCoX message the manifest's codec
 allows (node/rounds/message_sizes.py, `Swarm.message_bytes`), refused TOO_LARGE before it is
 read. Together with one message a member and round (exchange.py), what one member can make a
-node hold in its inbox and relay store is bounded by (KEEP_ROUNDS + AHEAD_ROUNDS) such messages.
+node hold in its inbox and relay store is bounded by (REPLAY_ROUNDS + AHEAD_ROUNDS) such messages.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from node.rounds.dilocox.catch_up import CATCH_UP_LAG
+from node.rounds.dilocox.link import CATCH_UP_LAG
 from node.rounds.state import majority, round_bound, settled
 from node.rounds.swarm import Swarm
 from p2p.errors import Reason, Refusal

@@ -12,9 +12,8 @@ round's end, training on from the swarm's round:
   announcing one hold for that round, two at least (node/rounds/dilocox/round.py `_replayed`);
 - otherwise, or when no such recipe can be had, by download, as a late joiner does (the
   daemon's StateAdoption: a majority's digest, the state checked as a contribution).
-On a 512 kbit/s link the download (φ and m in fp32: 27 MB for `tiny`) outlasts its three
-120 s tries, and the node never came back (benchmarks/NOTEBOOK.md, the replay runs); a replay
-moves the steps' messages instead (about 120 KB a round there).
+A replay moves the steps' messages (a compressed message a sender and step); a download moves
+φ and m in fp32 (8 bytes a parameter), which a slow link may never finish.
 
 Invariants:
 - one catch-up at a time; a try that failed is repeated CATCH_UP_LAG rounds later, not every
@@ -30,7 +29,7 @@ import asyncio
 import logging
 from collections import Counter
 
-from node.rounds.dilocox.link import REPLAY_ROUNDS, SwarmState
+from node.rounds.dilocox.link import CATCH_UP_LAG, Download, SwarmState
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import StateLayout, agreed_round, phi_holders
 from node.rounds.state_fetch import download_bound_s
@@ -38,9 +37,6 @@ from node.rounds.swarm import Swarm, failure_sentence
 from protocol.vote import winning_digest
 
 log = logging.getLogger("lowcomm.dilocox")
-# Rounds behind the swarm's agreed round before a node takes the swarm's state. One round
-# behind is left to the resync: members still announce φ of the round before their latest.
-CATCH_UP_LAG = 2
 
 
 class SwarmCatchUp:
@@ -90,13 +86,13 @@ class SwarmCatchUp:
         """The recipe of the swarm's steps from our agreed round to its φ of the round before
         `swarm_round`, if that is at most REPLAY_ROUNDS steps and the φ is agreed."""
         target = swarm_round - 1
-        if not agreed < target <= agreed + REPLAY_ROUNDS or (held := self._agreed_phi(target)) is None:
+        if (held := self._agreed_phi(target)) is None:
             return None
         digest, holders = held
         recipe = await self.replay.recipe(target, agreed, digest, holders)
         if recipe is None:
             return None
-        return SwarmState(swarm_round, target, {"replay": recipe}, recipe["source"], digest)
+        return SwarmState(swarm_round, target, recipe, recipe.source, digest)
 
     def _agreed_phi(self, round_index: int) -> tuple[str, list[str]] | None:
         """(the φ digest of `round_index` held by two or more members and by most of those
@@ -120,6 +116,6 @@ class SwarmCatchUp:
             log.warning("%d rounds behind the swarm (round %d), and could not take its state: %s",
                         behind, swarm_round, failure_sentence(exc))
             return None
-        return SwarmState(joined.round_index,
-                          int(joined.meta.get("phi_round", joined.round_index - 1)),
-                          joined.tensors, joined.source, joined.meta.get("phi"))
+        state_round = int(joined.meta.get("phi_round", joined.round_index - 1))
+        state = Download(state_round, joined.tensors["phi"], joined.tensors["momentum"], joined.source)
+        return SwarmState(joined.round_index, state_round, state, joined.source, joined.meta.get("phi"))

@@ -19,15 +19,13 @@ Invariants:
   never comes cannot keep it;
 - a round counts as agreed (`agreed`, where a replay starts) only when our digest holds a
   strict majority of the votes the check expects (the members that finished the round before,
-  and us), not just two of those that came: the two sides of a 2:2 split each counted their
-  round agreed from the votes that reached them first, and the pair that lost the tie replayed
-  from a state that was not the majority's, never reaching its digest (benchmarks/NOTEBOOK.md, "A
-  diverged DiLoCoX node replays its steps", the 512 kbit/s runs);
+  and us), not just two of those that came: two sides of a split cannot both count a round
+  agreed, so a replay never starts from a state that was not the majority's;
 - a divergent check tries a replay first, from the last round a check found agreed (`agreed`),
   while that is at most REPLAY_ROUNDS back; then it downloads the state. A replay that did not
   give the majority's φ (`replay_failed`) is not tried again from that round: the next one
   starts from the agreed state the training thread held before it, and with none the next
-  divergent check downloads (over 512 kbit/s a download never came);
+  divergent check downloads;
 - a downloaded state is used only if its digest equals the winning digest for that round; a
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution;
@@ -46,7 +44,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from node.events import Diverged, ResyncReady
-from node.rounds.dilocox.link import REPLAY_ROUNDS
+from node.rounds.dilocox.link import Download, Replay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.state import agreed_round, phi_holders
 from node.rounds.state_fetch import StateFetchFailed, fetch_state
@@ -65,17 +63,17 @@ class PhiConsensus:
 
     def __init__(self, swarm: Swarm, replay: StepReplay, *,
                  finished: Callable[[int], set[str]], in_round: Callable[[int], set[str]],
-                 pace: Callable[[], float]):
+                 pace: Callable[[], float], clock: Callable[[], float]):
         """`finished(k)`: the members that took part in round k and finished it (whose votes a
         check of round k + 1 can expect); `in_round(k)`: those still training round k (their
         vote of round k comes at its end); `pace()`: seconds one of our rounds takes (0 before
         we know)."""
         self.swarm, self.replay = swarm, replay
-        self.finished, self.in_round, self.pace = finished, in_round, pace
+        self.finished, self.in_round, self.pace, self.clock = finished, in_round, pace, clock
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.checks: dict[int, asyncio.Task] = {}  # checks in flight, by round
-        self.resyncs: dict[int, dict] = {}  # by round: a replay's recipe, or a downloaded state
+        self.resyncs: dict[int, Replay | Download] = {}  # by round: the repair of our φ
         self.agreed = -1  # the last round whose φ of ours a check found the majority's
         self.tied_round: int | None = None  # the last round whose tie we left for missing votes
         # our last finished check found our φ off the majority's: until one finds it agreed, a
@@ -106,11 +104,11 @@ class PhiConsensus:
 
     async def check(self, round_index: int, digest: str) -> None:
         """Waits for the members that reach this round to announce their φ, then compares."""
-        began = self.loop.time()
+        began = self.clock()
         while True:  # the votes are counted after every wait, the last one included
             votes, holders = self._votes(round_index, digest)
             complete = sum(votes.values()) > len(self.finished(round_index - 1))
-            if complete or self._waited_enough(round_index, self.loop.time() - began):
+            if complete or self._waited_enough(round_index, self.clock() - began):
                 break  # everyone who could vote has voted, or we waited long enough
             self.members.want_fresh()  # votes arrive with the member cache
             await asyncio.sleep(self.members.refresh_s)
@@ -152,11 +150,8 @@ class PhiConsensus:
 
     def _waited_enough(self, round_index: int, waited_s: float) -> bool:
         """consensus_wait_s for the votes; as long as one of our rounds while members still
-        train the round, whose votes come only at its end. A node ahead of its members by most
-        of a round (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays its steps", the 512
-        kbit/s runs: 8-10 s ahead, rounds of 10-11 s) checked each round before their votes came,
-        heard none, and never learned that its φ had left theirs at round 2: it held another φ for
-        18 rounds."""
+        train the round, whose votes come only at its end: a node ahead of its members by most
+        of a round still compares its φ with theirs."""
         if waited_s < self.swarm.timeouts.consensus_wait_s:
             return False
         return waited_s >= self.pace() or not self.in_round(round_index)
@@ -164,10 +159,8 @@ class PhiConsensus:
     async def _resync(self, round_index: int, majority: str, holders: list[str]) -> None:
         """Our steps replayed over the majority's messages when our last agreed round is near,
         or else the majority's state downloaded from one of its `holders`."""
-        since = self.agreed
-        if since < round_index <= since + REPLAY_ROUNDS and (recipe := await self.replay.recipe(
-                round_index, since, majority, holders)):
-            self.resyncs[round_index] = {"replay": recipe}
+        if recipe := await self.replay.recipe(round_index, self.agreed, majority, holders):
+            self.resyncs[round_index] = recipe
             return
         layout = self.swarm.state_layout
         if layout is None:
@@ -186,8 +179,8 @@ class PhiConsensus:
             peer = fetched.sources[0]
             if fetched.meta.get("phi_round") == round_index and fetched.digest == majority:
                 # the training thread checks it as a contribution of `source` before adopting it
-                self.resyncs[round_index] = {"slow_weights": fetched.groups["phi"], "round": round_index,
-                                             "momentum": fetched.groups["momentum"], "source": peer}
+                self.resyncs[round_index] = Download(round_index, fetched.groups["phi"],
+                                                     fetched.groups["momentum"], peer)
                 self.publish(ResyncReady(round=round_index, source=peer))
                 return
             liar = fetched.served_phi_alone()
@@ -211,7 +204,7 @@ class PhiConsensus:
                 and agreed_round(self.members.eligible()) <= round_index + 1:
             await asyncio.wait({check}, timeout=min(wait_s, pace))
 
-    def pop_resync(self, round_index: int) -> dict | None:
+    def pop_resync(self, round_index: int) -> Replay | Download | None:
         """The resync due at the outer step after `round_index`: of that round, or the latest of
         an earlier one whose step it came too late for (the training thread replays its own
         steps since over it); all are dropped. Its steps are recorded as ours, so that we serve
@@ -220,9 +213,9 @@ class PhiConsensus:
         state = self.resyncs[max(due)] if due else None
         for old in due:
             del self.resyncs[old]
-        if state is not None and "replay" in state:  # our steps are the majority's now
-            for step, target, senders in state["replay"]["steps"]:
+        if isinstance(state, Replay):  # our steps are the majority's now
+            for step, target, senders in state.steps:
                 self.replay.record(step, (target, senders))
         elif state is not None:  # a state downloaded whole: we do not know its step's messages
-            self.replay.record(state["round"], None)
+            self.replay.record(state.round, None)
         return state

@@ -110,12 +110,13 @@ class Equivocations:
     """The versions this node saw, the proofs it holds, and the messages that carry them."""
 
     def __init__(self, swarm: Swarm, kind: str, *, members: Callable[[], list[str]],
-                 check_round: Callable[[str, int], None], on_proof: Callable[[Proof], None]):
+                 check_round: Callable[[str, int], None], on_proof: Callable[[Proof], None],
+                 clock: Callable[[], float]):
         """`kind`: the messages whose versions are compared; `members()`: whom SEEN and EVIDENCE
         go to; `check_round(sender, round)`: raises Refusal for a round no member may name;
         `on_proof(proof)`: drops the author's messages and bans it (the exchange)."""
         self.swarm, self.kind, self.members = swarm, kind, members
-        self.check_round, self.on_proof = check_round, on_proof
+        self.check_round, self.on_proof, self.clock = check_round, on_proof, clock
         self.transport = swarm.transport
         self.versions: OrderedDict[tuple[int, str], Version] = OrderedDict()
         self.proven: OrderedDict[str, Proof] = OrderedDict()
@@ -210,7 +211,7 @@ class Equivocations:
     def report(self) -> None:
         """Sends each member the versions we accepted since we last did, one message a round
         (called often; sends at most every SEEN_EVERY_S)."""
-        now = self.swarm.loop.time()
+        now = self.clock()
         if not self._unreported or now - self._reported_at < SEEN_EVERY_S:
             return
         self._reported_at = now

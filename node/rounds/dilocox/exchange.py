@@ -37,12 +37,11 @@ Invariants:
   its author's signature, and every member applies the same messages;
 - a node still training a round that a majority of its members finished a round ago (it
   resumed, or caught up, late in their round, or trained slower), and not further behind, ends
-  that round at its next step (`behind`, DiLoCoXRound.between_steps): its message then comes
-  while they still wait for it, and it starts their round with them; otherwise it stays a round
-  behind at equal speeds, its every message late for the members a round ahead (a CI run of the
-  catch-up test: refused STALE_ROUND for ten rounds by one member while the third stayed in
-  step). A node ahead is held back by its own wait for them (`ran_ahead`, which a round's end
-  beside training makes training wait as long: node/daemon/worker.py);
+  that round at its next step (link.is_behind, DiLoCoXRound.between_steps): its message then
+  comes while they still wait for it, and it starts their round with them (at equal speeds it
+  would otherwise stay a round behind, its every message late). A node ahead is held back by
+  its own wait for them (`ran_ahead_s`, which a round's end beside training makes training
+  wait as long: node/daemon/worker.py);
 - a node `CATCH_UP_LAG` or more rounds behind the round a majority of its members reached (it
   stalled, or joined from a stale view of the swarm) takes the swarm's state, replayed or
   downloaded (catch_up.py), and trains on from the swarm's round: nothing else would bring it
@@ -56,15 +55,18 @@ import asyncio
 import logging
 import math
 import random
+from collections.abc import Callable
 
 from node.config.manifest import ProtocolSection
 from node.events import CaughtUp, Equivocated, Missing, Stored
 from node.rounds.dilocox.bounds import RoundBound
-from node.rounds.dilocox.catch_up import CATCH_UP_LAG, SwarmCatchUp
+from node.rounds.dilocox.catch_up import SwarmCatchUp
 from node.rounds.dilocox.consensus import PhiConsensus
 from node.rounds.dilocox.evidence import Equivocations, Proof
-from node.rounds.dilocox.link import GroupMessage, SwarmState
-from node.rounds.dilocox.relay import KEEP_ROUNDS, Relay
+from node.rounds.dilocox.link import (REPLAY_ROUNDS, Agreement, Collected, GroupMessage, Refused,
+                                      Rejoined, Replay, ReplayFailed, Report, SendCosts, Stepped,
+                                      SwarmState)
+from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD, RoundSender
 from node.rounds.state import agreed_round, settled
@@ -78,19 +80,21 @@ WATCH_S = 0.25  # how often the messages that did not come are looked for (relay
 # Past one of our rounds, and at least ASKING_S, a collect waits (up to its deadline) only for
 # a message on its way: a push from its author or a copy from a holder coming in now, or less
 # than ON_ITS_WAY_S ago (a broken push is tried again a second later: sending.py). A member
-# that finished the round and sent us nothing is then given up: at 512 kbit/s a slow node's
-# view of its members emptied, it sent its message of round 4 to no one, and each fast node
-# waited the whole 120 s deadline for it (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node replays
-# its steps", the 512 kbit/s runs); a φ split that follows heals by replay. ASKING_S: the time a
-# message needs to reach the members that hold it and a relay to find it there; at 3 s a loaded CI
-# machine's 2 s rounds gave up on a copy beyond the fan-out that the others applied, and φ split.
+# that finished the round and sent us nothing is then given up (a split that follows is
+# repaired). ASKING_S bounds below the time a message needs to reach the members that hold it
+# and a relay to find it there.
 ASKING_S = 15.0
 ON_ITS_WAY_S = 3.0
 
 
 class DiLoCoXExchange:
-    def __init__(self, config: ProtocolSection, swarm: Swarm, rng: random.Random):
+    def __init__(self, config: ProtocolSection, swarm: Swarm, rng: random.Random, *,
+                 clock: Callable[[], float] | None = None):
+        """`clock`: seconds, monotonic, read by every part of the exchange (the loop's time
+        unless given: the waits are the loop's timers, so a test gives the loop a virtual clock,
+        tests/virtual_time.py)."""
         self.swarm, self.rng = swarm, rng
+        self.clock = clock or swarm.loop.time
         self.loop, self.transport, self.members = swarm.loop, swarm.transport, swarm.members
         self.peer_id, self.publish = swarm.peer_id, swarm.publish
         self.fan_out, self.deadline_s = config.fan_out, config.message_deadline_s
@@ -101,14 +105,16 @@ class DiLoCoXExchange:
         # rounds no member may name (bounds.py); versions of one message compared (evidence.py)
         self.bound = RoundBound(swarm, own_round=lambda: max(self.collected + 2, self.first_round))
         self.evidence = Equivocations(swarm, PGRAD, members=self._members,
-                                      check_round=self.bound.check, on_proof=self._equivocated)
-        self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted)  # signs, keeps, serves, fetches
+                                      check_round=self.bound.check, on_proof=self._equivocated,
+                                      clock=self.clock)
+        self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted,  # signs, keeps, serves, fetches
+                           clock=self.clock)
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
-        self.sender = RoundSender(swarm, self.group, self.relay.sign)
+        self.sender = RoundSender(swarm, self.group, self.relay.sign, clock=self.clock)
         self.replay = StepReplay(swarm, self.relay, self._members)
         self.consensus = PhiConsensus(swarm, self.replay,
                                       finished=self._finished, in_round=self._in_round,
-                                      pace=lambda: self.pace)
+                                      pace=lambda: self.pace, clock=self.clock)
         self.arrived = asyncio.Event()
         self.oldest_wanted = 0
         self.first_round = 0  # the round this node (re)started at: see _collect
@@ -116,6 +122,7 @@ class DiLoCoXExchange:
         self.last_collect_at: float | None = None  # our pace: how long we wait for a member in the round
         self.pace = 0.0  # seconds between our last two collects: one of our rounds
         self.ran_ahead_s = 0.0  # of the last collect's wait, the part for members still in its round
+        self.swarm_round = -1  # the round a majority of our members reached (`_watch_missing`)
         self.catching_up = SwarmCatchUp(swarm, self.replay)  # when we fall rounds behind
 
     def start(self, round_index: int) -> None:
@@ -132,10 +139,14 @@ class DiLoCoXExchange:
         """Takes part from `round_index` on (at start, or after catching up): the rounds before
         it are never waited for (see _collect). `state_round`: the round of the swarm's state we
         start from, if not the one before `round_index`."""
-        self.oldest_wanted = max(0, round_index - 1)
+        self.oldest_wanted = max(0, round_index - 1)  # the oldest round whose messages we take
         self.first_round = round_index
         # the state we start from, the swarm's or the initial φ, is agreed: a replay starts there
         self.consensus.restart_at(round_index, state_round)
+
+    def _forget_collected(self) -> None:
+        for old in [r for r in self.inbox if r < self.oldest_wanted]:
+            del self.inbox[old]
 
     async def stop(self) -> None:
         """Ends the consensus checks and a catch-up still running (the node is leaving)."""
@@ -147,8 +158,7 @@ class DiLoCoXExchange:
         await self.catching_up.stop()
 
     def _members(self) -> list[str]:
-        # not a member still joining: its exchange is not listening yet, and a push to it was
-        # refused UNSUPPORTED (a refusal on both nodes' status) while it waited for its peers
+        # not a member still joining: its exchange is not listening yet (a push would be refused)
         return sorted(r.peer_id for r in settled(self.members.eligible()))
 
     def _share(self) -> float:
@@ -165,84 +175,49 @@ class DiLoCoXExchange:
         peers = self._members()
         return peers if len(peers) <= self.fan_out else self.rng.sample(peers, self.fan_out)
 
-    # ------------------------------------------------------------------ training thread side
+    # ------------------------------------------------ training thread side (link.py DiLoCoXLink)
+    def in_committee(self, round_index: int) -> bool:
+        return self.swarm.bridge.call("the committee's draw", lambda: bool(
+            self._in_committee(round_index, {self.peer_id})))
+
     def send_round(self, round_index: int, tensors: list) -> None:
         self.sender.send_round(round_index, tensors)
 
-    def collect(self, round_index: int, wait_s: float) -> list[GroupMessage]:
-        return self.swarm.bridge.call(f"the messages of round {round_index}", self._collect,
-                                      round_index, wait_s, wait_s=wait_s)
+    def costs(self) -> SendCosts:
+        return self.sender.costs()
 
-    def behind(self, round_index: int) -> bool:
-        """True while we train `round_index` and a majority of our members already finished the
-        round after it (they collect our message of `round_index` now, and wait for it at most
-        one of their rounds): the round should end now (DiLoCoXRound.between_steps). Not when
-        they are further ahead: the round's end then takes the swarm's state (`catch_up`), where
-        rounds ended one after another would each send a message too late to count."""
-        return self.swarm.bridge.call("the swarm's round", self._behind, round_index)
-
-    def _behind(self, round_index: int) -> bool:
-        # asked between every two steps: the swarm's rounds must be as fresh as a waiting
-        # decision's, so a DiLoCoX node keeps the cache's fast cadence while it trains
-        self.members.want_fresh()
-        lag = agreed_round(self.members.eligible()) - (round_index + 1)  # as catch_up counts it
-        return 1 <= lag < CATCH_UP_LAG
-
-    def ran_ahead(self) -> float:
-        """Seconds the last `collect` waited for members still training its round (read once it
-        returned: the loop wrote it before answering)."""
-        return self.ran_ahead_s
+    def collect(self, round_index: int, wait_s: float) -> Collected:
+        async def collected() -> Collected:
+            messages = await self._collect(round_index, wait_s)
+            return Collected(messages, self.ran_ahead_s)
+        return self.swarm.bridge.call(f"the messages of round {round_index}", collected,
+                                      wait_s=wait_s)
 
     def take_if_complete(self, round_index: int) -> list[GroupMessage] | None:
         return self.swarm.bridge.call(f"round {round_index} if complete", self._take_if_complete,
                                       round_index)
 
-    def publish_digest(self, round_index: int, digest: str,
-                       applied: tuple[int, tuple[str, ...]] | None = None) -> None:
-        self.swarm.bridge.post(self._after_round, round_index, digest, applied)
-
-    def take_resync(self, round_index: int) -> dict | None:
-        return self.swarm.bridge.call("a resync state", self.consensus.pop_resync, round_index)
-
-    def settle(self, round_index: int, wait_s: float) -> None:
-        """While this node is known to be off the majority's φ, waits at most `wait_s` (and one
-        of our rounds) before the outer step of `round_index` for the consensus check of the
-        round before, whose resync is due at this step (PhiConsensus.settle). A node that
-        agrees never waits here."""
-        self.swarm.bridge.call("the consensus check in flight", self.consensus.settle, round_index,
-                               wait_s, self.pace, wait_s=wait_s)
-
-    def refused(self, peer: str, reason: str, sentence: str) -> None:
-        self.swarm.refuse_from_thread(peer, reason, sentence)
+    def resync(self, round_index: int, wait_s: float) -> Agreement:
+        """While this node is known to be off the majority's φ, first waits at most `wait_s`
+        (and one of our rounds) for the consensus check of the round before, whose repair is
+        due at this step (PhiConsensus.settle); a node that agrees never waits here."""
+        async def agreement() -> Agreement:
+            if wait_s > 0:
+                await self.consensus.settle(round_index, wait_s, self.pace)
+            return Agreement(self.consensus.agreed, self.consensus.pop_resync(round_index - 1))
+        return self.swarm.bridge.call("the consensus check in flight", agreement, wait_s=wait_s)
 
     def catch_up(self, round_index: int, reference: dict) -> SwarmState | None:
-        """The swarm's state once this node, ending `round_index`, has fallen CATCH_UP_LAG or
-        more rounds behind the round a majority of its members reached and a state was had
-        (catch_up.py: replayed from our agreed round, or downloaded); None otherwise. It comes
-        in the background (the training thread never waits for it, so a stop is never held up)
-        and is taken at a later round's end. `reference`: our φ, what a downloaded state's
-        norms are checked against."""
+        """catch_up.py: the state comes in the background (the training thread never waits for
+        it, so a stop is never held up) and is taken at a later round's end."""
         return self.swarm.bridge.call("a catch-up to the swarm", self.catching_up.poll,
                                       round_index, self.consensus.agreed, reference)
 
-    def rejoin(self, from_round: int, state: SwarmState) -> None:
-        self.swarm.bridge.call("the swarm's round", self._rejoin, from_round, state)
-
-    def in_committee(self, round_index: int) -> bool:
-        return self.swarm.bridge.call("the committee's draw", lambda: bool(
-            self._in_committee(round_index, {self.peer_id})))
-
-    def send_ratio(self) -> float | None:
-        return self.sender.send_ratio()
-
-    def shared_ratio(self) -> float:
-        return self.sender.shared_ratio()
-
-    def replay_failed(self, recipe: dict, start: int | None) -> None:
-        self.swarm.bridge.post(self._replay_failed, recipe, start)
-
-    def last_agreed(self) -> int:
-        return self.consensus.agreed  # an int the loop replaces: read from the training thread as is
+    def report(self, note: Report) -> None:
+        if isinstance(note, Refused):
+            self.swarm.refuse_from_thread(note.peer, note.reason, note.sentence)
+        else:
+            self.swarm.bridge.post(self._reported, note)
 
     # ------------------------------------------------------------------ loop side
     def _check_head(self, header) -> None:
@@ -295,14 +270,20 @@ class DiLoCoXExchange:
         the round and did not send them to us, so that they are here before the round's end."""
         while True:
             await asyncio.sleep(WATCH_S)
+            self._refresh_swarm_round()
             self.evidence.report()  # the versions we accepted, to the members (evidence.py)
             # not the round a collect waits for: it asks for that one itself, and stops asking
             # past one of our rounds
-            for round_index in range(max(self.oldest_wanted, self.first_round, self.collected + 1),
-                                     self.collected + 3):
+            for round_index in range(max(self.first_round, self.collected + 1), self.collected + 3):
                 box = self.inbox.get(round_index, {})
                 self._ask_for(round_index, self._in_committee(
                     round_index, self._finished(round_index)) - set(box))
+
+    def _refresh_swarm_round(self) -> None:
+        """The round a majority of our members reached, kept as fresh as a waiting decision's:
+        the training thread reads it between every two steps (link.is_behind)."""
+        self.members.want_fresh()
+        self.swarm_round = agreed_round(self.members.eligible())
 
     def _ask_for(self, round_index: int, authors: set[str]) -> None:
         if authors:
@@ -321,10 +302,8 @@ class DiLoCoXExchange:
     def _rounds(self, round_index: int) -> dict[str, int]:
         """The round each member that took part in `round_index` (joined at or before it,
         announced `since`) trains now, by the freshest word of it: its record, or its message of
-        the round before, which came to us. Records come through the DHT, and on a slow link
-        they lag: a node at 512 kbit/s saw its members rounds behind where they were, waited for
-        none, ran ahead and refused their every message as stale (benchmarks/NOTEBOOK.md, "The
-        same slow-link DiLoCoX run with relayed messages", runs A and B)."""
+        the round before, which came to us (records come through the DHT, and on a slow link
+        they lag)."""
         return {r.peer_id: max(r.round, self.heard.get(r.peer_id, -1) + 1)
                 for r in self.bound.plausible(self.members.eligible())
                 if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
@@ -335,9 +314,7 @@ class DiLoCoXExchange:
 
     def _arriving(self, round_index: int) -> set[str]:
         """Members whose message of the round is on its way to us: they finished the round,
-        whatever their record says. Over 512 kbit/s three 200-400 KB pushes took 19 s; the
-        receiver, its view of the senders a round old, waited one of its rounds for them, applied
-        the round without them and split φ for good (a resync there is a 27 MB download)."""
+        whatever their record says (a record may lag the push it announced)."""
         return {peer for peer in self._members() if self.transport.receiving(peer, PGRAD, round_index)}
 
     def _in_round(self, round_index: int) -> set[str]:
@@ -348,10 +325,8 @@ class DiLoCoXExchange:
         """Members that took part in `round_index` and have not finished it, whom a collect
         waits for at most one of our rounds: those still in it; and those behind it too when
         the members that have not finished it outnumber us and those that did: then we are the
-        one ahead (a tie waits for no one behind: a straggler must not halve a pair's pace).
-        A node on a slow link that started a round before the others never waited for members
-        two rounds behind, refused their every message as stale and applied its own alone for
-        18 rounds; waiting one of its rounds each round, its pace slows to theirs."""
+        one ahead, and waiting one of our rounds each round slows our pace to theirs (a tie
+        waits for no one behind: a straggler must not halve a pair's pace)."""
         rounds = self._rounds(round_index)
         unfinished = {peer for peer, at in rounds.items() if at <= round_index}
         if len(unfinished) > len(rounds) - len(unfinished) + 1:  # + 1: we finished it
@@ -367,10 +342,7 @@ class DiLoCoXExchange:
         its message, and no consensus check is running (a resync it brings must be adopted
         before the next outer step, which `apply_on_arrival` would take early). Never true for
         the rounds a (re)joining node may have missed: those wait for the round's end as before.
-        Beyond the fan-out the messages not sent to us are fetched from members (relay.py).
-        Without the members behind, a node all of whose members were behind stepped alone at
-        once every round and ran ahead of them (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX node
-        replays its steps")."""
+        Beyond the fan-out the messages not sent to us are fetched from members (relay.py)."""
         if round_index < self.first_round or round_index <= self.collected or self.consensus.checks:
             return False
         box = self.inbox.get(round_index, {})
@@ -382,7 +354,7 @@ class DiLoCoXExchange:
         if round_index <= self.collected:
             return []  # taken mid-round (apply_on_arrival): what came since is for no one
         self.collected = round_index
-        now = self.loop.time()
+        now = self.clock()
         # one of our rounds: between our last two collects, or at the first our last round's
         # length (the training thread replaces that tuple whole)
         pace = now - self.last_collect_at if self.last_collect_at is not None else self.sender.last_round_s
@@ -401,16 +373,14 @@ class DiLoCoXExchange:
             # The first round we take part in (the swarm's first, or the one we joined late in):
             # a member may have ended it before its member cache listed us, and then it never
             # sends us that message. Waiting the whole deadline for it would stall us; we wait as
-            # long as for a member still in the round (CI: a node of four that started together
-            # waited 9.4 s for a round-0 message sent to the two members its sender knew of,
-            # fell 7 rounds behind and caught up, skipping them).
+            # long as for a member still in the round.
             deadline = asking_deadline = laggard_deadline
         ahead_until = now  # until when we waited for members still training the round
         on_its_way: dict[str, float] = {}  # member -> when its message was last on its way to us
         given_up: set[str] = set()
         while True:
             box = self.inbox.get(round_index, {})
-            at = self.loop.time()
+            at = self.clock()
             for peer in self._arriving(round_index) | self.relay.fetching(round_index):
                 on_its_way[peer] = at
             unsent = (self._in_committee(round_index, self._finished(round_index))
@@ -435,19 +405,18 @@ class DiLoCoXExchange:
             except asyncio.TimeoutError:
                 pass  # members may have moved on: recompute who is missing
             if laggards:
-                ahead_until = self.loop.time()
+                ahead_until = self.clock()
         self.ran_ahead_s = ahead_until - now
         self.relay.stop_asking(round_index)
-        self.relay.store.forget_before(round_index - KEEP_ROUNDS + 1)
-        self.evidence.forget_before(round_index - KEEP_ROUNDS + 1)
+        self.relay.store.forget_before(round_index - REPLAY_ROUNDS + 1)
+        self.evidence.forget_before(round_index - REPLAY_ROUNDS + 1)
         self.publish(Stored(round=round_index, bytes=self.relay.store.bytes,
                             furthest_round=max((r for r, _ in self.relay.store.messages), default=-1)))
         box = self.inbox.pop(round_index, {})
         if missing := (missing | given_up) - set(box):
             self.publish(Missing(round=round_index, peers=sorted(missing)))
         self.oldest_wanted = round_index + 1
-        for old in [r for r in self.inbox if r < self.oldest_wanted]:
-            del self.inbox[old]
+        self._forget_collected()
         return [GroupMessage(peer, round_index, msg) for peer, msg in sorted(box.items())]
 
     def _equivocated(self, proof: Proof) -> None:
@@ -461,30 +430,27 @@ class DiLoCoXExchange:
         self.relay.store.drop(author)
         self.publish(Equivocated(round=proof.first.round, author=author))
 
-    def _after_round(self, round_index: int, digest: str,
-                     applied: tuple[int, tuple[str, ...]] | None = None) -> None:
-        self.replay.record(round_index, applied)
-        self.members.update(round=round_index + 1, status="training")
-        self.consensus.start(round_index, digest)
-
-    def _replay_failed(self, recipe: dict, start: int | None) -> None:
-        for step, _, _ in recipe["steps"]:  # recorded as ours when the recipe was handed over
-            self.replay.record(step, None)
-        self.consensus.replay_failed(recipe["since"], start)
+    def _reported(self, note: Stepped | ReplayFailed | Rejoined) -> None:
+        if isinstance(note, Stepped):
+            self.replay.record(note.round, note.applied)
+            self.members.update(round=note.round + 1, status="training")
+            self.consensus.start(note.round, note.digest)
+        elif isinstance(note, ReplayFailed):
+            for step, _, _ in note.replay.steps:  # recorded as ours when the recipe was handed over
+                self.replay.record(step, None)
+            self.consensus.replay_failed(note.replay.since, note.start)
+        else:
+            self._rejoin(note.from_round, note.state)
 
     def _rejoin(self, from_round: int, got: SwarmState) -> None:
         """The training thread adopted the swarm's state instead of training `from_round`: we
         take part from the swarm's round on, and say so."""
         # a downloaded state may be of a round before the swarm's last (the φ its majority
-        # announced): our φ then lacks the steps since, and the check's replay starts there. As
-        # the round before the swarm's, a fast node that downloaded round 5's state to train
-        # round 7 had every later replay refused (its state older than the recipe's start) and
-        # stayed off the majority's φ for 8 rounds (benchmarks/NOTEBOOK.md, "A diverged DiLoCoX
-        # node replays its steps", the 512 kbit/s runs).
+        # announced): our agreed round is that state's, so that a replay of the steps since
+        # starts where our φ is
         self._restart_at(got.next_round, got.state_round)
-        for old in [r for r in self.inbox if r < self.oldest_wanted]:
-            del self.inbox[old]
+        self._forget_collected()
         self.members.update(round=got.next_round, status="training", extra={"since": got.next_round})
         self.publish(CaughtUp(source=got.source, from_round=from_round, round=got.next_round,
                               state_round=got.state_round, digest=got.digest,
-                              by="replay" if "replay" in got.state else "download"))
+                              by="replay" if isinstance(got.state, Replay) else "download"))

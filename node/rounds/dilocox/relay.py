@@ -18,7 +18,8 @@ Invariants:
   announced the round's end is arriving by then on a link that carries the round at all),
   during the round after it (the exchange looks every WATCH_S), so that the copy is here at the
   round's end; one holder at a time; a failed round of asking is repeated `ASK_AFTER_S` later;
-- the store keeps what it accepted of the last `KEEP_ROUNDS` rounds, at most `KEEP_BYTES`.
+- the store keeps what it accepted of the last REPLAY_ROUNDS rounds (a diverged member may
+  replay as many steps, and lack their messages), at most `KEEP_BYTES`.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from node.events import Relayed
-from node.rounds.dilocox.link import REPLAY_ROUNDS
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
@@ -39,9 +40,6 @@ log = logging.getLogger("lowcomm.dilocox")
 RELAY = "dilocox.relay"
 AUTHOR = "author"  # the request's and the reply's meta: whose message
 ASK_AFTER_S = 0.5
-# our round, the one before (its laggards collect it now), and the rounds a diverged member may
-# replay (link.py REPLAY_ROUNDS), whose messages it may lack
-KEEP_ROUNDS = REPLAY_ROUNDS
 KEEP_BYTES = 256 << 20
 
 
@@ -74,18 +72,29 @@ class MessageStore:
             self.bytes -= len(self.messages.pop(key).payload)
 
 
+@dataclass
+class Wanted:
+    """A message we lack: missing since `since` (or since our last ask of it failed), and the
+    ask in flight, if any."""
+    since: float
+    task: asyncio.Task | None = None
+
+    @property
+    def asking(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+
 class Relay:
     """Signs our messages, checks and keeps those we accept, serves and fetches copies."""
 
     def __init__(self, swarm: Swarm, kind: str,
-                 witness: Callable[[str, ReceivedMessage], bool]):
+                 witness: Callable[[str, ReceivedMessage], bool], clock: Callable[[], float]):
         """`witness(author, message)`: False for a checked message that must not be kept, a
         second version of its author's message of the round (evidence.py `accepted`)."""
-        self.swarm, self.kind, self.witness = swarm, kind, witness
+        self.swarm, self.kind, self.witness, self.clock = swarm, kind, witness, clock
         self.transport = swarm.transport
         self.store = MessageStore()
-        self._asking: dict[tuple[int, str], asyncio.Task] = {}
-        self._missing_since: dict[tuple[int, str], float] = {}  # or since our last ask failed
+        self._wanted: dict[tuple[int, str], Wanted] = {}  # (round, author) -> our asking for it
 
     def start(self) -> None:
         self.transport.on_request(RELAY, self.transport.counters.counted_reply(self._respond),
@@ -128,33 +137,34 @@ class Relay:
         each that has been missing ASK_AFTER_S, is not arriving and is not being fetched;
         `holders(author)`: whom to ask, in order; `deliver(author, message)` takes a checked
         copy."""
-        now = self.swarm.loop.time()
+        now = self.clock()
         for author in authors:
             key = (round_index, author)
-            task = self._asking.get(key)
-            if task is not None and not task.done():
+            wanted = self._wanted.get(key)
+            if wanted is not None and wanted.asking:
                 continue
             if self.transport.receiving(author, self.kind, round_index):
-                self._missing_since.pop(key, None)
+                self._wanted.pop(key, None)
                 continue
-            since = self._missing_since.setdefault(key, now)
-            if now - since < ASK_AFTER_S:
+            if wanted is None:
+                self._wanted[key] = wanted = Wanted(since=now)
+            if now - wanted.since < ASK_AFTER_S:
                 continue
-            self._missing_since[key] = now  # a failed round of asking is repeated this much later
-            self._asking[key] = self.swarm.tasks.spawn(
+            wanted.since = now  # a failed round of asking is repeated this much later
+            wanted.task = self.swarm.tasks.spawn(
                 self._fetch(round_index, author, holders(author), deliver),
                 f"dilocox relay of round {round_index} from {author[-8:]}")
 
     def fetching(self, round_index: int) -> set[str]:
         """The authors whose message of `round_index` we are asking a holder for now."""
-        return {author for (r, author), task in self._asking.items() if r == round_index and not task.done()}
+        return {author for (r, author), wanted in self._wanted.items() if r == round_index and wanted.asking}
 
     def stop_asking(self, round_index: int) -> None:
         """The round was collected: what is still being fetched of it (or before) is for no one."""
-        for key in [k for k in self._asking if k[0] <= round_index]:
-            self._asking.pop(key).cancel()
-        for key in [k for k in self._missing_since if k[0] <= round_index]:
-            del self._missing_since[key]
+        for key in [k for k in self._wanted if k[0] <= round_index]:
+            task = self._wanted.pop(key).task
+            if task is not None:
+                task.cancel()
 
     async def fetch(self, round_index: int, author: str, holders: list[str]) -> ReceivedMessage | None:
         """A checked copy of `author`'s message of `round_index` from the first of `holders`

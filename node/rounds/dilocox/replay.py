@@ -13,8 +13,8 @@ from the relay's store or fetches them from members (relay.py: each copy checked
 author's signature), and hands the training thread a recipe: each step's senders, the copies,
 and the majority's digest of round k. The training thread replays those steps from its agreed
 state of round a (node/rounds/dilocox/round.py `_replayed`) and keeps the result only if its
-digest is the majority's. Where a resync downloads φ and the outer momentum whole (27 MB for
-the tiny model, 1 GB for `small`), a replay moves the messages the member missed: kilobytes.
+digest is the majority's. Where a resync downloads φ and the outer momentum whole (8 bytes a
+parameter), a replay moves the compressed messages the member missed.
 
 Invariants:
 - a holder's records are a claim, not a proof: the replayed φ must have the majority's digest
@@ -34,7 +34,7 @@ import logging
 from collections.abc import Callable
 
 from node.events import ReplayReady
-from node.rounds.dilocox.link import REPLAY_ROUNDS
+from node.rounds.dilocox.link import REPLAY_ROUNDS, Replay, Step
 from node.rounds.dilocox.relay import Relay
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
@@ -44,9 +44,6 @@ log = logging.getLogger("lowcomm.dilocox")
 APPLIED = "dilocox.applied"
 RECORDS = "records"  # the reply's one tensor: "round target sender sender ..." lines, UTF-8
 MAX_PEER_ID_CHARS = 128
-
-Step = tuple[int, int, tuple[str, ...]]  # (our round, the round its step applied, the senders)
-
 
 class StepReplay:
     """Records our steps' senders, serves them, and builds the recipe of a replay."""
@@ -83,12 +80,13 @@ class StepReplay:
                                [OutgoingTensor(RECORDS, "uint8", (len(data),), data)], {"since": since})
 
     async def recipe(self, round_index: int, since: int, digest: str, holders: list[str]
-                     ) -> dict | None:
+                     ) -> Replay | None:
         """What replays our steps after round `since` (our φ of it was agreed) to the majority's
-        φ of `round_index` (`digest`, held by `holders`): {"since", "round", "steps",
-        "messages", "digest", "source"}, with steps [(round, the round it applied, senders)] and messages
-        {(applied round, author): copy}; None when no holder answered or a message could not be
+        φ of `round_index` (`digest`, held by `holders`); None beyond the REPLAY_ROUNDS steps
+        records and messages are kept for, when no holder answered or a message could not be
         had."""
+        if not since < round_index <= since + REPLAY_ROUNDS:
+            return None
         for holder in holders:
             try:
                 reply = await self.transport.request(holder, APPLIED, round_index,
@@ -111,8 +109,7 @@ class StepReplay:
                 round=round_index, source=holder, steps=len(steps),
                 senders=sum(len(s) for _, _, s in steps), fetched=fetched,
                 bytes=sum(len(c.payload) for c in copies.values())))
-            return {"since": since, "round": round_index, "steps": steps, "messages": copies,
-                    "digest": digest, "source": holder}
+            return Replay(since, round_index, steps, copies, digest, holder)
         return None
 
     def _read(self, round_index: int, since: int, reply: ReceivedMessage) -> list[Step]:

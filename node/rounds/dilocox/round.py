@@ -39,7 +39,8 @@ from node.events import RoundShortened
 from node.rounds.contributions import ContributionRefused, check_contribution, global_norm
 from node.rounds.dilocox import payload
 from node.rounds.dilocox.adapt import CompressionAdapter
-from node.rounds.dilocox.link import REPLAY_ROUNDS, DiLoCoXLink, GroupMessage, SwarmState
+from node.rounds.dilocox.link import (REPLAY_ROUNDS, DiLoCoXLink, Download, GroupMessage, Refused,
+                                      Rejoined, Replay, ReplayFailed, Stepped, SwarmState, is_behind)
 from node.rounds.policy import RoundOutcome
 from node.train.trainer import InnerTrainer
 from protocol.codecs import Codec, get_codec
@@ -120,10 +121,8 @@ class DiLoCoXRound:
         self.agreed: tuple[int, dict] | None = (-1, {"phi": self.outer.slow_weights,
                                                      "momentum": self.outer.momentum})
         # The agreed state before it (one more φ and m held): where a replay starts when one from
-        # `agreed` did not give the majority's φ. A check counts its round agreed on the votes
-        # that came, and the majority's chain may have left it there (in a 512 kbit/s run:
-        # the slow node's round 3 held 3 of 4 votes, the pair that won round 5 went through the
-        # fourth); the state downloaded instead never came over that link.
+        # `agreed` did not give the majority's φ (a check counts its round agreed on the votes
+        # that came, and the majority's chain may have left that state since).
         self.agreed_before: tuple[int, dict] | None = None
         self.step_log: dict[int, dict[str, PseudoGradientMessage]] = {}
         # our own messages of the last REPLAY_ROUNDS rounds: a catch-up replays steps we never
@@ -131,6 +130,9 @@ class DiLoCoXRound:
         self.own_sent: dict[int, PseudoGradientMessage] = {}
         self.stepped_round = -1  # the last round whose outer step was taken (mid-round or at its end)
         self.early_refused: list[str] = []  # refusals of a mid-round step, reported at the round's end
+        # False from the first change of a round's end (or of a step mid-round) until it is
+        # whole; a call that raised leaves it False: the worker then writes no checkpoint
+        self.consistent = True
 
     def between_steps(self, round_index: int) -> RoundShortened | None:
         """With `apply_on_arrival` (delay 1): once every message of round r − 1 is here (the
@@ -140,8 +142,8 @@ class DiLoCoXRound:
         travel time rather than a round. Δ at the round's end is still this round's progress
         alone (it is measured from the shifted start).
 
-        A node that fell a round behind its swarm (`link.behind`) ends the round at the next step
-        instead: the steps it skips were the ones that would have made its message late."""
+        A node that fell a round behind its swarm (`link.swarm_round`, which the loop keeps
+        fresh: no call to it) ends the round at the next step instead: the steps it skips were the ones that would have made its message late."""
         self._apply_on_arrival(round_index)
         return self._shorten_if_behind(round_index)
 
@@ -153,15 +155,18 @@ class DiLoCoXRound:
         arrived = self.link.take_if_complete(target)
         if arrived is None:
             return
+        agreement = self.link.resync(round_index, 0.0)
+        self.consistent = False
         before = self.outer.round_start_weights()
-        _, self.early_refused = self._take_step(round_index, arrived)
+        _, self.early_refused = self._take_step(round_index, arrived, agreement)
         shift_in_place(self.trainer.named_parameters(),
                        difference(self.outer.round_start_weights(), before))
+        self.consistent = True
 
     def _shorten_if_behind(self, round_index: int) -> RoundShortened | None:
         last_step = (round_index + 1) * self.config.inner_steps  # the step that ends the round
         skipped = last_step - 1 - self.trainer.step
-        if skipped <= 0 or not self.link.behind(round_index):
+        if skipped <= 0 or not is_behind(round_index, self.link.swarm_round):
             return None
         self.trainer.start_at(last_step - 1)
         return RoundShortened(round=round_index, skipped_steps=skipped)
@@ -171,6 +176,7 @@ class DiLoCoXRound:
         self.trainer.load_parameters(start)
         if next_round is not None:
             self.trainer.start_at(next_round * self.config.inner_steps)
+        self.consistent = True
         return outcome
 
     def end_round_beside(self, round_index: int, fast_weights: dict[str, torch.Tensor]
@@ -181,6 +187,7 @@ class DiLoCoXRound:
         outcome, what θ must be shifted by (the next round's start minus `fast_weights`: the
         steps trained meanwhile keep their progress) and the swarm's round if it caught up."""
         outcome, start, next_round = self._end(round_index, fast_weights)
+        self.consistent = True  # the worker holds its checkpoint until θ is shifted
         return outcome, difference(start, fast_weights), next_round
 
     def _end(self, round_index: int, fast_weights: dict[str, torch.Tensor]
@@ -188,6 +195,7 @@ class DiLoCoXRound:
         """Send this round's message, take the outer step that is due, follow the swarm if this
         node fell behind it; returns (outcome, where θ starts the next round, the swarm's round
         if caught up). The trainer is not touched."""
+        self.consistent = False
         delta = self.outer.pseudo_gradient(fast_weights)
         self.own_norm = global_norm(delta)
         self.own_sent = {r: m for r, m in self.own_sent.items() if r > round_index - REPLAY_ROUNDS}
@@ -196,8 +204,9 @@ class DiLoCoXRound:
             own = self.outer.compress(delta, round_index)
             self.own_sent[round_index] = own
             self.link.send_round(round_index, payload.encode_message(own))
-            compression = self.adapter.after_send(own, self.link.send_ratio(),
-                                                  self.link.shared_ratio()) if self.adapter else None
+            costs = self.link.costs()
+            compression = self.adapter.after_send(own, costs.send_ratio, costs.shared_ratio) \
+                if self.adapter else None
         else:  # not in this round's committee: our next message carries what kept_decay keeps
             self.outer.keep(delta, round_index)
         early = self.stepped_round == round_index
@@ -209,7 +218,7 @@ class DiLoCoXRound:
         next_round = None
         if caught is not None and (state := self._swarm_state(caught, refused)) is not None:
             self._adopt_state(state, caught.state_round)
-            self.link.rejoin(round_index + 1, caught)
+            self.link.report(Rejoined(round_index + 1, caught))
             next_round, self.state_round, start = caught.next_round, caught.state_round, state["phi"]
         outcome = DiLoCoXOutcome(
             phi_digest=digest, refused=refused, network_wait_seconds=waited,
@@ -235,13 +244,14 @@ class DiLoCoXRound:
         in the round)."""
         target = round_index - self.outer.hyper.delay
         waited = time.monotonic()  # what the training thread waits on the network this round
-        arrived = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else []
-        ahead = self.link.ran_ahead() if target >= 0 else 0.0
+        collected = self.link.collect(target, self.config.message_deadline_s) if target >= 0 else None
+        arrived = collected.messages if collected else []
+        ahead = collected.ran_ahead_s if collected else 0.0
         refused: list[str] = []
         if self.stepped_round < round_index:
-            self.link.settle(round_index, self.config.message_deadline_s)
+            agreement = self.link.resync(round_index, self.config.message_deadline_s)
             waited = time.monotonic() - waited
-            _, refused = self._take_step(round_index, arrived)
+            _, refused = self._take_step(round_index, arrived, agreement)
         else:
             waited = time.monotonic() - waited
             self.outer.counters.late += len(arrived)
@@ -249,27 +259,22 @@ class DiLoCoXRound:
         # a step with nothing due (the first round, delay 1) applied nothing: round -1, no one
         applied = (-1 if step.applied_round is None else step.applied_round,
                    tuple(sorted(self.outer.last_messages))) if step is not None else None
-        self.link.publish_digest(round_index, self.phi_digest, applied)
+        self.link.report(Stepped(round_index, self.phi_digest, applied))
         return step, refused, waited, ahead
 
-    def _take_step(self, round_index: int, arrived: list[GroupMessage]):
-        """Checks each message against our own last Δ, adopts a pending resync, takes the outer
-        step of `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
+    def _take_step(self, round_index: int, arrived: list[GroupMessage], agreement):
+        """Checks each message against our own last Δ, adopts the repair `agreement` brings (our
+        φ of the last round, or of one before it, left the majority's), takes the outer step of
+        `round_index` and keeps its state for peers that ask. Returns (record, refusals)."""
         refused: list[str] = []
         for item in arrived:
             self._admit(item, refused)
         with self.lock:
-            self._note_agreed(self.link.last_agreed())
-            resync = self.link.take_resync(round_index - 1)
-            # our φ of the last round, or of one before it, disagreed with the majority's
-            if resync is not None and "replay" in resync:
-                replayed = self._replayed(resync["replay"], refused)
-                if replayed is not None and self._adopt_round(
-                        resync["replay"]["round"], replayed, round_index - 1):
-                    self.replays += 1
-            elif resync is not None and self._resync_usable(resync) and self._adopt_round(
-                    resync.get("round", round_index - 1), resync, round_index - 1):
-                self.resyncs += 1
+            self._note_agreed(agreement.agreed)
+            repair = agreement.resync
+            if repair is not None and (state := self._repaired(repair, refused)) is not None \
+                    and self._adopt_round(repair.round, state, round_index - 1):
+                self._count(repair)
             phi = self.outer.outer_step(round_index)
             digest = weights_digest(phi)
             self.state_round, self.phi_digest, self.stepped_round = round_index, digest, round_index
@@ -284,21 +289,38 @@ class DiLoCoXRound:
                         f"follow the other senders' less than {self.contributions.noise_ratio:g}x "
                         f"the median sender's; left out of the mean")
             refused.append(sentence)
-            self.link.refused(sender, "noise", sentence)
+            self.link.report(Refused(sender, "noise", sentence))
         return self.outer.last_step, refused
 
     def _swarm_state(self, caught: SwarmState, refused: list) -> dict | None:
-        """{"phi", "momentum"} of a catch-up: as downloaded, or replayed from our agreed state
-        (None, and we stay where we are, if the replay does not give the swarm's digest)."""
-        if "replay" not in caught.state:
-            return caught.state
+        """{"phi", "momentum"} of a catch-up (`_repaired`); None, and we stay where we are, if
+        the repair does not hold."""
         with self.lock:
-            self._note_agreed(self.link.last_agreed())  # the check of our last step may be in
-            replayed = self._replayed(caught.state["replay"], refused)
-        if replayed is None:
+            if isinstance(caught.state, Replay):
+                self._note_agreed(caught.state.since)  # the recipe starts at a round found agreed
+            state = self._repaired(caught.state, refused)
+        if state is None:
             return None
-        self.replays += 1
-        return {"phi": replayed["slow_weights"], "momentum": replayed["momentum"]}
+        self._count(caught.state)
+        return {"phi": state["slow_weights"], "momentum": state["momentum"]}
+
+    def _repaired(self, repair: Replay | Download, refused: list) -> dict | None:
+        """The one repair path of our φ, for a step's resync and a catch-up alike: the
+        majority's φ and m ({"slow_weights", "momentum"}) after `repair.round`, a Replay rebuilt
+        here from our agreed state and kept only if it gives the majority's digest
+        (`_replayed`), a Download (its digest checked by the loop) checked as a contribution of
+        its source; None when it does not hold."""
+        if isinstance(repair, Replay):
+            return self._replayed(repair, refused)
+        if not self._resync_usable(repair):
+            return None
+        return {"slow_weights": repair.phi, "momentum": repair.momentum}
+
+    def _count(self, repair: Replay | Download) -> None:
+        if isinstance(repair, Replay):
+            self.replays += 1
+        else:
+            self.resyncs += 1
 
     def _note_agreed(self, round_index: int) -> None:
         """The link found our φ of `round_index` the majority's: it is where a replay starts,
@@ -309,27 +331,22 @@ class DiLoCoXRound:
         if held is not None:
             self.agreed_before, self.agreed = self.agreed, (round_index, held)
 
-    def _replayed(self, recipe: dict, refused: list) -> dict | None:
-        """φ and m after round `recipe["round"]` as the majority holds them, rebuilt here: from
-        our agreed state of round `recipe["since"]`, each step since over the majority's
-        senders' messages (ours where our step applied the same sender's, our own as we sent it,
-        the copies the link fetched for the others, each checked as any contribution; a
-        catch-up replays steps we never took), kept only if the last
-        digest is the majority's. None (the node stays off) when that agreed state or a message
-        is missing or a copy is refused (a later check tries again, from the agreed state we
-        hold), or the digest differs: a holder's records were wrong, a sender sent different
-        messages to different members, or our state of that round was not the majority's after
-        all; the next replay then starts from the agreed state before it, and with none the
-        state is downloaded (`link.replay_failed`)."""
-        # our agreed state may be later than the link knows (a replay adopted since): the steps
-        # up to it are ours already
-        steps = [step for step in recipe["steps"] if self.agreed and step[0] > self.agreed[0]]
-        if self.agreed is not None and self.agreed[0] >= recipe["since"] and not steps:
+    def _replayed(self, recipe: Replay, refused: list) -> dict | None:
+        """φ and m after round `recipe.round` as the majority holds them, rebuilt from our
+        agreed state of round `recipe.since` by each step since over the majority's senders'
+        messages (ours where our step applied the same sender's, our own as we sent it, else the
+        fetched copy, checked as any contribution), kept only if the last digest is the
+        majority's. None (the node stays off, `ReplayFailed`) when that state or a message is
+        missing, a copy is refused, or the digest differs; after a digest that differs the next
+        replay starts from the agreed state before it, and with none the state is downloaded."""
+        # steps up to our agreed state are ours already (a replay adopted since the link knew)
+        steps = [step for step in recipe.steps if self.agreed and step[0] > self.agreed[0]]
+        if self.agreed is not None and self.agreed[0] >= recipe.since and not steps:
             return None  # a replay adopted since covers it
-        if self.agreed is None or self.agreed[0] < recipe["since"]:
+        if self.agreed is None or self.agreed[0] < recipe.since:
             log.info("round %d: our agreed state is of round %s, the replay's from round %d: no "
-                     "replay", recipe["round"], self.agreed and self.agreed[0], recipe["since"])
-            self.link.replay_failed(recipe, self.agreed[0] if self.agreed else None)
+                     "replay", recipe.round, self.agreed and self.agreed[0], recipe.since)
+            self.link.report(ReplayFailed(recipe, self.agreed[0] if self.agreed else None))
             return None
         groups = self.agreed[1]
         state = {"slow_weights": groups["phi"], "momentum": groups["momentum"]}
@@ -337,7 +354,7 @@ class DiLoCoXRound:
         for step, target, senders in steps:
             ours, messages = self.step_log.get(step, {}), {}
             for sender in senders:
-                copy = recipe["messages"].get((target, sender))
+                copy = recipe.messages.get((target, sender))
                 if sender in ours:
                     messages[sender] = ours[sender]
                 elif sender == self.outer.node_id and target in self.own_sent:
@@ -347,22 +364,22 @@ class DiLoCoXRound:
                     messages[sender] = checked
                 else:
                     log.info("round %d: the message of %s of round %d to replay it is missing or "
-                             "refused", recipe["round"], sender[-8:], target)
-                    self.link.replay_failed(recipe, self.agreed[0])  # another holder may have it
+                             "refused", recipe.round, sender[-8:], target)
+                    self.link.report(ReplayFailed(recipe, self.agreed[0]))  # another holder may have it
                     return None
             state = self.outer.replay(state, messages)
             replayed_steps[step] = messages
-        if weights_digest(state["slow_weights"]) != recipe["digest"]:
+        if weights_digest(state["slow_weights"]) != recipe.digest:
             # either a holder's records were wrong or our state of that round was not the
             # majority's after all (its check counted the votes that came first): a replay from
             # it can never heal the second, so the next one starts from the agreed state before
             # it, and with none the next divergence downloads the state
             self.agreed, self.agreed_before = self.agreed_before, None
             log.warning("round %d replayed over the majority's messages of %d steps does not give "
-                        "its φ %s: %s", recipe["round"], len(steps), recipe["digest"][:12],
+                        "its φ %s: %s", recipe.round, len(steps), recipe.digest[:12],
                         f"the next replay starts from our φ of round {self.agreed[0]}"
                         if self.agreed else "the state will be downloaded")
-            self.link.replay_failed(recipe, self.agreed[0] if self.agreed else None)
+            self.link.report(ReplayFailed(recipe, self.agreed[0] if self.agreed else None))
             return None
         self.step_log.update(replayed_steps)
         return state
@@ -395,18 +412,17 @@ class DiLoCoXRound:
         self.agreed_before, self.agreed = self.agreed, (round_index, verified or adopted)
         return True
 
-    def _resync_usable(self, resync: dict) -> bool:
+    def _resync_usable(self, resync: Download) -> bool:
         """A resync state is checked as a contribution is (our layout, finite values, norms within
         max_norm_ratio of our φ's): the majority's digest proves agreement, not health."""
-        source = resync.pop("source", "the majority")
         own = self.outer.slow_weights
         own_norm = global_norm(own)
         try:
-            for group in ("slow_weights", "momentum"):
-                check_contribution(source, resync[group], own, own_norm,
+            for group, tensors in (("slow_weights", resync.phi), ("momentum", resync.momentum)):
+                check_contribution(resync.source, tensors, own, own_norm,
                                    self.contributions.max_norm_ratio, f"the resync's {group}")
         except ContributionRefused as exc:
-            self.link.refused(source, exc.reason, str(exc))
+            self.link.report(Refused(resync.source, exc.reason, str(exc)))
             return False
         return True
 
@@ -441,22 +457,19 @@ class DiLoCoXRound:
 
     def _refuse(self, peer: str, exc: Exception, refused: list) -> None:
         refused.append(f"{peer}: {exc}")
-        self.link.refused(peer, getattr(exc, "reason", "malformed"), str(exc))
+        self.link.report(Refused(peer, getattr(exc, "reason", "malformed"), str(exc)))
 
     def export_state(self, round_index: int | None = None) -> tuple[int, dict, str]:
         """(round, {"phi": φ, "momentum": m}, digest of φ) after `round_index` if still held,
         else the latest: for a late joiner or a diverged peer's resync."""
         with self.lock:
-            for held_round, groups, digest in self.history:
-                if held_round == round_index:
-                    return held_round, groups, digest
-            return (self.state_round, {"phi": self.outer.slow_weights,
-                                       "momentum": self.outer.momentum}, self.phi_digest)
+            return next((held for held in self.history if held[0] == round_index), None) or \
+                (self.state_round, {"phi": self.outer.slow_weights, "momentum": self.outer.momentum},
+                 self.phi_digest)
 
     def state_version(self, round_index: int | None = None) -> tuple[int, str]:
-        with self.lock:
-            held = next(((r, d) for r, _, d in self.history if r == round_index), None)
-            return held or (self.state_round, self.phi_digest)
+        held_round, _, digest = self.export_state(round_index)  # no copy: what it would serve
+        return held_round, digest
 
     def adopt(self, groups: dict, state_round: int | None = None) -> None:
         """A late joiner takes the swarm's φ and m (after `state_round`, if known), and θ = φ."""

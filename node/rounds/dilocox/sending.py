@@ -1,8 +1,8 @@
 """A DiLoCoX node's own messages on their way: each round's message pushed to the round's group
 in the background, tried again when a push broke, and the link's cost measured for the adaptive
-controller (`send_ratio`, node/rounds/dilocox/adapt.py).
+controller (`costs`, node/rounds/dilocox/adapt.py).
 
-`send_round` and `send_ratio` run on the training thread, `_send_all` on the event loop; the
+`send_round` and `costs` run on the training thread, `_send_all` on the event loop; the
 values they share are plain numbers and tuples or dicts replaced whole, never changed in place.
 """
 
@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from node.events import SendFailed, Sent
+from node.rounds.dilocox.link import SendCosts
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import Reason, RemoteRefused, TransferFailed, TransferTimeout
 from p2p.messages import OutgoingMessage
@@ -21,25 +22,23 @@ from p2p.progress import NeedBy
 
 log = logging.getLogger("lowcomm.dilocox")
 PGRAD = "dilocox.pgrad"
-# The controller reads the link's cost as the worst of this many last sends. Each message goes
-# to every member, so a slow member's downlink carries all of them: a round whose sends did not
-# overlap there measured fast, the next slow, and with the last send alone the rank doubled and
-# halved round after round (16-32-64, benchmarks/NOTEBOOK.md, "One of 4 nodes on a link 4x
-# slower").
+# The controller reads the link's cost as the worst of this many last sends: each message goes
+# to every member, so a slow member's downlink carries all of them, and one send whose copies
+# did not overlap there says too little of it.
 LINK_MEMORY = 4
 # A push that broke (stalled, reset, ended early, a dial that failed) is tried again within its
-# need-by, this many times in all: its receiver waits up to the whole deadline for
-# the message of a member that finished the round, and then φ splits (at 1.1 Mbit/s, 54d930d,
-# 6 of 9 failed pushes of rounds 14-23 broke this way; two members waited 81-86 s at round 19,
-# and 5 resyncs followed). A refusal (STALE_ROUND: it came too late) is final.
+# need-by, this many times in all (its receiver waits for the message of a member that finished
+# the round). A refusal (STALE_ROUND: it came too late) is final.
 SEND_TRIES = 3
 RETRY_PAUSE_S = 1.0
 
 
 class RoundSender:
-    def __init__(self, swarm: Swarm, group: Callable[[], list[str]], sign: Callable[[OutgoingMessage], None]):
-        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature."""
-        self.swarm, self.group, self.sign = swarm, group, sign
+    def __init__(self, swarm: Swarm, group: Callable[[], list[str]],
+                 sign: Callable[[OutgoingMessage], None], *, clock: Callable[[], float] = time.monotonic):
+        """`group()`: whom a round's message goes to; `sign(message)`: our origin signature;
+        `clock()`: seconds, read from either thread."""
+        self.swarm, self.group, self.sign, self.clock = swarm, group, sign, clock
         self._send_called_at: float | None = None  # training thread: the last send_round
         self._send_called_round = -1  # ... and its round (a committee skips rounds between them)
         self._round_durations: tuple[float, ...] = ()  # one round, from the last send_round calls
@@ -57,7 +56,7 @@ class RoundSender:
 
     # ------------------------------------------------------------------ training thread side
     def send_round(self, round_index: int, tensors: list) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if self._send_called_at is not None:
             rounds = max(1, round_index - self._send_called_round)
             self._round_durations = (*self._round_durations,
@@ -69,31 +68,24 @@ class RoundSender:
         self.swarm.bridge.spawn(f"dilocox send of round {round_index}", self._send_all,
                                 round_index, message, transfer=True)
 
-    def send_ratio(self) -> float | None:
-        """The seconds the message just handed over will take to send (to its whole group),
-        over the last round's: the link's seconds per message byte, the worst of the last
-        LINK_MEMORY finished sends and any send in flight slower already, times that message's
-        bytes. Not the last send's own seconds: those are of an earlier message, and the
-        controller, which judges the current one, doubled the rank on a send half its size and
-        saturated a 1.8 Mbit/s link (benchmarks/NOTEBOOK.md, "Time to loss where volunteers live").
-        Over the shortest of the last rounds: a round stretched by a wait on the network is not
-        compute, and after an 81 s wait the ratio read 0.17 and the rank doubled onto the same
-        saturated link."""
-        now, in_flight = time.monotonic(), self._sends_in_flight
+    def costs(self) -> SendCosts:
+        """Of the message just handed over, over the shortest of our last rounds (a round
+        stretched by a wait on the network is not compute):
+        - send_ratio: the seconds it will take to send to its whole group: the link's seconds
+          per message byte, the worst of the last LINK_MEMORY finished sends and any send in
+          flight slower already, times its bytes (the controller judges the message just
+          encoded, not the one measured); None before a send and a round were measured;
+        - shared_ratio: what the busiest receiver's downlink would take for every member's
+          message of its size (protocol/controller.py's r_s: it holds the controller's moves
+          up, never forces one down): a receiver that took our push longer than the fastest
+          did is slower on its side, and every member sends it a message a round. The worst of
+          the last LINK_MEMORY sends; 0 before one reached two receivers. A node whose own
+          uplink is the bottleneck reads less: its pushes share that uplink and end closer
+          together."""
+        now, in_flight = self.clock(), self._sends_in_flight
         rates = [(now - started) / size for started, size in in_flight.values() if size]
-        return self._per_round([*rates, *self._link_costs])
-
-    def shared_ratio(self) -> float:
-        """What the busiest receiver's downlink would take for every member's message of the
-        size just handed over, over the shortest of our last rounds (protocol/controller.py's
-        r_s: it holds the controller's moves up, never forces one down). A receiver that took
-        our push longer than the fastest did is slower on its side; every member sends it a
-        message a round, so its downlink carries as many. The worst of the last LINK_MEMORY
-        sends; 0 before one reached two receivers. A node whose own uplink is the bottleneck
-        reads less: its pushes share that uplink and end closer together (on the slow link the
-        512 kbit/s node read 0.2-1.0, the fast nodes up to 1.5-2.5: benchmarks/NOTEBOOK.md,
-        "A diverged DiLoCoX node replays its steps")."""
-        return self._per_round(self._shared_costs) or 0.0
+        return SendCosts(self._per_round([*rates, *self._link_costs]),
+                         self._per_round(self._shared_costs) or 0.0)
 
     def _per_round(self, costs) -> float | None:
         """The worst of `costs` (seconds per byte) for the message just handed over, over the
@@ -105,7 +97,7 @@ class RoundSender:
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
         group = self.group()
-        started = time.monotonic()
+        started = self.clock()
         self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}
 
         failed: list[str] = []
@@ -122,16 +114,16 @@ class RoundSender:
         async def send(peer: str) -> None:
             for attempt in range(1, SEND_TRIES + 1):
                 try:
-                    need_by = NeedBy(max(give_up_at - time.monotonic(), 1e-3), why)
+                    need_by = NeedBy(max(give_up_at - self.clock(), 1e-3), why)
                     await self.swarm.transport.push(peer, message, need_by=need_by)
-                    took[peer] = time.monotonic() - started
+                    took[peer] = self.clock() - started
                     return
                 except Exception as exc:  # whatever broke it, a failed send is counted and logged once
                     if isinstance(exc, RemoteRefused) and exc.reason in (Reason.REPLAYED, Reason.HELD):
                         return  # an earlier try arrived, its answer did not; or a member relayed it
                     broke = isinstance(exc, TransferFailed) and not isinstance(exc, TransferTimeout)
                     if broke and attempt < SEND_TRIES \
-                            and give_up_at - time.monotonic() > 2 * RETRY_PAUSE_S:
+                            and give_up_at - self.clock() > 2 * RETRY_PAUSE_S:
                         log.info("round %d to %s, try %d: %s", round_index, peer[-8:], attempt, exc)
                         await asyncio.sleep(RETRY_PAUSE_S)
                         continue
@@ -140,11 +132,9 @@ class RoundSender:
                     return
         await asyncio.gather(*(send(p) for p in group))
         if message.total_bytes:
-            measured = (time.monotonic() - started) / message.total_bytes
-            # A send that failed at once (a reset stream, a refusal) says nothing of the link and
-            # may only raise its cost: read as fast, it let the controller double the rank onto a
-            # slow member's saturated downlink (benchmarks/NOTEBOOK.md, "One of 4 nodes on a link
-            # 4x slower")
+            measured = (self.clock() - started) / message.total_bytes
+            # a send that failed at once (a reset stream, a refusal) says nothing of the link:
+            # it may only raise its cost
             if not failed or not self._link_costs or measured > max(self._link_costs):
                 self._link_costs = (*self._link_costs, measured)[-LINK_MEMORY:]
             if len(took) >= 2:

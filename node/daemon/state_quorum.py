@@ -57,6 +57,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from node.config.manifest import Manifest
@@ -64,7 +65,7 @@ from node.config.settings import NodeTimeouts
 from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
-from node.rounds.state_fetch import StateFetchFailed, fetch_state
+from node.rounds.state_fetch import FetchedState, StateFetchFailed, StateSketch, fetch_sketch, fetch_state
 from node.rounds.state import StateLayout, agreed_round, majority, phi_holders, round_bound, settled
 from p2p.errors import P2PError, Reason, RemoteRefused
 from p2p.records import MemberRecord
@@ -91,15 +92,20 @@ class JoinState:
     tensors: dict[str, dict[str, torch.Tensor]]  # group -> name -> fp32 tensor
     meta: dict
     source: str
+    bytes_fetched: int = 0          # of the state's bytes, every range asked (an upper bound)
+    sources: tuple[str, ...] = ()   # the members that served its ranges, in order
 
 
 @dataclass
 class _Candidate:
     source: str
-    groups: dict[str, dict[str, torch.Tensor]]
+    groups: dict[str, dict[str, torch.Tensor]]  # {} for a state seen only through its sketch
     digest: str
     meta: dict
     phi_server: str | None = None  # the member that served all of φ; None: several did
+    sketch: StateSketch | None = None
+    bytes_fetched: int = 0
+    sources: tuple[str, ...] = ()
 
 
 def claimed_round(record: MemberRecord) -> int:
@@ -136,18 +142,26 @@ def check_state(source: str, groups: dict, reference: dict[str, torch.Tensor],
                            f"the {group} of a state served")
 
 
-def _distance(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return math.sqrt(sum(float((a[n].double() - b[n].double()).square().sum()) for n in a))
+def _distance(a: _Candidate, b: _Candidate) -> float:
+    """Between two states' φ: estimated from their sketches (of one seed) when they have them."""
+    if a.sketch is not None and b.sketch is not None:
+        return a.sketch.phi_distance(b.sketch)
+    x, y = a.groups["phi"], b.groups["phi"]
+    return math.sqrt(sum(float((x[n].double() - y[n].double()).square().sum()) for n in x))
+
+
+def _phi_norm(candidate: _Candidate) -> float:
+    return candidate.sketch.phi_norm() if candidate.sketch is not None else global_norm(candidate.groups["phi"])
 
 
 def _phi_scale(candidates: list[_Candidate]) -> float:
     """The median φ norm of the states: what distances between them are measured against."""
-    return statistics.median(global_norm(c.groups["phi"]) for c in candidates) or 1.0
+    return statistics.median(_phi_norm(c) for c in candidates) or 1.0
 
 
 def _spread(candidates: list[_Candidate]) -> float:
     """The closest two states' distance over `_phi_scale` (what `choose_agreed` compares)."""
-    return min(_distance(a.groups["phi"], b.groups["phi"]) for i, a in enumerate(candidates)
+    return min(_distance(a, b) for i, a in enumerate(candidates)
                for b in candidates[i + 1:]) / _phi_scale(candidates)
 
 
@@ -157,7 +171,7 @@ def choose_agreed(candidates: list[_Candidate]) -> tuple[_Candidate | None, list
     count = len(candidates)
     if count == 1:
         return candidates[0], []
-    distances = [[_distance(a.groups["phi"], b.groups["phi"]) for b in candidates] for a in candidates]
+    distances = [[_distance(a, b) for b in candidates] for a in candidates]
     scale = _phi_scale(candidates)
     closest = min(distances[i][j] for i in range(count) for j in range(i + 1, count))
     tolerance = max(SPREAD_TOLERANCE * scale, FAR_FACTOR * closest if count >= 3 else 0.0)
@@ -248,8 +262,8 @@ class StateAdoption:
                 self._refuse_digest(candidate, state_round, digest)
                 continue
             if await self._passes_checks(candidate):
-                return JoinState(self._start_round(state_round), candidate.groups,
-                                 candidate.meta, candidate.source)
+                return JoinState(self._start_round(state_round), candidate.groups, candidate.meta,
+                                 candidate.source, candidate.bytes_fetched, candidate.sources)
         return None
 
     def _refuse_digest(self, candidate: _Candidate, state_round: int, digest: str) -> None:
@@ -266,34 +280,38 @@ class StateAdoption:
 
     # ------------------------------------------------------------------ NoLoCo
     async def _noloco(self) -> JoinState | None:
-        """States from several members; the one a majority agrees with. Two honest states can
-        stand further apart than the tolerance for a round or two (early training moves φ
-        fast, and a pair's averaging pulls them back): then the swarm's next round is waited
-        for and fresh states are asked, `AGREEMENT_TRIES` times in all."""
+        """Sketches of several members' states; the one a majority agrees with is downloaded,
+        once. Two honest states can stand further apart than the tolerance for a round or two
+        (early training moves φ fast, and a pair's averaging pulls them back): then the
+        swarm's next round is waited for and fresh sketches are asked, `AGREEMENT_TRIES` times
+        in all; so is a choice none of whose agreeing states could be downloaded."""
         for attempt in range(1, AGREEMENT_TRIES + 1):
-            held = await self._noloco_states()
+            held = await self._noloco_sketches()
             if not held:
                 return None
-            chosen, _ = await self._off_loop(choose_agreed, held)
-            if chosen is not None:
-                break
-            apart = await self._off_loop(_spread, held)
-            self.errors.append(f"the states of {len(held)} members are {apart:.2f} of φ's norm "
-                               f"apart (they agree within {SPREAD_TOLERANCE}; asked {attempt} "
-                               f"time{'s' * (attempt > 1)})")
-            if attempt == AGREEMENT_TRIES or not await self._next_round(max(map(_state_round, held))):
-                return None
-            log.info("%s; asking again after the swarm's next round", self.errors[-1])
-        if len(held) == 1:
-            log.warning("only member %s served a verifiable state: adopting it on its word alone "
-                        "(checked: its announcement, layout, finite values, norms)", chosen.source)
-        return JoinState(self._start_round(int(chosen.meta.get("phi_round", 0))), chosen.groups,
-                         chosen.meta, chosen.source)
+            chosen, _ = choose_agreed(held)
+            if chosen is None:
+                self.errors.append(f"the states of {len(held)} members are {_spread(held):.2f} of "
+                                   f"φ's norm apart (they agree within {SPREAD_TOLERANCE}; asked "
+                                   f"{attempt} time{'s' * (attempt > 1)})")
+                if attempt == AGREEMENT_TRIES or not await self._next_round(max(map(_state_round, held))):
+                    return None
+                log.info("%s; asking again after the swarm's next round", self.errors[-1])
+                continue
+            if len(held) == 1:
+                log.warning("only member %s served a verifiable state: adopting it on its word alone "
+                            "(checked: its announcement, layout, finite values, norms)", chosen.source)
+            joined = await self._noloco_download(chosen, held)
+            if joined is not None:
+                return joined
+        return None
 
-    async def _noloco_states(self) -> list[_Candidate]:
-        """Verified states from up to `STATE_SOURCES` eligible members, far ones dropped."""
+    async def _noloco_sketches(self) -> list[_Candidate]:
+        """Sketches (one seed) of up to `STATE_SOURCES` eligible members' states, each matching
+        its server's announcement and passing the checks a sketch allows; far ones dropped."""
         asked: set[str] = set()
         held: list[_Candidate] = []
+        seed = self.rng.getrandbits(62)
         attempts = self.timeouts.state_download_attempts + STATE_SOURCES  # a few may fail or lie
         while True:
             sources = [r.peer_id for r in self._members() if r.round > 0 and r.extra.get("phi")
@@ -301,14 +319,98 @@ class StateAdoption:
             wanted = min(STATE_SOURCES, len(held) + len(sources))
             if len(held) >= wanted or len(asked) >= attempts or not sources:
                 break
-            # the states still wanted, from several members at once: a home uplink, not the
-            # joiner's downlink, usually bounds one download
             batch = self.rng.sample(sorted(sources), min(wanted - len(held), attempts - len(asked)))
             asked.update(batch)
-            held += [c for c in await asyncio.gather(*(self._verified(s) for s in batch)) if c]
+            held += [c for c in await asyncio.gather(*(self._sketched(s, seed) for s in batch)) if c]
             if len(held) >= wanted:
                 held = await self._drop_far(held)
         return [c for c in held if not self.bans.is_banned(c.source)]
+
+    async def _sketched(self, source: str, seed: int) -> _Candidate | None:
+        try:
+            sketch = await fetch_sketch(self.transport, source, self.layout, seed)
+        except (P2PError, ValueError) as exc:
+            self.errors.append(f"{source}: {exc}")
+            self.not_admitted += isinstance(exc, RemoteRefused) and exc.reason == Reason.NOT_ADMITTED
+            return None
+        if not self._rounds_possible(source, sketch.meta):
+            return None
+        candidate = _Candidate(source, {}, sketch.digest, sketch.meta, source, sketch)
+        if not await self._matches_announcement(candidate):
+            return None
+        phi, momentum = sketch.group_norms()
+        bound = self.manifest.contributions.max_norm_ratio * max(self.reference_norm, 1e-6)
+        if not np.isfinite(sketch.values).all():
+            self._ban(source, "not_finite", f"member {source}'s state holds NaN or Inf where its "
+                      f"sketch sampled it")
+        elif max(phi, momentum) > bound:
+            self._ban(source, "norm", f"member {source}'s state has an estimated norm of "
+                      f"{max(phi, momentum):.4g}, more than {bound:.4g} (its sketch)")
+        else:
+            return candidate
+        return None
+
+    async def _noloco_download(self, chosen: _Candidate, held: list[_Candidate]) -> JoinState | None:
+        """The chosen state's bytes, once: a download that breaks resumes where it stopped at
+        the agreeing state nearest the chosen one (`choose_agreed` kept only states within its
+        tolerance of the majority's), so the assembled state lies within that state's distance
+        of the chosen one. A state that fails its checks is dropped whole; the next starts anew."""
+        order = [chosen] + sorted((c for c in held if c is not chosen), key=lambda c: _distance(c, chosen))
+        partial: FetchedState | None = None
+        for candidate in order:
+            if self.bans.is_banned(candidate.source):
+                continue
+            try:
+                fetched = await fetch_state(self.transport, [candidate.source], self.layout,
+                                            phi_round=_state_round(candidate), digest=candidate.digest,
+                                            usable=lambda peer: not self.bans.is_banned(peer),
+                                            resume=partial)
+            except StateFetchFailed as exc:
+                log.warning("the state did not arrive (%s)", exc)
+                self.errors += [f"{source}: {error}" for source, error in exc.errors]
+                partial = exc.partial
+                continue
+            partial = None
+            if await self._assembled_passes(fetched, {c.source: c for c in order}):
+                sources = fetched.sources  # an assembled state is named by its own digest
+                return JoinState(self._start_round(_state_round(chosen)), fetched.groups,
+                                 fetched.meta | {"phi": fetched.digest}, sources[0],
+                                 fetched.bytes_fetched, tuple(sources))
+        return None
+
+    async def _assembled_passes(self, fetched: FetchedState, by_source: dict[str, _Candidate]) -> bool:
+        """The downloaded state is what its servers showed: a single server's has the digest it
+        announced; every server's ranges match its sketch, and a fresh sketch (a seed it did not
+        know while serving) where it still answers; then the checks of any state."""
+        parts = fetched.parts()
+        if len(parts) == 1 and fetched.digest != (only := by_source[fetched.sources[0]]).digest:
+            self._ban(only.source, "digest", f"member {only.source} served a state with digest "
+                      f"{fetched.digest[:12]}, not the {only.digest[:12]} it announced")
+            return False
+        for source, ranges in parts.items():
+            sketches = [by_source[source].sketch]
+            with contextlib.suppress(P2PError, ValueError):  # one that left is judged by its first
+                sketches.append(await fetch_sketch(
+                    self.transport, source, self.layout, self.rng.getrandbits(62),
+                    phi_round=_state_round(by_source[source]), digest=by_source[source].digest))
+            wrong = sum(sketch.mismatches(fetched, start, end) for sketch in sketches for start, end in ranges)
+            if wrong:
+                self._ban(source, "sketch", f"member {source} served {wrong} values that differ "
+                          f"from its own sketch of the state it announced")
+                return False
+        return await self._passes_checks(_Candidate(fetched.sources[-1], fetched.groups, fetched.digest,
+                                                    fetched.meta))
+
+    def _rounds_possible(self, source: str, meta: dict) -> bool:
+        """A reply's round and state round are integers within `round_bound`; else its server is banned."""
+        bound = round_bound(agreed_round(self.cache.eligible()))
+        rounds = [v for v in (meta.get("round"), meta.get("phi_round")) if type(v) is int]
+        if len(rounds) < 2 or max(rounds) > bound:
+            self._ban(source, "round", f"member {source} served a state claiming rounds "
+                      f"{meta.get('phi_round')!r}/{meta.get('round')!r}, where a majority of the swarm "
+                      f"is at round {agreed_round(self.cache.eligible())} (at most {bound} is possible)")
+            return False
+        return True
 
     async def _next_round(self, state_round: int) -> bool:
         """Waits (up to a download's deadline) for a majority of members to pass `state_round`."""
@@ -318,13 +420,6 @@ class StateAdoption:
                 return False
             await self._refresh()
         return True
-
-    async def _verified(self, source: str) -> _Candidate | None:
-        candidate = await self._download([source], None)
-        if candidate is not None and await self._matches_announcement(candidate) \
-                and await self._passes_checks(candidate):
-            return candidate
-        return None
 
     async def _drop_far(self, held: list[_Candidate]) -> list[_Candidate]:
         """Bans the servers of states far from the majority's; keeps the others."""
@@ -381,16 +476,11 @@ class StateAdoption:
                 self.not_admitted += isinstance(error, RemoteRefused) and error.reason == Reason.NOT_ADMITTED
             return None
         source = fetched.sources[0]
-        meta = fetched.meta
-        bound = round_bound(agreed_round(self.cache.eligible()))
-        rounds = [v for v in (meta.get("round"), meta.get("phi_round")) if type(v) is int]
-        if len(rounds) < 2 or max(rounds) > bound:
-            self._ban(source, "round", f"member {source} served a state claiming rounds "
-                      f"{meta.get('phi_round')!r}/{meta.get('round')!r}, where a majority of the swarm "
-                      f"is at round {agreed_round(self.cache.eligible())} (at most {bound} is possible)")
+        if not self._rounds_possible(source, fetched.meta):
             return None
         phi_server = fetched.served_phi_alone()
-        return _Candidate(phi_server or source, fetched.groups, fetched.digest, meta, phi_server)
+        return _Candidate(phi_server or source, fetched.groups, fetched.digest, fetched.meta, phi_server,
+                          bytes_fetched=fetched.bytes_fetched, sources=tuple(fetched.sources))
 
     async def _passes_checks(self, candidate: _Candidate) -> bool:
         try:

@@ -123,9 +123,10 @@ async def running_members(p2p_cleanup, tmp_path, manifest, count: int):
 
 
 async def join_once(joiner: Member, manifest, members: list[Member], rng_first: str | None,
-                    meanwhile=None):
+                    meanwhile=None, reference: dict | None = None):
     """A fresh joiner's view (cache, bans) of the swarm as it stands; its adopted state and bans.
-    `meanwhile(adoption)`, if given, runs beside the adoption (a swarm that moves on)."""
+    `meanwhile(adoption)`, if given, runs beside the adoption (a swarm that moves on);
+    `reference`: the joiner's own φ (default: `tensors(99)`)."""
     bans = BanList(ban_after=3, ban_seconds=600)
     cache = MemberCache(joiner.membership, BackgroundTasks(), manifest=manifest.digest, bans=bans, refresh_s=0.2)
     expected = {m.peer: m.membership.record.round for m in members}
@@ -137,7 +138,8 @@ async def join_once(joiner: Member, manifest, members: list[Member], rng_first: 
             holders = sorted(expected)
             rng = next(random.Random(seed) for seed in range(1000)
                        if _first(random.Random(seed), holders) == rng_first)
-        adoption = StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS, tensors(99), rng)
+        adoption = StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS,
+                                 tensors(99) if reference is None else reference, rng)
         joined, _ = await asyncio.gather(adoption.run(), meanwhile(adoption) if meanwhile else asyncio.sleep(0))
         return joined, bans
     finally:
@@ -233,6 +235,37 @@ def test_noloco_late_join_asks_again_after_a_round_when_two_honest_states_disagr
             assert weights_digest(joined.tensors["phi"]) in closer
             assert joined.round_index == HONEST_ROUND + 1
             assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer)
+    run(body(), timeout_s=120)
+
+
+def wide(seed: int, base: dict | None = None) -> dict[str, torch.Tensor]:
+    """A state of about a million parameters (8.4 MB with its momentum: 20 ranges); near `base`."""
+    g = torch.Generator().manual_seed(seed)
+    fresh = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, generator=g)}
+    return fresh if base is None else {n: base[n] + 0.01 * fresh[n] for n in base}
+
+
+def test_a_noloco_joiner_fetches_the_bytes_of_one_state_and_only_sketches_of_the_others(tmp_path, p2p_cleanup):
+    """Three honest members with states of their own: the quorum compares sketches, and the
+    joiner receives about one state's bytes (not three), from one member, and adopts it."""
+    manifest = small_manifest("t-quorum-once", "noloco")
+    base = wide(1)
+    total = StateLayout.of(base).total
+
+    async def body():
+        async with running_members(p2p_cleanup, tmp_path, manifest, 4) as members:
+            *holders, joiner = members
+            digests = {await m.behave(wide(2 + i, base)) for i, m in enumerate(holders)}
+            before = joiner.transport.counters.bytes_received
+            sent = [m.transport.counters.bytes_sent for m in holders]
+            joined, bans = await join_once(joiner, manifest, holders, None, reference=wide(99))
+            received = joiner.transport.counters.bytes_received - before
+            assert received <= 1.15 * total, f"{received} bytes received for a state of {total}"
+            assert joined is not None and weights_digest(joined.tensors["phi"]) in digests
+            served = sorted(m.transport.counters.bytes_sent - s for m, s in zip(holders, sent))
+            assert served[-1] >= total and sum(served[:-1]) <= 0.1 * total, served
+            assert joined.bytes_fetched == total and len(joined.sources) == 1, joined.sources
+            assert not any(bans.is_banned(m.peer) for m in holders)
     run(body(), timeout_s=120)
 
 

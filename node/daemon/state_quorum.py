@@ -15,9 +15,11 @@ member's word where more than one member can be asked.
   a φ assembled from several holders' ranges that fails blames none of them (any could have
   lied), and the next attempt starts at another holder. A member announcing a minority digest
   is not banned: an honest member that missed a message does that too until it resyncs.
-- NoLoCo (each member holds its own φ): states from up to `STATE_SOURCES` members, each matching
-  its server's own signed announcement (else the server is banned), and the adopted state is
-  the one that most of them agree with: within `tolerance` of a majority of the states asked (at
+- NoLoCo (each member holds its own φ): sketches of the states of up to `STATE_SOURCES` members
+  (each state's values at the same elements, drawn from a seed the joiner picks:
+  node/daemon/state_serving.py), each naming the digest its server signed in its announcement
+  (else the server is banned), and the adopted state is the one that most of them agree with
+  (distances and norms estimated from the sketches; exact where a sketch holds every element): within `tolerance` of a majority of the states asked (at
   least two). Why not a mean or a coordinate-wise median: the adopted state stays one that a
   member announced and trains from (φ and its momentum belong together); a state inside the
   honest ones' spread that wins the choice costs the joiner no more than the swarm's own spread.
@@ -29,6 +31,13 @@ member's word where more than one member can be asked.
   in all): early in training two honest states stand apart for a round or two, until pairs
   pull them together (measured: 0.29-0.81 of the joiner's φ norm after 10 rounds of
   tests/integration/test_late_join_liars.py's swarm).
+- NoLoCo downloads only the chosen state, once. A download that breaks resumes where it stopped
+  at the agreeing state nearest the chosen one (the chosen member left): the state adopted is
+  then assembled from their ranges, and lies within that member's distance of the chosen one,
+  itself within the tolerance. Every server's ranges must equal its sketch's values where they
+  fall, and those of a fresh sketch (a seed it did not know while serving) where it still
+  answers; a mismatch, or a single server's state whose digest is not the one it announced,
+  bans it. A member that left mid-transfer is judged by its first sketch alone.
 - Every state is checked as a contribution is (node/rounds/contributions.py): the joiner's own
   tensor names and shapes, finite values, φ's and the momentum's norm within `max_norm_ratio`
   of the joiner's own φ. A state that fails is refused and its server banned.
@@ -37,11 +46,10 @@ member's word where more than one member can be asked.
   view and the transport leave a liar out from then on.
 
 A swarm with a single member that serves a state is joined on that member's word alone (there
-is nobody else to ask): logged as such, and checked as above. Cost: a DiLoCoX joiner downloads
-one state's bytes (plus at most a range lost per holder that breaks off); a NoLoCo joiner
-downloads and holds up to `STATE_SOURCES` states (φ and momentum in fp32), from that many
-members at once: three times the bytes of a single-source join, 3.2 GB held for the 134M
-`small` preset. No download is cut by a fixed time: each range is bounded by its bytes at the
+is nobody else to ask): logged as such, and checked as above. Cost: a joiner downloads one
+state's bytes (plus at most a range lost per holder that breaks off) and holds one state; a
+NoLoCo joiner also receives a sketch (at most 256 KiB) of each of up to `STATE_SOURCES` members,
+and one more of each server after its download. No download is cut by a fixed time: each range is bounded by its bytes at the
 swarm's minimum link rate, a stalled one by `node.stall_s` (p2p/progress.py).
 """
 

@@ -16,6 +16,9 @@ Rules (the server's side: node/daemon/state_serving.py):
   minimum link rate (`protocol.min_link_mbit_s`; p2p/progress.py). A download that keeps
   moving therefore takes as long as its bytes need; one that stalls ends within the stall
   bound, and the next holder is asked from where it stopped.
+- A caller may resume a failed download (`StateFetchFailed.partial`) from holders of another
+  state (NoLoCo members each hold their own): the buffer then holds the ranges of two states,
+  and the caller checks each holder's ranges (`StateSketch.mismatches`).
 - The holders are tried in turn while a pass over them brings bytes; a pass that brings none
   ends the download (every error kept, one sentence each).
 """

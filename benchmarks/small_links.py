@@ -228,7 +228,7 @@ def main() -> None:
     p.add_argument("--join-after-rounds", type=int, default=2)
     p.add_argument("--rounds-after-join", type=int, default=2)
     p.add_argument("--kill-at", type=float, default=0.3, help="share of one state the joiner has received")
-    p.add_argument("--deadline-s", type=float, default=660.0)
+    p.add_argument("--deadline-s", type=float, default=840.0)
     p.add_argument("--out", type=Path)
     p.add_argument("--work-dir", type=Path)
     args = p.parse_args()

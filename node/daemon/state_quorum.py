@@ -257,6 +257,7 @@ class StateAdoption:
         state_round, digest, holders = agreed
         holders = sorted(holders)
         self.rng.shuffle(holders)
+        await self._keep(holders[1:], state_round, digest)
         for attempt in range(self.timeouts.state_download_attempts):
             # each attempt starts at another holder; a break resumes at the next one
             candidate = await self._download(holders[attempt:] + holders[:attempt], state_round, digest)
@@ -273,6 +274,16 @@ class StateAdoption:
                 return JoinState(self._start_round(state_round), candidate.groups, candidate.meta,
                                  candidate.source, candidate.bytes_fetched, candidate.sources)
         return None
+
+    async def _keep(self, holders: list[str], state_round: int, digest: str) -> None:
+        """Asks each of `holders` for one value of the state (a sketch): asking pins the state
+        there (node/daemon/state_serving.py), so that a download resumed at it finds the state
+        however many rounds the download outlasted. One that does not answer is tried anyway."""
+        async def one(holder: str) -> None:
+            with contextlib.suppress(P2PError, ValueError):
+                await fetch_sketch(self.transport, holder, self.layout, 0, count=1,
+                                   phi_round=state_round, digest=digest)
+        await asyncio.gather(*(one(holder) for holder in holders))
 
     def _refuse_digest(self, candidate: _Candidate, state_round: int, digest: str) -> None:
         """A state whose φ is not the majority's: its server is banned if one member served

@@ -41,7 +41,8 @@ from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD
 from node.daemon.state_serving import StateServer
-from node.rounds.state import STATE_KIND, StateLayout, announcement
+from node.rounds.state import SKETCH_MAX_VALUES, STATE_KIND, StateLayout, announcement
+from p2p.errors import Reason, Refusal
 from p2p.membership import Membership
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.origin import sign_origin
@@ -265,6 +266,51 @@ def test_a_noloco_joiner_fetches_the_bytes_of_one_state_and_only_sketches_of_the
             served = sorted(m.transport.counters.bytes_sent - s for m, s in zip(holders, sent))
             assert served[-1] >= total and sum(served[:-1]) <= 0.1 * total, served
             assert joined.bytes_fetched == total and len(joined.sources) == 1, joined.sources
+            assert not any(bans.is_banned(m.peer) for m in holders)
+    run(body(), timeout_s=120)
+
+
+def test_a_noloco_download_that_breaks_resumes_at_the_nearest_agreeing_state_without_fetching_again(
+        tmp_path, p2p_cleanup):
+    """Each member stops serving ranges after its 8th (as one that left mid-transfer would: the
+    refusal ends its part of the download): of 20 ranges, the chosen member serves 8, the
+    agreeing state nearest it the next 8, the third the last 4. The joiner receives one state's
+    bytes (and the sketches), and adopts exactly the ranges each served, banning nobody."""
+    manifest = small_manifest("t-quorum-resume", "noloco")
+    base = wide(1)
+    layout = StateLayout.of(base)
+    chunk = layout.chunk_bytes()
+
+    async def body():
+        async with running_members(p2p_cleanup, tmp_path, manifest, 4) as members:
+            *holders, joiner = members
+            for i, m in enumerate(holders):
+                await m.behave(wide(2 + i, base))
+                served = []
+
+                async def leaving(header, server=m.server, served=served):
+                    if "offset" in header.meta:
+                        if len(served) >= 8:
+                            raise Refusal(Reason.REFUSED, "this member is leaving")
+                        served.append(header.meta["offset"])
+                    return await server.respond(header)
+                m.transport.on_request(STATE_KIND, leaving, accept_round=lambda _r: True)
+            before = joiner.transport.counters.bytes_received
+            joined, bans = await join_once(joiner, manifest, holders, None, reference=wide(99))
+            received = joiner.transport.counters.bytes_received - before
+            assert joined is not None and len(joined.sources) == 3, joined and joined.sources
+            sketches = 7 * 4 * SKETCH_MAX_VALUES  # three to choose, one fresh of each server, slack
+            assert received <= layout.total + sketches, f"{received} bytes for a state of {layout.total}"
+            assert joined.bytes_fetched == layout.total
+            flat = torch.cat([t.reshape(-1) for g in ("phi", "momentum")
+                              for _, t in sorted(joined.tensors[g].items())]).numpy().view(np.uint8)
+            by_peer = {m.peer: m for m in holders}
+            for k, source in enumerate(joined.sources):   # 8, 8 and 4 ranges, in that order
+                state = by_peer[source].served.state[1]
+                own = torch.cat([t.reshape(-1) for g in ("phi", "momentum")
+                                 for _, t in sorted(state[g].items())]).numpy().view(np.uint8)
+                start, end = 8 * k * chunk, min(layout.total, 8 * (k + 1) * chunk)
+                assert np.array_equal(flat[start:end], own[start:end]), f"range {k} is not {source}'s"
             assert not any(bans.is_banned(m.peer) for m in holders)
     run(body(), timeout_s=120)
 

@@ -74,7 +74,7 @@ from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
 from node.rounds.state_fetch import FetchedState, StateFetchFailed, StateSketch, fetch_sketch, fetch_state
-from node.rounds.state import StateLayout, agreed_round, majority, phi_holders, round_bound, settled
+from node.rounds.state import STATE_KIND, StateLayout, agreed_round, majority, phi_holders, round_bound, settled
 from p2p.errors import P2PError, Reason, RemoteRefused
 from p2p.records import MemberRecord
 
@@ -206,16 +206,17 @@ class StateAdoption:
         self.layout = StateLayout.of(reference)
         self.errors: list[str] = []
         self.not_admitted = 0
+        self.asked: set[str] = set()  # members asked for a state, a range or a sketch
 
     async def run(self) -> JoinState | None:
         """The verified state and the agreed start round; None when no member has a state."""
         members = self._members()
         if not any(r.round > 0 and r.extra.get("phi") for r in members):
             return None
-        if self.manifest.protocol.name == "dilocox":
-            joined = await self._dilocox()
-        else:
-            joined = await self._noloco()
+        try:
+            joined = await (self._dilocox() if self.manifest.protocol.name == "dilocox" else self._noloco())
+        finally:
+            await self._release()
         if joined is not None:
             return joined
         if self.errors and self.not_admitted == len(self.errors):
@@ -275,10 +276,21 @@ class StateAdoption:
                                  candidate.source, candidate.bytes_fetched, candidate.sources)
         return None
 
+    async def _release(self) -> None:
+        """Tells every member asked for a state or a sketch that this join is over: each lets go
+        the export our requests pinned (node/daemon/state_serving.py). Best effort: a member
+        that does not answer lets it go when newer downloads' pins push it out."""
+        async def one(holder: str) -> None:
+            with contextlib.suppress(P2PError):  # bounded by the transport's stall bound
+                await self.transport.request(holder, STATE_KIND, 0, meta={"release": True})
+        await asyncio.gather(*(one(holder) for holder in self.asked))
+
     async def _keep(self, holders: list[str], state_round: int, digest: str) -> None:
         """Asks each of `holders` for one value of the state (a sketch): asking pins the state
         there (node/daemon/state_serving.py), so that a download resumed at it finds the state
         however many rounds the download outlasted. One that does not answer is tried anyway."""
+        self.asked.update(holders)
+
         async def one(holder: str) -> None:
             with contextlib.suppress(P2PError, ValueError):
                 await fetch_sketch(self.transport, holder, self.layout, 0, count=1,
@@ -346,6 +358,7 @@ class StateAdoption:
         return [c for c in held if not self.bans.is_banned(c.source)]
 
     async def _sketched(self, source: str, seed: int) -> _Candidate | None:
+        self.asked.add(source)
         try:
             sketch = await fetch_sketch(self.transport, source, self.layout, seed)
         except (P2PError, ValueError) as exc:
@@ -484,6 +497,7 @@ class StateAdoption:
                         digest: str | None = None) -> _Candidate | None:
         """One state from `holders` (a break resumes at the next one), of `state_round` and
         `digest` if given; its server's claimed rounds checked (node/rounds/state_fetch.py)."""
+        self.asked.update(holders)
         try:
             fetched = await fetch_state(self.transport, holders, self.layout,
                                         phi_round=state_round, digest=digest,

@@ -21,6 +21,8 @@ Rules:
 - A request with meta "sketch" (a seed) and "count" asks instead for the state's values at the
   elements `sketch_indices` draws from that seed (at most `SKETCH_MAX_VALUES`, 256 KiB): what a
   NoLoCo joiner compares members' states by before it downloads one of them whole.
+- A request with meta "release" drops the peer's pin (a joiner's, once its join is over,
+  whatever came of it): a member it only asked for a sketch keeps no older export for it.
 - At most one state request of each peer is served at a time: a second, while the first's reply
   is still being sent, waits up to `BUSY_WAIT_S` for it to be let go (the peer's next range
   often comes while the last status of the previous one is still exchanged), then is refused
@@ -132,6 +134,9 @@ class StateServer:
         return reply
 
     async def _reply(self, peer: bytes, meta) -> OutgoingMessage:
+        if meta.get("release") is True:  # the peer's join is over: its pin goes
+            self._pinned.pop(peer, None)
+            return OutgoingMessage(STATE_KIND, 0, (), {"released": True})
         wanted, digest = meta.get("phi_round"), meta.get("phi")
         offset, length = meta.get("offset", 0), meta.get("length", CHUNK_MAX_BYTES)
         if type(offset) is not int or type(length) is not int or length <= 0 \

@@ -215,3 +215,25 @@ def test_a_sketch_is_the_states_values_at_the_seeds_elements_and_finds_bytes_tha
         with pytest.raises(Refusal) as refused:
             asyncio.run(ask(**bad))
         assert refused.value.reason == Reason.MALFORMED and "sketch request" in str(refused.value)
+
+
+def test_a_sketch_pins_the_export_for_its_peer_and_a_release_lets_it_go():
+    """A member asked only for a sketch keeps that round's export for the asker (a download may
+    follow, however many rounds later) until the asker releases it."""
+    policy = Policy()
+
+    async def scenario():
+        respond = handler(policy)
+        await respond(header(b"j", sketch=1, count=10))
+        server = state_serving_of(respond)
+        pinned = dict(server._pinned)
+        released = await respond(header(b"j", release=True))
+        return pinned, dict(server._pinned), released
+    pinned, after, released = asyncio.run(scenario())
+    assert list(pinned) == [b"j"] and after == {} and released.meta == {"released": True}
+
+
+def state_serving_of(respond) -> state_serving.StateServer:
+    server = getattr(respond, "__self__", None)
+    assert isinstance(server, state_serving.StateServer), respond
+    return server

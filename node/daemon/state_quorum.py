@@ -58,9 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import random
-import statistics
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -73,7 +71,9 @@ from node.config.settings import NodeTimeouts
 from node.daemon.admission import AdmissionError, refused_admission
 from node.daemon.members import MemberCache
 from node.rounds.contributions import BanList, ContributionRefused, check_contribution, global_norm
-from node.rounds.state_fetch import FetchedState, StateFetchFailed, StateSketch, fetch_sketch, fetch_state
+from node.daemon.state_agreement import (SPREAD_TOLERANCE, _Candidate, _distance, _spread, _state_round,
+                                         choose_agreed)
+from node.rounds.state_fetch import FetchedState, StateFetchFailed, fetch_sketch, fetch_state
 from node.rounds.state import STATE_KIND, StateLayout, agreed_round, majority, phi_holders, round_bound, settled
 from p2p.errors import P2PError, Reason, RemoteRefused
 from p2p.records import MemberRecord
@@ -81,12 +81,6 @@ from p2p.records import MemberRecord
 log = logging.getLogger("lowcomm.join")
 ANNOUNCEMENT_POLL_S = 0.1  # a joiner looks up a member's announcement this often, while waiting
 STATE_SOURCES = 3          # NoLoCo: states compared before one is adopted (one liar among three loses)
-# NoLoCo: honest members' φ measured at most 0.17 apart (RMS distance to their mean over the
-# mean's norm, benchmarks/NOTEBOOK.md "scale", 64 replicas), about 0.24 between two of them:
-# states closer than 0.35 of φ's norm agree; a fourfold of the closest pair's distance, when
-# three or more states are compared, widens it for a swarm spread wider than measured.
-SPREAD_TOLERANCE = 0.35
-FAR_FACTOR = 4.0
 # NoLoCo: a far state is proof of a lie only against states of about its own round: honest
 # members pair while within max_staleness (2 by default) rounds of each other.
 FAR_ROUND_SLACK = 2
@@ -102,18 +96,6 @@ class JoinState:
     source: str
     bytes_fetched: int = 0          # of the state's bytes, every range asked (an upper bound)
     sources: tuple[str, ...] = ()   # the members that served its ranges, in order
-
-
-@dataclass
-class _Candidate:
-    source: str
-    groups: dict[str, dict[str, torch.Tensor]]  # {} for a state seen only through its sketch
-    digest: str
-    meta: dict
-    phi_server: str | None = None  # the member that served all of φ; None: several did
-    sketch: StateSketch | None = None
-    bytes_fetched: int = 0
-    sources: tuple[str, ...] = ()
 
 
 def claimed_round(record: MemberRecord) -> int:
@@ -137,59 +119,12 @@ def quorum_digest(members: list[MemberRecord]) -> tuple[int, str, list[str]] | N
     return None
 
 
-def _state_round(candidate: _Candidate) -> int:
-    value = candidate.meta.get("phi_round")
-    return value if type(value) is int else -1
-
-
 def check_state(source: str, groups: dict, reference: dict[str, torch.Tensor],
                 reference_norm: float, max_norm_ratio: float) -> None:
     """A state's φ and momentum as contributions: the joiner's layout, finite, bounded norms."""
     for group in ("phi", "momentum"):
         check_contribution(source, groups[group], reference, reference_norm, max_norm_ratio,
                            f"the {group} of a state served")
-
-
-def _distance(a: _Candidate, b: _Candidate) -> float:
-    """Between two states' φ: estimated from their sketches (of one seed) when they have them."""
-    if a.sketch is not None and b.sketch is not None:
-        return a.sketch.phi_distance(b.sketch)
-    x, y = a.groups["phi"], b.groups["phi"]
-    return math.sqrt(sum(float((x[n].double() - y[n].double()).square().sum()) for n in x))
-
-
-def _phi_norm(candidate: _Candidate) -> float:
-    return candidate.sketch.phi_norm() if candidate.sketch is not None else global_norm(candidate.groups["phi"])
-
-
-def _phi_scale(candidates: list[_Candidate]) -> float:
-    """The median φ norm of the states: what distances between them are measured against."""
-    return statistics.median(_phi_norm(c) for c in candidates) or 1.0
-
-
-def _spread(candidates: list[_Candidate]) -> float:
-    """The closest two states' distance over `_phi_scale` (what `choose_agreed` compares)."""
-    return min(_distance(a, b) for i, a in enumerate(candidates)
-               for b in candidates[i + 1:]) / _phi_scale(candidates)
-
-
-def choose_agreed(candidates: list[_Candidate]) -> tuple[_Candidate | None, list[tuple[_Candidate, float]]]:
-    """NoLoCo: (the state a majority of `candidates` agrees with, or None; [(far state, its
-    distance over φ's norm)]). See the module's docstring for the rule."""
-    count = len(candidates)
-    if count == 1:
-        return candidates[0], []
-    distances = [[_distance(a, b) for b in candidates] for a in candidates]
-    scale = _phi_scale(candidates)
-    closest = min(distances[i][j] for i in range(count) for j in range(i + 1, count))
-    tolerance = max(SPREAD_TOLERANCE * scale, FAR_FACTOR * closest if count >= 3 else 0.0)
-    support = [sum(d <= tolerance for d in row) for row in distances]
-    best = min(range(count), key=lambda i: (-support[i], sum(distances[i]), candidates[i].digest))
-    if support[best] < max(2, majority(count)):
-        return None, []
-    far = [(candidates[j], distances[best][j] / scale) for j in range(count)
-           if distances[best][j] > tolerance]
-    return candidates[best], far
 
 
 class StateAdoption:

@@ -305,14 +305,14 @@ class StateAdoption:
         candidate = _Candidate(source, {}, sketch.digest, sketch.meta, source, sketch)
         if not await self._matches_announcement(candidate):
             return None
-        phi, momentum = sketch.group_norms()
-        bound = self.manifest.contributions.max_norm_ratio * max(self.reference_norm, 1e-6)
+        norm = max(sketch.group_norms())
+        ratio = self.manifest.contributions.max_norm_ratio
         if not np.isfinite(sketch.values).all():
-            self._ban(source, "not_finite", f"member {source}'s state holds NaN or Inf where its "
-                      f"sketch sampled it")
-        elif max(phi, momentum) > bound:
-            self._ban(source, "norm", f"member {source}'s state has an estimated norm of "
-                      f"{max(phi, momentum):.4g}, more than {bound:.4g} (its sketch)")
+            self._ban(source, "not_finite", f"the state of member {source} holds NaN or Inf where "
+                      f"its sketch sampled it")
+        elif norm > ratio * max(self.reference_norm, 1e-6):  # the rule of check_contribution
+            self._ban(source, "norm", f"the state of member {source} has norm {norm:.4g} (estimated "
+                      f"from its sketch), more than {ratio:g}x this node's own {self.reference_norm:.4g}")
         else:
             return candidate
         return None

@@ -40,12 +40,12 @@ from benchmarks.netns import ShapedSwarm, rate_bits  # noqa: E402
 from benchmarks.time_to_loss import P2P_PORT, PYTHON, RELAY_PORT, read_events, wait_for_file  # noqa: E402
 from node.config.manifest import Manifest, manifest_from_dict, write_manifest  # noqa: E402
 
-LINKS = ("100mbit", "8mbit", "25mbit", "25mbit")  # members 0-2, then the late joiner
-JOINER = 3
+LINKS = "100mbit,8mbit,25mbit,25mbit"  # the members', then the late joiner's (the last)
 WINDOW_S = 10.0  # a rate is the best one sustained over this long
 
 
 def swarm_manifest(args) -> Manifest:
+    """The `small` preset at a CPU's size of step, every member's link at least the slowest given."""
     tokens = args.micro_batch * args.seq_len
     return manifest_from_dict({
         "swarm": {"id": f"small-links-{args.protocol}"},
@@ -53,14 +53,18 @@ def swarm_manifest(args) -> Manifest:
         "data": {"seq_len": args.seq_len},
         "train": {"micro_batch_size": args.micro_batch, "tokens_per_step": tokens, "steps": 100_000,
                   "warmup_steps": 10, "threads": 1, "eval_every": 0, "checkpoint_every": 0},
-        "protocol": {"name": args.protocol, "inner_steps": args.inner_steps}})
+        # the swarm declares its slowest link: a transfer that cannot finish by its need-by even
+        # at this rate is given up at once (p2p/progress.py), so the default 1 Mbit/s cut every
+        # 48 MB swap of `small` at its start (its 4 rounds are about 2 minutes here)
+        "protocol": {"name": args.protocol, "inner_steps": args.inner_steps,
+                     "min_link_mbit_s": min(rate_bits(r) for r in args.links.split(",")) / 1e6}})
 
 
 class Run:
     """The swarm's processes and what is sampled of them each second."""
 
-    def __init__(self, net: ShapedSwarm, base: Path, manifest_path: Path):
-        self.net, self.base, self.manifest_path = net, base, manifest_path
+    def __init__(self, net: ShapedSwarm, base: Path, manifest_path: Path, min_peers: int):
+        self.net, self.base, self.manifest_path, self.min_peers = net, base, manifest_path, min_peers
         self.processes: dict[int, subprocess.Popen] = {}
         self.first_address: str | None = None
         self.samples: list[dict] = []  # {"t", "tx": [...], "rx": [...]}
@@ -73,14 +77,20 @@ class Run:
         command = [PYTHON, "-m", "node.cli", "join", "--manifest", str(self.manifest_path),
                    "--data-dir", str(data_dir), "--listen", f"/ip4/127.0.0.1/tcp/{P2P_PORT}",
                    "--announce", f"/ip4/{self.net.address(i)}/tcp/{RELAY_PORT}"]
-        command += ["--min-peers", "2"] if self.first_address is None else ["--peer", self.first_address]
+        command += ["--min-peers", str(self.min_peers)] if self.first_address is None else ["--peer", self.first_address]
         with open(data_dir / "node.log", "wb") as log:
             self.processes[i] = self.net.popen(i, command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
         if self.first_address is None:
             self.first_address = wait_for_file(data_dir / "address", list(self.processes.values()), 300)
 
     def events(self, i: int) -> list[dict]:
-        return read_events(self.base / f"node-{i}" / "metrics.jsonl")
+        """Node i's events so far (a line still being written is left out)."""
+        path = self.base / f"node-{i}" / "metrics.jsonl"
+        if not path.exists():
+            return []
+        text = path.read_text()
+        return read_events(path) if text.endswith("\n") or not text else \
+            [json.loads(line) for line in text.splitlines()[:-1] if line.strip()]
 
     def rounds(self, i: int) -> int:
         return sum(e["event"] == "round" for e in self.events(i))
@@ -139,14 +149,16 @@ def exchanges(events: list[dict], protocol: str) -> tuple[int, int]:
 
 def run(args) -> dict:
     manifest = swarm_manifest(args)
+    links = args.links.split(",")
+    joiner = len(links) - 1
     with tempfile.TemporaryDirectory(prefix="lowcomm-small-links-") as tmp:
         base = args.work_dir or Path(tmp)
         path = write_manifest(manifest, base / "manifest.toml")
-        net = ShapedSwarm(n=4, delay_ms=args.delay_ms, rates=dict(enumerate(LINKS)))
+        net = ShapedSwarm(n=len(links), delay_ms=args.delay_ms, rates=dict(enumerate(links)))
         with net:
-            swarm = Run(net, base, path)
+            swarm = Run(net, base, path, min_peers=joiner - 1)
             started = time.monotonic()
-            for i in range(JOINER):
+            for i in range(joiner):
                 swarm.start(i)
             found = {"killed": None, "killed_at_bytes": None, "join_started_s": None, "joined_s": None,
                      "ended": "deadline"}
@@ -155,37 +167,39 @@ def run(args) -> dict:
                 time.sleep(1.0)
                 swarm.sample()
                 now = time.monotonic() - started
-                if any(p.poll() is not None for i, p in swarm.processes.items() if i != found["killed"]):
-                    found["ended"] = "a node exited"
+                exited = [(i, p.returncode) for i, p in swarm.processes.items()
+                          if i != found["killed"] and p.poll() is not None]
+                if exited:
+                    found["ended"] = f"node {exited[0][0]} exited with {exited[0][1]}"
                     break
-                if JOINER not in swarm.processes:
-                    if min(swarm.rounds(i) for i in range(JOINER)) >= args.join_after_rounds:
-                        swarm.start(JOINER)
+                if joiner not in swarm.processes:
+                    if min(swarm.rounds(i) for i in range(joiner)) >= args.join_after_rounds:
+                        swarm.start(joiner)
                         found["join_started_s"] = now
-                        join_rx, join_tx = swarm.samples[-1]["rx"][JOINER], list(swarm.samples[-1]["tx"])
+                        join_rx, join_tx = swarm.samples[-1]["rx"][joiner], list(swarm.samples[-1]["tx"])
                     continue
-                events = swarm.events(JOINER)
+                events = swarm.events(joiner)
                 if found["joined_s"] is None and any(e["event"] == "late_join" for e in events):
                     found["joined_s"] = now
-                received = swarm.samples[-1]["rx"][JOINER] - join_rx
+                received = swarm.samples[-1]["rx"][joiner] - join_rx
                 if found["killed"] is None and found["joined_s"] is None \
                         and received >= args.kill_at * args.state_bytes:
-                    sent = [swarm.samples[-1]["tx"][i] - join_tx[i] for i in range(JOINER)]
-                    found["killed"] = max(range(JOINER), key=sent.__getitem__)
+                    sent = [swarm.samples[-1]["tx"][i] - join_tx[i] for i in range(joiner)]
+                    found["killed"] = max(range(joiner), key=sent.__getitem__)
                     found["killed_at_bytes"] = received
                     found["killed_s"] = now
                     swarm.kill(found["killed"])
-                if found["joined_s"] is not None and swarm.rounds(JOINER) >= args.rounds_after_join:
+                if found["joined_s"] is not None and swarm.rounds(joiner) >= args.rounds_after_join:
                     found["ended"] = "the joiner trained its rounds"
                     break
             wall = time.monotonic() - started
         nodes = []
-        for i in range(4):
+        for i in range(len(links)):
             events = swarm.events(i)
             done, failed = exchanges(events, args.protocol)
-            link = rate_bits(LINKS[i])
+            link = rate_bits(links[i])
             up, down = swarm.best_rate(i, "tx"), swarm.best_rate(i, "rx")
-            nodes.append({"node": i, "link": LINKS[i], "rounds": swarm.rounds(i), "exchanges": done,
+            nodes.append({"node": i, "link": links[i], "rounds": swarm.rounds(i), "exchanges": done,
                           "exchanges_failed": failed, "up_bits_s": up, "down_bits_s": down,
                           "up_share": up / link, "down_share": down / link,
                           "peak_rss_bytes": swarm.hwm.get(i, 0), "killed": found["killed"] == i,
@@ -196,17 +210,19 @@ def run(args) -> dict:
 
 
 def report(result: dict, args) -> str:
+    links = args.links.split(",")
+    joiner = len(links) - 1
     lines = ["| node | link | rounds | exchanges done / failed | best send rate (share of link) | "
              "best receive rate (share) | peak RSS |", "|---|---|---|---|---|---|---|"]
     for n in result["nodes"]:
-        role = " (joiner)" if n["node"] == JOINER else " (killed)" if n["killed"] else ""
+        role = " (joiner)" if n["node"] == joiner else " (killed)" if n["killed"] else ""
         lines.append(f"| {n['node']}{role} | {n['link']} | {n['rounds']} | {n['exchanges']} / "
                      f"{n['exchanges_failed']} | {n['up_bits_s'] / 1e6:.1f} Mbit/s ({100 * n['up_share']:.0f}%) | "
                      f"{n['down_bits_s'] / 1e6:.1f} Mbit/s ({100 * n['down_share']:.0f}%) | "
                      f"{n['peak_rss_bytes'] / 2**30:.2f} GiB |")
-    joined = result["nodes"][JOINER]["late_join"]
+    joined = result["nodes"][joiner]["late_join"]
     if joined:
-        ideal = 8 * joined["state_bytes"] / rate_bits(LINKS[JOINER])
+        ideal = 8 * joined["state_bytes"] / rate_bits(links[joiner])
         lines.append(f"\njoiner: {joined['bytes_fetched'] / 1e6:.1f} MB fetched for a state of "
                      f"{joined['state_bytes'] / 1e6:.1f} MB ({joined['bytes_fetched'] / joined['state_bytes']:.3f}x) "
                      f"from {len(joined['sources'])} member(s); download {joined['download_s']:.0f} s against "
@@ -221,6 +237,7 @@ def report(result: dict, args) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--protocol", choices=("noloco", "dilocox"), default="noloco")
+    p.add_argument("--links", default=LINKS, help="access links (tc rates), the members' then the joiner's")
     p.add_argument("--delay-ms", type=float, default=40.0)
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--micro-batch", type=int, default=2)

@@ -173,8 +173,12 @@ class StateServer:
                                             f"of values (1 to {SKETCH_MAX_VALUES})")
         self._pin(peer, export, done=False)
         values = export.sample(sketch_indices(seed, export.total // FP32_BYTES, count))
-        return OutgoingMessage(STATE_KIND, 0, [OutgoingTensor("sketch", "float32", values.shape, values)],
-                               said | {"sketch": seed})
+        # in parts no larger than the model's largest tensor, as ranges are (the swarm's wire
+        # limits bound a tensor's elements by it); the receiver reads their bytes in order
+        largest = max(t.data.nbytes for t in export.tensors) // FP32_BYTES
+        parts = [values[at:at + largest] for at in range(0, len(values), largest)]
+        return OutgoingMessage(STATE_KIND, 0, [OutgoingTensor(f"sketch/{k}", "float32", part.shape, part)
+                                               for k, part in enumerate(parts)], said | {"sketch": seed})
 
     def _pin(self, peer: bytes, export: StateExport, done: bool) -> None:
         """`peer` downloads `export` (until `done`); the pins of older exports kept in bound."""

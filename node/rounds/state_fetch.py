@@ -59,8 +59,9 @@ class FetchedState:
     digest: str                                 # of φ as received
     meta: dict[str, Any]                        # the first reply's: round, phi_round, phi, total
     ranges: list[tuple[str, int, int]] = field(default_factory=list)  # (holder, start, end)
-    bytes_fetched: int = 0    # payload of every range asked, one that failed (not refused) counted
-                              # whole: an upper bound
+    bytes_fetched: int = 0    # payload of every range asked; one that failed counted as the bytes
+                              # our transport read meanwhile (at most the range; whole where the
+                              # transport counts none): an upper bound
     buffer: torch.Tensor | None = None  # uint8, the layout's total bytes; [0, held) arrived
     held: int = 0
 
@@ -120,6 +121,8 @@ async def fetch_state(transport, holders: list[str], layout: StateLayout, *,
                 if digest is not None:
                     meta["phi"] = digest
                 asked += length
+                counters = getattr(transport, "counters", None)
+                read_before = counters.bytes_received if counters is not None else None
                 try:
                     received = await transport.request(holder, STATE_KIND, 0, meta=meta,
                                                        expected_reply_bytes=length,
@@ -128,6 +131,8 @@ async def fetch_state(transport, holders: list[str], layout: StateLayout, *,
                 except (P2PError, ValueError) as exc:
                     if isinstance(exc, RemoteRefused):  # refused before any byte of it was sent
                         asked -= length
+                    elif read_before is not None:  # what arrived of it, at most (other streams too)
+                        asked -= length - min(length, counters.bytes_received - read_before)
                     log.warning("state range %d+%d from %s failed (%s); %d of %d bytes held",
                                 offset, length, holder, exc, offset, total)
                     errors.append((holder, exc))

@@ -16,10 +16,13 @@ it sent and received at against its link, and its peak RSS (VmHWM). The joiner: 
 fetched against one state, its servers, its download time against bytes / link rate.
 
     flock /tmp/lowcomm-heavy.lock .venv/bin/python benchmarks/small_links.py --protocol noloco
-    flock /tmp/lowcomm-heavy.lock .venv/bin/python benchmarks/small_links.py --protocol dilocox
+    flock /tmp/lowcomm-heavy.lock .venv/bin/python benchmarks/small_links.py --protocol dilocox \
+        --links 100mbit,25mbit,25mbit --join-after-rounds 1 --deadline-s 480   # what fits 24 GiB
 
-Needs root (namespaces) and about 20 GB of memory (four `small` daemons). Writes
-benchmarks/small_links_<protocol>.json and prints the tables for benchmarks/RESULTS.md.
+Needs root (namespaces) and memory: a `small` node peaks at 6-8.5 GiB here, so the default
+four daemons need about 30 GiB (on a 24 GiB machine the kernel kills a member); `--links` with
+two members and the joiner fits. Writes benchmarks/small_links_<protocol>.json (or --out) and
+prints the tables for benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -237,6 +237,10 @@ class LateJoined(Event, kind="late_join", logged=True):
     round: int
     state_round: int | None
     digest: str | None
+    bytes_fetched: int = 0         # the state's bytes asked of its servers, in all
+    state_bytes: int = 0           # one state's bytes
+    sources: tuple[str, ...] = ()  # the members that served its ranges, in order
+    download_s: float = 0.0        # from the first question to a member to the state verified
 
 
 @dataclass(frozen=True)

@@ -135,8 +135,9 @@ async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolic
             await wait_min_peers(node, cache)
             return 0
     own_phi = (await node.loop.run_in_executor(None, policy.export_state))[1]["phi"]
-    joined = await StateAdoption(node.network.transport, cache, cache.bans, node.manifest, timeouts,
-                                 own_phi).run()
+    adoption = StateAdoption(node.network.transport, cache, cache.bans, node.manifest, timeouts, own_phi)
+    asked_at = time.monotonic()
+    joined = await adoption.run()
     if joined is None:
         return trainer.step // H
     await node.loop.run_in_executor(None, policy.adopt, joined.tensors, joined.meta.get("phi_round"))
@@ -144,7 +145,9 @@ async def resume_or_join(node: Daemon, trainer: InnerTrainer, policy: RoundPolic
     trainer.start_at(start * H)
     node.events.publish(LateJoined(source=joined.source, round=start,
                                    state_round=joined.meta.get("phi_round"),
-                                   digest=joined.meta.get("phi")))
+                                   digest=joined.meta.get("phi"), bytes_fetched=joined.bytes_fetched,
+                                   state_bytes=adoption.layout.total, sources=joined.sources,
+                                   download_s=round(time.monotonic() - asked_at, 3)))
     return start
 
 

@@ -18,6 +18,11 @@ Rules:
   beyond that, the oldest rounds first, are dropped: such a download is refused and restarts
   on the latest state), so serving holds at most 1 + `PINNED_OLDER` exports, whatever the
   number of peers.
+- A request with meta "sketch" (a seed) and "count" asks instead for the state's values at the
+  elements `sketch_indices` draws from that seed (at most `SKETCH_MAX_VALUES`, 256 KiB): what a
+  NoLoCo joiner compares members' states by before it downloads one of them whole.
+- A request with meta "release" drops the peer's pin (a joiner's, once its join is over,
+  whatever came of it): a member it only asked for a sketch keeps no older export for it.
 - At most one state request of each peer is served at a time: a peer's request holds its slot
   from `respond` until the transport says that request's exchange is over (`finished`, given
   to `transport.on_request`). A second request while the first's exchange is still on waits up
@@ -34,9 +39,10 @@ import weakref
 from collections.abc import Callable
 
 from node.rounds.policy import RoundPolicy
-from node.rounds.state import CHUNK_MAX_BYTES, FP32_BYTES, STATE_KIND, StateExport
+from node.rounds.state import (CHUNK_MAX_BYTES, FP32_BYTES, SKETCH_MAX_VALUES, STATE_KIND, StateExport,
+                               sketch_indices)
 from p2p.errors import Reason, Refusal
-from p2p.messages import OutgoingMessage
+from p2p.messages import OutgoingMessage, OutgoingTensor
 
 
 PINNED_OLDER = 2
@@ -127,6 +133,9 @@ class StateServer:
             raise
 
     async def _reply(self, peer: bytes, meta) -> OutgoingMessage:
+        if meta.get("release") is True:  # the peer's join is over: its pin goes
+            self._pinned.pop(peer, None)
+            return OutgoingMessage(STATE_KIND, 0, (), {"released": True})
         wanted, digest = meta.get("phi_round"), meta.get("phi")
         offset, length = meta.get("offset", 0), meta.get("length", CHUNK_MAX_BYTES)
         if type(offset) is not int or type(length) is not int or length <= 0 \
@@ -140,17 +149,35 @@ class StateServer:
                                           f"digest {export.digest[:12]}, not {digest[:12]}")
         if type(wanted) is int and wanted != export.round and isinstance(digest, str):
             raise Refusal(Reason.REFUSED, f"this node no longer holds the state of round {wanted}")
+        round_now = self.current_round() if self.current_round else None
+        round_now = export.round + 1 if round_now is None else round_now
+        said = {"round": round_now, "phi_round": export.round, "phi": export.digest, "total": export.total}
+        if "sketch" in meta:
+            return self._sketch(peer, export, meta.get("sketch"), meta.get("count"), said)
         if not 0 <= offset < export.total:
             raise Refusal(Reason.MALFORMED, f"offset {offset} lies outside the state's "
                                             f"{export.total} bytes")
         length = min(length, CHUNK_MAX_BYTES, export.total - offset)
-        round_now = self.current_round() if self.current_round else None
-        round_now = export.round + 1 if round_now is None else round_now
         self._pin(peer, export, done=offset + length >= export.total)
-        return OutgoingMessage(STATE_KIND, 0, export.chunk(offset, length),
-                               {"round": round_now, "phi_round": export.round, "phi": export.digest,
-                                "offset": offset, "total": export.total},
+        return OutgoingMessage(STATE_KIND, 0, export.chunk(offset, length), said | {"offset": offset},
                                frame_digests=export.digests_of(offset, length))
+
+    def _sketch(self, peer: bytes, export: StateExport, seed, count, said: dict) -> OutgoingMessage:
+        """The export's values at the elements `sketch_indices(seed, ..., count)` names; the
+        export stays pinned for `peer`, as after a range that is not the last (a joiner asks
+        sketches of several members, then downloads one of the states it saw)."""
+        if type(seed) is not int or type(count) is not int or not 0 <= seed < 1 << 63 \
+                or not 0 < count <= SKETCH_MAX_VALUES:
+            raise Refusal(Reason.MALFORMED, f"a sketch request names a seed (0 to 2^63) and a count "
+                                            f"of values (1 to {SKETCH_MAX_VALUES})")
+        self._pin(peer, export, done=False)
+        values = export.sample(sketch_indices(seed, export.total // FP32_BYTES, count))
+        # in parts no larger than the model's largest tensor, as ranges are (the swarm's wire
+        # limits bound a tensor's elements by it); the receiver reads their bytes in order
+        largest = max(t.data.nbytes for t in export.tensors) // FP32_BYTES
+        parts = [values[at:at + largest] for at in range(0, len(values), largest)]
+        return OutgoingMessage(STATE_KIND, 0, [OutgoingTensor(f"sketch/{k}", "float32", part.shape, part)
+                                               for k, part in enumerate(parts)], said | {"sketch": seed})
 
     def _pin(self, peer: bytes, export: StateExport, done: bool) -> None:
         """`peer` downloads `export` (until `done`); the pins of older exports kept in bound."""

@@ -46,6 +46,8 @@ CHUNK_MAX_BYTES = 32 * 1024 * 1024
 CHUNK_MIN_BYTES = 256 * 1024
 CHUNK_FRACTION = 1 / 20
 DIGESTS_KEPT = 256
+# A sketch (`StateExport.sample`) holds at most this many of a state's fp32 values: 256 KiB
+SKETCH_MAX_VALUES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,16 @@ class StateExport:
             return {}
         return self.frame_digests.setdefault((offset, length), {})
 
+    def sample(self, indices: np.ndarray) -> np.ndarray:
+        """The state's fp32 values at element `indices` (sorted, within the state): a sketch."""
+        out, position = np.empty(len(indices), dtype=np.float32), 0
+        for tensor in self.tensors:
+            flat = tensor.data.reshape(-1).view(np.uint8).view(np.float32)
+            low, high = np.searchsorted(indices, (position, position + flat.size))
+            out[low:high] = flat[indices[low:high] - position]
+            position += flat.size
+        return out
+
     def chunk(self, offset: int, length: int) -> list[OutgoingTensor]:
         """Bytes [offset, offset + length) as fp32 views of the export's tensors, one per tensor
         it touches (each no larger than that tensor: the swarm's wire limits bound a tensor's
@@ -135,6 +147,15 @@ class StateExport:
             if position >= stop:
                 break
         return out
+
+
+def sketch_indices(seed: int, elements: int, count: int) -> np.ndarray:
+    """The sorted element indices a sketch of `seed` samples from a state of `elements` fp32
+    values: every element when `count` covers them all, else `count` drawn at random (with
+    replacement) by numpy's PCG64 from `seed`, the same on both sides of a request."""
+    if count >= elements:
+        return np.arange(elements, dtype=np.int64)
+    return np.sort(np.random.default_rng(seed).integers(0, elements, count, dtype=np.int64))
 
 
 def encode_state(groups: dict[str, dict[str, torch.Tensor]]) -> list:

@@ -41,7 +41,8 @@ from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD
 from node.daemon.state_serving import StateServer
-from node.rounds.state import STATE_KIND, StateLayout, announcement
+from node.rounds.state import SKETCH_MAX_VALUES, STATE_KIND, StateLayout, announcement
+from p2p.errors import Reason, Refusal
 from p2p.membership import Membership
 from p2p.messages import OutgoingMessage, ReceivedMessage
 from p2p.origin import sign_origin
@@ -124,9 +125,10 @@ async def running_members(p2p_cleanup, tmp_path, manifest, count: int):
 
 
 async def join_once(joiner: Member, manifest, members: list[Member], rng_first: str | None,
-                    meanwhile=None):
+                    meanwhile=None, reference: dict | None = None):
     """A fresh joiner's view (cache, bans) of the swarm as it stands; its adopted state and bans.
-    `meanwhile(adoption)`, if given, runs beside the adoption (a swarm that moves on)."""
+    `meanwhile(adoption)`, if given, runs beside the adoption (a swarm that moves on);
+    `reference`: the joiner's own φ (default: `tensors(99)`)."""
     bans = BanList(ban_after=3, ban_seconds=600)
     cache = MemberCache(joiner.membership, BackgroundTasks(), manifest=manifest.digest, bans=bans, refresh_s=0.2)
     expected = {m.peer: m.membership.record.round for m in members}
@@ -138,7 +140,8 @@ async def join_once(joiner: Member, manifest, members: list[Member], rng_first: 
             holders = sorted(expected)
             rng = next(random.Random(seed) for seed in range(1000)
                        if _first(random.Random(seed), holders) == rng_first)
-        adoption = StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS, tensors(99), rng)
+        adoption = StateAdoption(joiner.transport, cache, bans, manifest, TIMEOUTS,
+                                 tensors(99) if reference is None else reference, rng)
         joined, _ = await asyncio.gather(adoption.run(), meanwhile(adoption) if meanwhile else asyncio.sleep(0))
         return joined, bans
     finally:
@@ -234,6 +237,82 @@ def test_noloco_late_join_asks_again_after_a_round_when_two_honest_states_disagr
             assert weights_digest(joined.tensors["phi"]) in closer
             assert joined.round_index == HONEST_ROUND + 1
             assert not bans.is_banned(honest_a.peer) and not bans.is_banned(honest_b.peer)
+    run(body(), timeout_s=120)
+
+
+def wide(seed: int, base: dict | None = None) -> dict[str, torch.Tensor]:
+    """A state of about a million parameters (8.4 MB with its momentum: 20 ranges); near `base`."""
+    g = torch.Generator().manual_seed(seed)
+    fresh = {"w": torch.randn(1024, 1024, generator=g), "b": torch.randn(1024, generator=g)}
+    return fresh if base is None else {n: base[n] + 0.01 * fresh[n] for n in base}
+
+
+def test_a_noloco_joiner_fetches_the_bytes_of_one_state_and_only_sketches_of_the_others(tmp_path, p2p_cleanup):
+    """Three honest members with states of their own: the quorum compares sketches, and the
+    joiner receives about one state's bytes (not three), from one member, and adopts it."""
+    manifest = small_manifest("t-quorum-once", "noloco")
+    base = wide(1)
+    total = StateLayout.of(base).total
+
+    async def body():
+        async with running_members(p2p_cleanup, tmp_path, manifest, 4) as members:
+            *holders, joiner = members
+            digests = {await m.behave(wide(2 + i, base)) for i, m in enumerate(holders)}
+            before = joiner.transport.counters.bytes_received
+            sent = [m.transport.counters.bytes_sent for m in holders]
+            joined, bans = await join_once(joiner, manifest, holders, None, reference=wide(99))
+            received = joiner.transport.counters.bytes_received - before
+            assert received <= 1.15 * total, f"{received} bytes received for a state of {total}"
+            assert joined is not None and weights_digest(joined.tensors["phi"]) in digests
+            served = sorted(m.transport.counters.bytes_sent - s for m, s in zip(holders, sent))
+            assert served[-1] >= total and sum(served[:-1]) <= 0.1 * total, served
+            assert joined.bytes_fetched == total and len(joined.sources) == 1, joined.sources
+            assert not any(bans.is_banned(m.peer) for m in holders)
+    run(body(), timeout_s=120)
+
+
+def test_a_noloco_download_that_breaks_resumes_at_the_nearest_agreeing_state_without_fetching_again(
+        tmp_path, p2p_cleanup):
+    """Each member stops serving ranges after its 8th (as one that left mid-transfer would: the
+    refusal ends its part of the download): of 20 ranges, the chosen member serves 8, the
+    agreeing state nearest it the next 8, the third the last 4. The joiner receives one state's
+    bytes (and the sketches), and adopts exactly the ranges each served, banning nobody."""
+    manifest = small_manifest("t-quorum-resume", "noloco")
+    base = wide(1)
+    layout = StateLayout.of(base)
+    chunk = layout.chunk_bytes()
+
+    async def body():
+        async with running_members(p2p_cleanup, tmp_path, manifest, 4) as members:
+            *holders, joiner = members
+            for i, m in enumerate(holders):
+                await m.behave(wide(2 + i, base))
+                served = []
+
+                async def leaving(header, server=m.server, served=served):
+                    if "offset" in header.meta:
+                        if len(served) >= 8:
+                            raise Refusal(Reason.REFUSED, "this member is leaving")
+                        served.append(header.meta["offset"])
+                    return await server.respond(header)
+                m.transport.on_request(STATE_KIND, leaving, accept_round=lambda _r: True)
+            before = joiner.transport.counters.bytes_received
+            joined, bans = await join_once(joiner, manifest, holders, None, reference=wide(99))
+            received = joiner.transport.counters.bytes_received - before
+            assert joined is not None and len(joined.sources) == 3, joined and joined.sources
+            sketches = 7 * 4 * SKETCH_MAX_VALUES  # three to choose, one fresh of each server, slack
+            assert received <= layout.total + sketches, f"{received} bytes for a state of {layout.total}"
+            assert joined.bytes_fetched == layout.total
+            flat = torch.cat([t.reshape(-1) for g in ("phi", "momentum")
+                              for _, t in sorted(joined.tensors[g].items())]).numpy().view(np.uint8)
+            by_peer = {m.peer: m for m in holders}
+            for k, source in enumerate(joined.sources):   # 8, 8 and 4 ranges, in that order
+                state = by_peer[source].served.state[1]
+                own = torch.cat([t.reshape(-1) for g in ("phi", "momentum")
+                                 for _, t in sorted(state[g].items())]).numpy().view(np.uint8)
+                start, end = 8 * k * chunk, min(layout.total, 8 * (k + 1) * chunk)
+                assert np.array_equal(flat[start:end], own[start:end]), f"range {k} is not {source}'s"
+            assert not any(bans.is_banned(m.peer) for m in holders)
     run(body(), timeout_s=120)
 
 

@@ -65,6 +65,14 @@ def test_a_break_resumes_at_the_next_holder_where_it_stopped():
     assert fetched.served_phi_alone() == "a"  # its ranges held all of φ (the first half)
 
 
+def test_a_range_that_broke_counts_what_the_transport_read_of_it_not_its_whole_length():
+    """A holder gone before a byte of its range came (the stream never opened) costs no bytes."""
+    network = Network({"a": holder(1), "b": holder(1)}, breaks={"a": 3})
+    network.counters = SimpleNamespace(bytes_received=0)  # the broken request read nothing
+    fetched = asyncio.run(fetch_state(network, ["a", "b"], LAYOUT))
+    assert fetched.bytes_fetched == LAYOUT.total
+
+
 def test_a_holder_of_another_state_is_not_mixed_in():
     network = Network({"a": holder(1), "c": holder(2), "b": holder(1)}, breaks={"a": 2})
     fetched = asyncio.run(fetch_state(network, ["a", "c", "b"], LAYOUT))

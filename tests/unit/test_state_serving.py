@@ -193,3 +193,61 @@ def test_a_newer_round_is_exported_once_and_the_older_export_goes_with_its_last_
             await respond(header(b"a", offset=200, length=100, phi_round=4, phi=digest_4))
         assert gone.value.reason is Reason.REFUSED
     asyncio.run(scenario())
+
+
+def test_a_sketch_is_the_states_values_at_the_seeds_elements_and_finds_bytes_that_differ():
+    """A sketch reply holds the export's values at `sketch_indices(seed)` (a sample of a state
+    larger than the count; every element of a smaller one); a downloaded range that differs
+    where the sketch sampled it is counted; a malformed sketch request is refused in a sentence."""
+    from node.rounds.state import sketch_indices
+    from node.rounds.state_fetch import FetchedState, StateSketch
+    policy = Policy()
+    state_round, groups, digest = policy.export_state()
+    layout = StateLayout.of(policy.phi)
+    flat = torch.cat([t.reshape(-1) for g in ("phi", "momentum") for _, t in sorted(groups[g].items())])
+
+    async def ask(**meta):
+        return await handler(policy)(header(b"p", **meta))
+    for count in (1000, 1 << 16):
+        reply = asyncio.run(ask(sketch=7, count=count))
+        indices = sketch_indices(7, layout.total // 4, count)
+        largest = max(t.numel() for t in policy.phi.values())
+        assert all(t.shape[0] <= largest for t in reply.tensors)  # within the swarm's wire limits
+        values = np.concatenate([np.asarray(t.data) for t in reply.tensors])
+        assert len(values) == min(count, layout.total // 4) and reply.meta["phi"] == digest
+        assert np.array_equal(values, flat.numpy()[indices])
+    sketch = StateSketch("p", reply.meta, indices, values, layout.total // 8)
+    assert abs(sketch.phi_norm() - float(policy.phi["w"].norm().hypot(policy.phi["b"].norm()))) < 1e-3
+    buffer = torch.frombuffer(bytearray(flat.numpy().tobytes()), dtype=torch.uint8)
+    fetched = FetchedState({}, digest, {}, buffer=buffer, held=layout.total)
+    assert sketch.mismatches(fetched, 0, layout.total) == 0
+    flat_view = buffer.numpy().view(np.float32)
+    flat_view[100] += 1.0   # one value of the first range changed
+    assert sketch.mismatches(fetched, 0, 4096) == 1 and sketch.mismatches(fetched, 4096, layout.total) == 0
+    for bad in ({"sketch": -1, "count": 10}, {"sketch": 1, "count": 0}, {"sketch": 1, "count": 1 << 20},
+                {"sketch": "x", "count": 10}):
+        with pytest.raises(Refusal) as refused:
+            asyncio.run(ask(**bad))
+        assert refused.value.reason == Reason.MALFORMED and "sketch request" in str(refused.value)
+
+
+def test_a_sketch_pins_the_export_for_its_peer_and_a_release_lets_it_go():
+    """A member asked only for a sketch keeps that round's export for the asker (a download may
+    follow, however many rounds later) until the asker releases it."""
+    policy = Policy()
+
+    async def scenario():
+        respond = handler(policy)
+        await respond(header(b"j", sketch=1, count=10))
+        server = state_serving_of(respond)
+        pinned = dict(server._pinned)
+        released = await respond(header(b"j", release=True))
+        return pinned, dict(server._pinned), released
+    pinned, after, released = asyncio.run(scenario())
+    assert list(pinned) == [b"j"] and after == {} and released.meta == {"released": True}
+
+
+def state_serving_of(respond) -> state_serving.StateServer:
+    server = getattr(respond, "__self__", None)
+    assert isinstance(server, state_serving.StateServer), respond
+    return server

@@ -143,6 +143,10 @@ class NodeHandle:
 
 
 class SwarmHarness:
+    # what `python` runs before `join ...`: the daemon's command line, or a wrapper that takes
+    # the same arguments (a benchmark's meter) and hands them to node.cli
+    entry: tuple[str, ...] = ("-m", "node.cli")
+
     def __init__(self, base: Path, manifest: Manifest):
         self.base = Path(base)
         self.manifest_path = write_manifest(manifest, self.base / "manifest.toml")
@@ -155,7 +159,7 @@ class SwarmHarness:
         data_dir = data_dir or self.base / f"node-{index}"
         data_dir.mkdir(parents=True, exist_ok=True)
         DataDir(data_dir).address.unlink(missing_ok=True)
-        command = [sys.executable, "-m", "node.cli", "join", "--manifest", str(self.manifest_path),
+        command = [sys.executable, *self.entry, "join", "--manifest", str(self.manifest_path),
                    "--data-dir", str(data_dir), "--listen", "/ip4/127.0.0.1/tcp/0", *extra]
         for peer in peers:
             command += ["--peer", peer]

@@ -54,6 +54,7 @@ def handler(policy: Policy):
         async def served(request):
             return await respond(request)
         served.finished = lambda peer: finished(header(peer))
+        served.server = respond.__self__
         handlers[kind] = served
     transport = SimpleNamespace(on_request=on_request,
                                 counters=SimpleNamespace(counted_reply=lambda respond: respond))
@@ -239,6 +240,7 @@ def test_a_sketch_pins_the_export_for_its_peer_and_a_release_lets_it_go():
     async def scenario():
         respond = handler(policy)
         await respond(header(b"j", sketch=1, count=10))
+        respond.finished(b"j")
         server = state_serving_of(respond)
         pinned = dict(server._pinned)
         released = await respond(header(b"j", release=True))
@@ -248,6 +250,6 @@ def test_a_sketch_pins_the_export_for_its_peer_and_a_release_lets_it_go():
 
 
 def state_serving_of(respond) -> state_serving.StateServer:
-    server = getattr(respond, "__self__", None)
+    server = getattr(respond, "server", None)
     assert isinstance(server, state_serving.StateServer), respond
     return server

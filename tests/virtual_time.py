@@ -49,3 +49,6 @@ def run_virtual(main: Coroutine) -> Any:
     """`asyncio.run(main)` on a VirtualTimeLoop."""
     with asyncio.Runner(loop_factory=VirtualTimeLoop) as runner:
         return runner.run(main)
+
+
+run = run_virtual  # the name asyncio.run has

@@ -26,7 +26,7 @@ from tests.dilocox_parts import HoldingTransport, exchange, member, relayed_copy
 from tests.p2p_helpers import as_received
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
-from tests.virtual_time import run_virtual
+from tests.virtual_time import run as run_virtual
 
 REFRESH_S = NodeTimeouts().member_refresh_s  # the consensus check looks at the votes this often
 

@@ -21,7 +21,7 @@ from tests.dilocox_parts import HoldingTransport, deliver, exchange, member, rel
 from tests.p2p_helpers import make_header
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
-from tests.virtual_time import run_virtual
+from tests.virtual_time import run as run_virtual
 
 
 def test_with_a_committee_a_round_waits_only_for_the_members_drawn_to_send_in_it():

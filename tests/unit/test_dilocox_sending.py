@@ -16,7 +16,7 @@ from p2p.limits import TransferLimits
 from p2p.messages import OutgoingMessage
 from tests.dilocox_parts import member
 from tests.swarm_parts import unit_swarm
-from tests.virtual_time import run_virtual
+from tests.virtual_time import run as run_virtual
 
 
 class FailingTransport:

@@ -1,15 +1,21 @@
 """The member cache's view when the DHT stops answering, and the --min-peers wait it feeds (the
 real DHT path is covered by tests/integration/test_fault_points.py's cut link; these stand-ins
-let a unit test choose exactly what each lookup answers)."""
+let a unit test choose exactly what each lookup answers).
+
+Every test runs on virtual time (tests/virtual_time.py), and the cache's own clock is injected
+where records expire: no test asserts a window of wall-clock time."""
 
 import asyncio
 import time
+
+import pytest
 
 from node.daemon.members import MemberCache
 from node.loop import BackgroundTasks
 from node.rounds.contributions import BanList
 from p2p.errors import HostError
 from p2p.records import MemberRecord
+from tests.virtual_time import run
 
 
 class LookupThatFailsAfterOneAnswer:
@@ -63,7 +69,7 @@ def test_members_expire_on_time_while_refreshes_fail():
         # "a" expired although no refresh succeeded; "b" is still alive; both stay known
         assert [r.peer_id for r in cache.peers()] == ["b"]
         assert set(cache.records) == {"a", "b"}
-    asyncio.run(scenario())
+    run(scenario())
 
 
 class LookupThatLosesRecords:
@@ -107,7 +113,7 @@ def test_a_member_whose_message_came_stays_in_the_view_while_lookups_miss_it():
         cache.vouch("a")
         await cache.refresh()  # its tombstone
         assert cache.peers() == []
-    asyncio.run(scenario())
+    run(scenario())
 
 
 class HostThatRecordsRedials:
@@ -140,12 +146,12 @@ def test_a_member_seen_only_before_the_first_check_is_still_redialled():
         host = HostThatRecordsRedials()
         reconnector = Reconnector(host, cache, NodeTimeouts(alone_before_redial_s=0.0))
         reconnector.check()
-        deadline = time.monotonic() + 5
-        while not host.redialled and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        async with asyncio.timeout(5.0):  # bounded, on the loop's virtual clock
+            while not host.redialled:
+                await asyncio.sleep(0.01)
         await reconnector.stop()
         assert host.redialled == [["/ip4/127.0.0.1/tcp/4001/p2p/b"]]
-    asyncio.run(scenario())
+    run(scenario())
 
 
 class LookupThatGrows:
@@ -184,24 +190,26 @@ def test_the_min_peers_wait_reports_members_it_sees_but_does_not_count():
         cache = MemberCache(LookupThatGrows(records), BackgroundTasks(), manifest="m", bans=bans,
                             refresh_s=0.05)
         await cache.start()
+        loop = asyncio.get_running_loop()
         node = SimpleNamespace(settings=SimpleNamespace(min_peers=2, min_peers_timeout_s=timeout_s),
-                               loop=asyncio.get_running_loop(), stop_event=asyncio.Event(),
-                               events=bus)
-        began = time.monotonic()
+                               loop=loop, stop_event=asyncio.Event(), events=bus)
+        began = loop.time()
         await wait_min_peers(node, cache)
+        waited = loop.time() - began
         await cache.stop(1.0)
-        return [e.record() for e in seen], feed.status, time.monotonic() - began
+        return [e.record() for e in seen], feed.status, waited
 
     later = time.monotonic() + 3600
     members = [record(p, later) for p in ("a", "bad", "c")]
-    events, status, waited = asyncio.run(wait(members[:2], "bad", 0.5))
+    events, status, waited = run(wait(members[:2], "bad", 0.5))
     assert [{k: e[k] for k in ("event", "eligible", "alive", "known")} for e in events[:2]] == [
         {"event": "waiting_for_peers", "eligible": 1, "alive": 1, "known": 1},
         {"event": "waiting_for_peers", "eligible": 1, "alive": 2, "known": 2}]
     assert events[-1]["event"] == "min_peers_timeout" and events[-1]["found"] == 1
-    assert (status.peers_alive, status.peers_known) == (2, 2) and waited >= 0.5
-    events, _, waited = asyncio.run(wait(members, None, 30.0))
-    assert [e["eligible"] for e in events] == [1, 2] and waited < 5.0
+    assert (status.peers_alive, status.peers_known) == (2, 2) and waited == pytest.approx(0.5)
+    events, _, waited = run(wait(members, None, 30.0))
+    # the second lookup, one refresh (0.05 s) after the first, brings the second eligible member
+    assert [e["eligible"] for e in events] == [1, 2] and waited == pytest.approx(0.05)
 
 
 class CountingLookup:
@@ -218,9 +226,9 @@ class CountingLookup:
 
 
 def test_lookups_follow_demand_fast_while_a_decision_waits_and_at_the_idle_cadence_otherwise():
-    """Nothing waits: no lookup within 0.2 s at a fast cadence of 0.01 s (only slowness could
-    lower the count, never raise it). `want_fresh` looks up at once and every 0.01 s until its
-    window, on the injected clock, has passed; then the lookups stop again."""
+    """Nothing waits: no lookup within 0.2 s at a fast cadence of 0.01 s. `want_fresh` looks up
+    at once and every 0.01 s until its window, on the injected clock, has passed; then the
+    lookups stop again."""
     async def scenario():
         clock, lookup = ManualClock(), CountingLookup()
         cache = MemberCache(lookup, BackgroundTasks(), manifest="m", bans=BanList(2, 60.0),
@@ -234,6 +242,6 @@ def test_lookups_follow_demand_fast_while_a_decision_waits_and_at_the_idle_caden
         await lookups_made(lookup, lookup.calls + 1)  # the iteration that sees it
         settled = lookup.calls
         await asyncio.sleep(0.2)
-        assert lookup.calls <= settled + 1, "the fast cadence outlived its demand"
+        assert lookup.calls == settled, "the fast cadence outlived its demand"
         await cache.stop(1.0)
-    asyncio.run(scenario())
+    run(scenario())

@@ -62,8 +62,10 @@ def test_sigkill_mid_dilocox_send_survivors_agree_and_the_node_rejoins(harness_f
 
 
 def test_sigkill_mid_late_join_transfer_the_joiner_takes_another_members_state(harness_factory):
-    """The serving member dies halfway through the first frame of the state; the joiner drops
-    what it got, asks the next member, and starts from a verified state."""
+    """The serving member dies halfway through the first state reply it sends the joiner (a
+    sketch of its state, or a range of it, whichever the joiner asks it first); the joiner goes
+    on with the other members and starts from a verified state of theirs. (A download broken
+    mid-range and resumed at another holder: tests/integration/test_state_transfer.py.)"""
     harness = harness_factory(adversary_manifest("t-serve-kill"), harness_class=FaultHarness)
     paced = ["--min-peers", "2", "--set", "train.min_step_seconds=0.25"]
     first = harness.start_node(0, extra=paced)
@@ -84,7 +86,7 @@ def test_sigkill_mid_late_join_transfer_the_joiner_takes_another_members_state(h
     late = joiner.wait_for(has("late_join"), 120, "the joiner to start from a member's state")
     source = next(e for e in late if e["event"] == "late_join")["source"]
     assert source in (first.peer_id, second.peer_id), source
-    assert f" from {server_id} failed" in joiner.log_tail(100_000)  # a range of its state broke off
+    assert server_id not in next(e for e in late if e["event"] == "late_join").get("sources", ())
     joiner.wait_rounds(2, timeout=90)
     for node in (first, second):
         node.wait_rounds(len(node.events("round")) + 1, timeout=60)

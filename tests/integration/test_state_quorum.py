@@ -36,6 +36,7 @@ from node.daemon.state_quorum import StateAdoption
 from node.events import ReplayReady, ResyncReady
 from node.loop import BackgroundTasks
 from node.rounds.contributions import BanList
+from node.rounds.dilocox.link import Download, Replay
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
@@ -295,7 +296,8 @@ def test_a_noloco_download_that_breaks_resumes_at_the_nearest_agreeing_state_wit
                             raise Refusal(Reason.REFUSED, "this member is leaving")
                         served.append(header.meta["offset"])
                     return await server.respond(header)
-                m.transport.on_request(STATE_KIND, leaving, accept_round=lambda _r: True)
+                m.transport.on_request(STATE_KIND, leaving, accept_round=lambda _r: True,
+                                       finished=m.server.finished)
             before = joiner.transport.counters.bytes_received
             joined, bans = await join_once(joiner, manifest, holders, None, reference=wide(99))
             received = joiner.transport.counters.bytes_received - before
@@ -361,8 +363,8 @@ def test_dilocox_resync_bans_a_holder_serving_another_phi_and_takes_the_honest_o
             exchange = DiLoCoXExchange(ProtocolSection(name="dilocox"), swarm, random.Random(0))
             await exchange.consensus.check(HONEST_ROUND - 1, "f" * 32)   # ours diverged
             resync = exchange.consensus.resyncs[HONEST_ROUND - 1]
-            assert resync["source"] == honest.peer
-            assert weights_digest(resync["slow_weights"]) == digest
+            assert isinstance(resync, Download) and resync.source == honest.peer
+            assert weights_digest(resync.phi) == digest
             assert [e.source for e in events if isinstance(e, ResyncReady)] == [honest.peer]
             assert swarm.bans.is_banned(liar.peer) and liar.host.peer_id.to_bytes() in node.transport._bans
     run(body(), timeout_s=120)
@@ -407,11 +409,12 @@ def test_a_diverged_dilocox_node_replays_its_step_over_real_streams_instead_of_d
             exchange.relay.accepted(holder.peer, signed(holder, holder))  # ours missed the author's
             exchange.consensus.agreed = HONEST_ROUND - 2  # our φ of the round before was the majority's
             await exchange.consensus.check(HONEST_ROUND - 1, "f" * 32)   # ours diverged
-            recipe = exchange.consensus.resyncs[HONEST_ROUND - 1]["replay"]
-            assert recipe["steps"] == [(HONEST_ROUND - 1, target, senders)]
-            assert recipe["digest"] == digest
-            assert sorted(recipe["messages"]) == sorted([(target, holder.peer), (target, author.peer)])
-            assert exchange.relay.authored_by(author.peer, recipe["messages"][(target, author.peer)])
+            recipe = exchange.consensus.resyncs[HONEST_ROUND - 1]
+            assert isinstance(recipe, Replay)
+            assert recipe.steps == [(HONEST_ROUND - 1, target, senders)]
+            assert recipe.digest == digest
+            assert sorted(recipe.messages) == sorted([(target, holder.peer), (target, author.peer)])
+            assert exchange.relay.authored_by(author.peer, recipe.messages[(target, author.peer)])
             assert [(e.source, e.fetched) for e in events if isinstance(e, ReplayReady)] == [(holder.peer, 1)]
             assert not [e for e in events if isinstance(e, ResyncReady)]
     run(body(), timeout_s=120)

@@ -85,8 +85,7 @@ async def start(args, name: str, peers: list[str]) -> tuple[P2PHost, Transport]:
 async def hold(args) -> None:
     host, transport = await start(args, args.name, [])
     server = StateServer(held(args.params))
-    transport.on_request(STATE_KIND, server.respond, accept_round=lambda _r: True,
-                         finished=server.finished)
+    server.register(transport)
     await transport.start()
     addr = Path(args.out, f"{args.name}.addr")
     addr.with_suffix(".tmp").write_text("\n".join(await host.maddrs()))

@@ -18,7 +18,6 @@ from node.daemon.worker import TrainingWorker
 from node.events import Failed
 from node.rounds.policy import RoundPolicy
 from node.daemon.state_serving import StateServer
-from node.rounds.state import STATE_KIND
 from node.train.trainer import InnerTrainer
 
 if TYPE_CHECKING:
@@ -30,8 +29,7 @@ def serve_state(node: Daemon, policy: RoundPolicy) -> StateServer:
     one shared export a round (node/daemon/state_serving.py)."""
     server = StateServer(policy, lambda: node.worker.round_index if node.worker else None)
     transport = node.network.transport  # its refusals (no round yet) count like any other
-    transport.on_request(STATE_KIND, transport.counters.counted_reply(server.respond),
-                         accept_round=lambda _r: True, finished=server.finished)
+    server.register(transport, transport.counters.counted_reply(server.respond))
     return server
 
 

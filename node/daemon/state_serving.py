@@ -52,8 +52,8 @@ BUSY_WAIT_S = 5.0
 
 
 class StateServer:
-    """The reply handler of STATE_KIND requests for one round policy: register it with
-    `transport.on_request(STATE_KIND, server.respond, finished=server.finished, ...)`."""
+    """The reply handler of STATE_KIND requests for one round policy (`register` puts it on a
+    transport with the `finished` its per-peer slots depend on)."""
 
     def __init__(self, policy: RoundPolicy, current_round: Callable[[], int | None] | None = None,
                  busy_wait_s: float | None = None):
@@ -69,6 +69,13 @@ class StateServer:
         self._let_go: dict[bytes, asyncio.Event] = {}  # set when the peer's slot is freed
         self._pinned: dict[bytes, StateExport] = {}  # peer -> the export it is downloading
         self.exports_made = 0
+
+    def register(self, transport, respond: Callable | None = None) -> None:
+        """Answers STATE_KIND requests on `transport` with `respond` (default `self.respond`; a
+        wrapper of it, e.g. one that counts refusals), each peer's slot freed by the transport's
+        `finished` once its request's exchange is over."""
+        transport.on_request(STATE_KIND, respond or self.respond, accept_round=lambda _r: True,
+                             finished=self.finished)
 
     def in_flight(self, peer: bytes) -> bool:
         return peer in self._taken

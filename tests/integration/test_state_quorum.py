@@ -42,7 +42,7 @@ from node.rounds.dilocox.relay import Relay
 from node.rounds.dilocox.replay import StepReplay
 from node.rounds.dilocox.sending import PGRAD
 from node.daemon.state_serving import StateServer
-from node.rounds.state import SKETCH_MAX_VALUES, STATE_KIND, StateLayout, announcement
+from node.rounds.state import SKETCH_MAX_VALUES, StateLayout, announcement
 from p2p.errors import Reason, Refusal
 from p2p.membership import Membership
 from p2p.messages import OutgoingMessage, ReceivedMessage
@@ -85,8 +85,7 @@ class Member:
         self.served = FixedState()
         self.round_now = 0
         self.server = StateServer(self.served, lambda: self.round_now)  # the node's own server
-        self.transport.on_request(STATE_KIND, self.server.respond, accept_round=lambda _r: True,
-                                     finished=self.server.finished)
+        self.server.register(self.transport)
 
     async def start(self) -> None:
         await self.transport.start()
@@ -296,8 +295,7 @@ def test_a_noloco_download_that_breaks_resumes_at_the_nearest_agreeing_state_wit
                             raise Refusal(Reason.REFUSED, "this member is leaving")
                         served.append(header.meta["offset"])
                     return await server.respond(header)
-                m.transport.on_request(STATE_KIND, leaving, accept_round=lambda _r: True,
-                                       finished=m.server.finished)
+                m.server.register(m.transport, leaving)
             before = joiner.transport.counters.bytes_received
             joined, bans = await join_once(joiner, manifest, holders, None, reference=wide(99))
             received = joiner.transport.counters.bytes_received - before

@@ -15,8 +15,7 @@ from tests.swarm_harness import assert_phi_heals
 
 pytestmark = pytest.mark.integration
 
-REFUSAL_TEXT = {"nan": "holds NaN or Inf", "inf": "holds NaN or Inf", "scale": "more than 10x",
-                "noise": "below the noise floor"}
+REFUSAL_TEXT = {"nan": "holds NaN or Inf", "scale": "more than 10x", "noise": "below the noise floor"}
 
 
 def swapped_with(peer: str, after: float):
@@ -42,7 +41,9 @@ def wait_any_log(nodes, text: str, timeout: float):
     raise AssertionError(f"no node logged {text!r} within {timeout} s:\n{tails}")
 
 
-@pytest.mark.parametrize("kind", ["nan", "inf", "scale", "noise"])
+# Inf takes the same finite check as NaN (tests/unit/test_contributions.py covers both): one
+# daemon run for the two keeps the suite within CI's time.
+@pytest.mark.parametrize("kind", ["nan", "scale", "noise"])
 def test_poisoned_updates_are_refused_and_the_sender_banned(harness_factory, kind):
     harness = harness_factory(adversary_manifest(f"t-adv-{kind}", alignment_check=kind == "noise"),
                               harness_class=FaultHarness)

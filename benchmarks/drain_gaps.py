@@ -102,8 +102,8 @@ async def _loopback_run(base: Path, size: int) -> str:
             await sender.push(b.peer_id, OutgoingMessage.from_arrays("test", 1, {"x": np.ones(8, np.uint8)}))
             reads.clear()
             began = time.monotonic()
-            await sender.push(b.peer_id, OutgoingMessage.from_arrays("test", 1, {"x": np.ones(size, np.uint8)}),
-                              streams=1)
+            message = OutgoingMessage.from_arrays("test", 1, {"x": np.ones(size, np.uint8)})
+            await sender.push(b.peer_id, message, streams=1)
             took = time.monotonic() - began
             await sender.stop()
     finally:

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import Awaitable
@@ -89,6 +90,16 @@ async def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, what
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s")
         await asyncio.sleep(interval_s)
+
+
+async def read_line(process: subprocess.Popen, timeout_s: float) -> str:
+    """The next stdout line of a process started with stdout=PIPE, text=True, within `timeout_s`
+    (the reading thread ends when the process does)."""
+    async with asyncio.timeout(timeout_s):
+        line = await asyncio.get_running_loop().run_in_executor(None, process.stdout.readline)
+    if not line:
+        raise AssertionError(f"process {process.pid} exited with {process.poll()} before its next line")
+    return line
 
 
 def _process_line(host) -> str:

@@ -32,7 +32,7 @@ from p2p.serving import STREAM_PROTOCOL
 from p2p.streams import Transport
 from p2p.wire import decode_header_bytes, encode_header, frame_prefix, signing_input
 from tests import netns_link
-from tests.p2p_helpers import MANIFEST, SWARM, make_header, run, wait_until
+from tests.p2p_helpers import MANIFEST, SWARM, make_header, read_line, run, wait_until
 
 # the push test's receiver sits behind a veth pair on the host (the other tests stay on loopback)
 pytestmark = [pytest.mark.integration, pytest.mark.host_network]
@@ -84,10 +84,10 @@ def test_a_push_that_keeps_moving_outlasts_its_stall_bound_and_completes(tmp_pat
     still in the link's buffers when the sender wrote it, has arrived: neither is a stall, and the
     push completes.
 
-    Not a slow reader on loopback: there p2pd's yamux window grows to megabytes, the sender's
-    bytes vanish into it at once and then nothing drains for seconds, however fast the reader
-    reads; on a real link the window never fills (the receiver reads at once) and the link's
-    pace reaches the sender."""
+    Not a slow reader on loopback: there the sender's bytes vanish by megabytes into the buffers
+    on the way (go-yamux grows a stream's receive window) and then nothing drains for seconds
+    while the reader reads (benchmarks/RESULTS.md, "Drain gaps of a push over a 3.2 Mbit/s
+    link"); over a link the receiver reads at once, and the link's pace reaches the sender."""
     link = shaped_link
 
     async def scenario():
@@ -196,15 +196,6 @@ def test_a_sender_trickling_below_the_swarms_minimum_rate_is_cut_by_the_rate_not
             io.close()
             await tb.stop()
     run(scenario(), timeout_s=60)
-
-
-async def read_line(process: subprocess.Popen, timeout_s: float) -> str:
-    """The process's next stdout line, within `timeout_s`."""
-    async with asyncio.timeout(timeout_s):
-        line = await asyncio.get_running_loop().run_in_executor(None, process.stdout.readline)
-    if not line:
-        raise AssertionError(f"the receiver exited with {process.poll()} before its next line")
-    return line
 
 
 async def _holding(t: Transport) -> bool:

@@ -17,7 +17,7 @@ from hivemind.dht.validation import DHTRecord
 from p2p.errors import HostError
 from p2p.membership import Clocks, Membership, members_key
 from p2p.records import SIGNED_MARKER, _record_signing_input
-from tests.p2p_helpers import MANIFEST, run, wait_until
+from tests.p2p_helpers import MANIFEST, read_line, run, wait_until
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -134,7 +134,7 @@ def test_killed_node_disappears_within_its_ttl(tmp_path, p2p_cleanup):
                 [sys.executable, "-m", "tests.p2p_helpers", "member", str(tmp_path / "victim"), "swarm-a",
                  str(ttl_s), (await a.maddrs())[0]],
                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True))
-            line = await _read_line(process, timeout_s=30)
+            line = await read_line(process, timeout_s=30)
             victim = json.loads(line)
             p2p_cleanup.track_pid(victim["p2pd_pid"], victim["p2pd_sockets"])
             p2p_cleanup.track_killed(victim["own_sockets"])
@@ -252,13 +252,3 @@ async def _has_id(member, peer_id):
 
 async def _lacks_id(member, peer_id):
     return peer_id not in await member.peers()
-
-
-async def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
-    import asyncio
-    loop = asyncio.get_running_loop()
-    async with asyncio.timeout(timeout_s):
-        line = await loop.run_in_executor(None, process.stdout.readline)
-    if not line:
-        raise AssertionError(f"member process exited with {process.poll()} before reporting")
-    return line

@@ -90,8 +90,8 @@ def run_arm(job: dict) -> dict:
         judge, bound_pull, checked = policy.pull_bound.judge, policy._bound_pull, policy._checked
         sender = {}
 
-        def judged(distance, floor, judge=judge, sender=sender):
-            verdict = judge(distance, floor)
+        def judged(partner, distance, floor, judge=judge, sender=sender):
+            verdict = judge(partner, distance, floor)
             if verdict.reference > 0:
                 seen[sender["who"]].append(distance / verdict.reference)
             return verdict

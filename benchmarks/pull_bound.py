@@ -90,8 +90,8 @@ def run_arm(job: dict) -> dict:
         judge, bound_pull, checked = policy.pull_bound.judge, policy._bound_pull, policy._checked
         sender = {}
 
-        def judged(distance, floor, judge=judge, sender=sender):
-            verdict = judge(distance, floor)
+        def judged(partner, distance, floor, judge=judge, sender=sender):
+            verdict = judge(partner, distance, floor)
             if verdict.reference > 0:
                 seen[sender["who"]].append(distance / verdict.reference)
             return verdict
@@ -157,19 +157,21 @@ def main() -> None:
 
 def table(results: list[dict]) -> str:
     def reference(r):
-        return next(x for x in results if x["workers"] == r["workers"] and x["h"] == r["h"]
-                    and x["kind"] is None and x["bound"] == ("off" if r["kind"] is None else r["bound"]))
+        return next((x for x in results if x["workers"] == r["workers"] and x["h"] == r["h"]
+                     and x["kind"] is None
+                     and x["bound"] == ("off" if r["kind"] is None else r["bound"])), None)
     lines = ["| N | H | arm | adversary | honest final val loss | vs reference | honest θs clipped / "
              "refused | adversary's θs applied / clipped / refused | max d/m honest (adversary) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        ref = reference(r)
+        ref = reference(r)  # none for an honest bound arm run without `off`
+        change = "-" if ref is None else f"{r['mean'] / ref['mean'] - 1:+.2%}"
         adv = r["adversary"]
         ratio = r["d_over_m"]
         spread = (f"{ratio['honest']['max']:.2f}" if "honest" in ratio else "-") + \
             (f" ({ratio['adversary']['max']:.3g})" if "adversary" in ratio else "")
         lines.append(f"| {r['workers']} | {r['h']} | {r['bound']} | {r['kind'] or '-'} | "
-                     f"{r['mean']:.4f} | {r['mean'] / ref['mean'] - 1:+.2%} | "
+                     f"{r['mean']:.4f} | {change} | "
                      f"{r['honest_partners']['clipped']} / {r['honest_partners']['refused']} | "
                      f"{'-' if adv is None else '{applied} / {clipped} / {refused}'.format(**adv)} | "
                      f"{spread} |")

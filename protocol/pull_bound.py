@@ -4,40 +4,47 @@ With β = γ a partner j enters node i's outer step only through θ_j (protocol/
 theta_only_snapshot): a pair's update moves φ_i by (β/2)·(θ_j − θ_i) beyond the local update
 (0.35·(θ_j − θ_i) at the defaults). A partner that sends any θ_j of a plausible norm (random
 weights, −θ, θ plus a push towards a model of its choosing) therefore moves φ_i as far as it
-likes. The rule, per node i and partner snapshot θ_j, with d = ‖θ_j − θ_i‖ (θ_i: the node's own
-θ of the pair's round):
+likes. The rule, per node i and partner j's snapshot θ_j, with d_j = ‖θ_j − θ_i‖ (θ_i: the
+node's own θ of the pair's round):
 
-    m = max(f, median of the last `window` distances this node accepted)   (the median once
-        `warmup` were accepted; before that, and as a floor, f alone)
+    m_j = max(f, lower median of {D_k : k ≠ j})   (once at least `warmup` partners other than j
+        are in the history; before that m_j = f)
+    D_k = the latest distance judged for partner k, for the `window` partners judged most
+        recently (every judged distance is recorded, refused and clipped ones too, unclipped)
     f = ‖Δ_i‖ + e_i: the node's own progress ‖θ_i − φ_i‖ (what two honest replicas of one φ
         differ by after a round) plus e_i, how far its θ_i would arrive from itself over the
         wire (the rounding of protocol.wire_dtype: node/rounds/wire_tensors.py
         rounding_error_norm; with int4 it outweighs a round's progress many times)
-    d > refuse_ratio·m:  refused (the caller counts it against the partner: strikes, bans);
-    d > clip_ratio·m:    clipped, θ_j ← θ_i + (clip_ratio·m / d)·(θ_j − θ_i);
-    else:                used as sent;
+    d_j > refuse_ratio·m_j:  refused (the caller counts it against the partner: strikes, bans);
+    d_j > clip_ratio·m_j:    clipped, θ_j ← θ_i + (clip_ratio·m_j / d_j)·(θ_j − θ_i);
+    else:                    used as sent.
 
-and an accepted d (clipped or not, unclipped value) joins the history. So one pairing moves
-φ_i by at most (β/2)·clip_ratio·m beyond its local update, whatever the partner sends; a
-minority of the node's partners cannot move the median m, and a node whose honest partners all
-lie further away (it was cut off, or it is the outlier) takes them at the clipped distance until
-they fill half its window and m follows them. Honest distances measured against m, and the
-harm of each adversary with and without the rule: benchmarks/RESULTS.md ("A bound on a
-partner's θ"). `clip_ratio` = 0 turns the rule off.
+Invariants: partner j's own distances never enter m_j, so nothing j sends moves the reference
+it is judged by; each partner holds one entry of the history, whatever it sends and how often.
+So a node's recent partners that lie further than every honest one leave every m_j at most the
+largest honest distance while they are fewer than the honest ones (the lower median takes the
+smaller middle entry), and any partners, nearer or further, leave every m_j within the honest
+partners' distances (or at f) while the honest ones outnumber them by two; f keeps m_j from
+falling below what two honest θs differ by. One pairing moves φ_i by at most
+(β/2)·clip_ratio·m_j beyond its local update, whatever the partner sends. A node whose honest
+partners all lie further away (it was cut off, or it is the outlier) takes them at the clipped
+distance, and m_j follows them as their entries replace the history's. Honest distances measured
+against m, and the harm of each adversary with and without the rule: benchmarks/RESULTS.md
+("A bound on a partner's θ"). `clip_ratio` = 0 turns the rule off.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from collections import deque
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-WINDOW = 16   # accepted distances remembered: the node's recent honest partners
-WARMUP = 4    # accepted distances before their median counts
+WINDOW = 16   # partners whose latest distance is remembered: the node's recent partners
+WARMUP = 2    # partners other than the judged one before their median counts
 
 
 def distance(theirs: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor]) -> float:
@@ -68,36 +75,42 @@ class PullVerdict:
 
 @dataclass
 class PullBound:
-    """One node's rule and its history of accepted distances (see the module docstring)."""
+    """One node's rule and its history: the latest judged distance of each of its `window` most
+    recently judged partners (see the module docstring)."""
 
     clip_ratio: float
     refuse_ratio: float
     window: int = WINDOW
     warmup: int = WARMUP
-    accepted: deque = field(default_factory=deque)
-
-    def __post_init__(self) -> None:
-        self.accepted = deque(self.accepted, maxlen=self.window)
+    latest: OrderedDict = field(default_factory=OrderedDict)  # partner -> D_k, oldest first
 
     @property
     def enabled(self) -> bool:
         return self.clip_ratio > 0
 
-    def reference(self, floor: float) -> float:
-        """m: the median accepted distance once `warmup` were accepted, at least `floor` (f)."""
-        if len(self.accepted) < self.warmup:
+    def reference(self, partner: Hashable, floor: float) -> float:
+        """m_j for `partner` j: the lower median of the other partners' latest distances once
+        `warmup` others are known, at least `floor` (f)."""
+        others = [d for k, d in self.latest.items() if k != partner]
+        if len(others) < self.warmup:
             return floor
-        return max(floor, statistics.median(self.accepted))
+        return max(floor, statistics.median_low(others))
 
-    def judge(self, partner_distance: float, floor: float) -> PullVerdict:
-        """The verdict on a partner at `partner_distance`, with f = `floor`; an accepted one
-        joins the history."""
-        m = self.reference(floor)
+    def judge(self, partner: Hashable, partner_distance: float, floor: float) -> PullVerdict:
+        """The verdict on `partner` at `partner_distance`, with f = `floor`; the distance
+        becomes that partner's entry of the history whatever the verdict."""
+        m = self.reference(partner, floor)
+        self._record(partner, partner_distance)
         if m <= 0:  # no progress and no history (nothing trained yet): nothing to measure by
             return PullVerdict(partner_distance, m, 1.0, False)
         if partner_distance > self.refuse_ratio * m:
             return PullVerdict(partner_distance, m, 0.0, True)
-        self.accepted.append(partner_distance)
         limit = self.clip_ratio * m
         scale = 1.0 if partner_distance <= limit else limit / partner_distance
         return PullVerdict(partner_distance, m, scale, False)
+
+    def _record(self, partner: Hashable, partner_distance: float) -> None:
+        self.latest.pop(partner, None)
+        self.latest[partner] = partner_distance
+        while len(self.latest) > self.window:
+            self.latest.popitem(last=False)

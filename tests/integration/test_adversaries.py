@@ -169,12 +169,6 @@ def test_dilocox_nan_pseudo_gradients_are_refused_and_honest_phi_agrees(harness_
     print(f"dilocox nan: {len(refused)} refusals; honest φ checked over rounds {common}")
 
 
-@pytest.mark.xfail(reason="open: on 2026-12-02 it failed in 3 of 8 runs over this stop's commits "
-                          "(passing at the same commit in another run): −θ clipped 16-20 times by "
-                          "round 99 and never refused. Its clipped distances join the median it is "
-                          "judged by, and its pulls widen the honest distances; whether it is refused "
-                          "depends on the order of the first pairings: the pull bound's open weakness",
-                   strict=False)
 def test_a_negated_theta_is_refused_and_its_sender_banned(harness_factory):
     """θ-only snapshots (the default layout and int4 wire): −θ passes the norm check but lies
     many times the honest partners' distance away (the pull bound: protocol/pull_bound.py):

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from node.config.manifest import ContributionSection
 from node.rounds.noloco.round import PartnerSnapshot
@@ -16,34 +18,109 @@ from tests.round_parts import config, corpus  # noqa: F401 (fixtures)
 from tests.round_parts import noloco, partner_of, received, train_round
 
 
-def test_before_its_warmup_the_floor_is_the_reference():
+def test_before_two_other_partners_are_known_the_floor_is_the_reference():
     bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
-    for _ in range(2):
-        assert bound.judge(1.5, floor=1.0).scale == 1.0  # within 2x: used as sent
-    clipped = bound.judge(4.0, floor=1.0)
-    assert not clipped.refused and clipped.reference == 1.0 and clipped.scale == pytest.approx(0.5)
-    refused = bound.judge(5.01, floor=1.0)
-    assert refused.refused and list(bound.accepted) == [1.5, 1.5, 4.0]  # refused: not remembered
+    first = bound.judge("a", 9.0, floor=1.0)  # nobody else known: m = f
+    assert first.reference == 1.0 and first.refused
+    second = bound.judge("b", 4.0, floor=1.0)  # one other partner: still f
+    assert second.reference == 1.0 and not second.refused and second.scale == pytest.approx(0.5)
+    third = bound.judge("c", 3.0, floor=1.0)  # two others: the lower median of {9, 4}
+    assert third.reference == 4.0 and third.scale == 1.0
+    assert bound.reference("a", floor=1.0) == 3.0  # lower median of {4, 3}
+    assert bound.reference("a", floor=3.5) == 3.5  # never below the floor
 
 
-def test_after_its_warmup_the_median_of_accepted_distances_is_the_reference():
-    bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0, warmup=4)
-    for d in (10.0, 12.0, 11.0, 9.0):  # warming up against f = 4: clipped, not refused
-        assert not bound.judge(d, floor=4.0).refused
-    assert bound.reference(floor=1.0) == pytest.approx(10.5)
-    assert bound.reference(floor=20.0) == 20.0  # never below the floor
-    assert bound.judge(40.0, floor=1.0).scale == pytest.approx(21.0 / 40.0)
-    assert bound.judge(60.0, floor=1.0).refused
-
-
-def test_a_minority_of_far_partners_does_not_move_the_reference():
-    """Every third partner at the refusal edge: the median stays the honest partners'."""
+def test_the_clip_and_refusal_thresholds_are_multiples_of_the_reference():
     bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
-    for i in range(60):
-        honest = 1.0 + 0.01 * (i % 7)
-        m = bound.reference(floor=0.5)
-        bound.judge(4.99 * m if i % 3 == 2 else honest, floor=0.5)
-    assert bound.reference(floor=0.5) < 1.1
+    for k in range(4):
+        bound.judge(f"h{k}", 2.0, floor=0.5)
+    assert bound.judge("x", 4.0, floor=0.5).scale == 1.0  # exactly 2m: as sent
+    assert bound.judge("x", 6.0, floor=0.5).scale == pytest.approx(4.0 / 6.0)
+    at_edge = bound.judge("x", 10.0, floor=0.5)  # exactly 5m: clipped, not refused
+    assert not at_edge.refused and at_edge.scale == pytest.approx(0.4)
+    assert bound.judge("x", 10.01, floor=0.5).refused
+    assert bound.judge("x", 10.01, floor=3.0).reference == 3.0
+
+
+def test_every_judged_distance_is_its_partners_one_entry():
+    """Refused and clipped distances are recorded, unclipped; judging a partner again replaces
+    its entry; past `window` partners the one judged longest ago is forgotten."""
+    bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0, window=3)
+    bound.judge("h1", 1.0, floor=1.0)
+    bound.judge("h2", 1.2, floor=1.0)
+    assert bound.judge("bad", 100.0, floor=1.0).refused
+    assert dict(bound.latest) == {"h1": 1.0, "h2": 1.2, "bad": 100.0}
+    honest = bound.judge("h2", 1.3, floor=0.1)  # others {h1: 1, bad: 100}: the lower median is 1
+    assert honest.reference == 1.0 and honest.scale == 1.0
+    assert list(bound.latest) == ["h1", "bad", "h2"]
+    bound.judge("h3", 1.1, floor=1.0)
+    assert list(bound.latest) == ["bad", "h2", "h3"]
+
+
+def test_a_partner_pairing_often_at_the_clip_cannot_widen_its_own_bound():
+    """An attacker clipped at 4x the honest distances, pairing again and again, then at 6x:
+    refused, as its clipped distances never join the reference it is judged by."""
+    bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
+    bound.judge("h1", 1.0, floor=1.0)
+    bound.judge("h2", 1.05, floor=1.0)
+    for _ in range(8):
+        clipped = bound.judge("bad", 4.0, floor=1.0)
+        assert clipped.reference == 1.0 and clipped.scale == pytest.approx(0.5)
+    assert bound.judge("bad", 6.0, floor=1.0).refused
+    assert bound.judge("h1", 1.0, floor=1.0).scale == 1.0  # others {h2, bad}: m = 1.05
+
+
+@settings(max_examples=200, deadline=None)
+@given(others=st.dictionaries(st.sampled_from("abcdefgh"), st.floats(0.0, 1e3), max_size=8),
+       own=st.lists(st.floats(0.0, 1e6), min_size=1, max_size=30),
+       floor=st.floats(0.0, 10.0))
+def test_a_partners_own_distances_never_move_its_reference(others, own, floor):
+    bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
+    for partner, d in others.items():
+        bound.judge(partner, d, floor)
+    m = bound.reference("j", floor)
+    for d in own:
+        assert bound.judge("j", d, floor).reference == m
+        assert bound.reference("j", floor) == m
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), honest=st.integers(2, 8), bad=st.integers(0, 6))
+def test_a_minority_of_partners_keeps_every_reference_within_the_honest_distances(
+        data, honest, bad):
+    """With the honest partners outnumbering the others by two, whatever the others send (near
+    or far) and however often they pair, every partner's reference is an honest distance (once
+    each has two others: before that it is f)."""
+    assume(bad <= honest - 2 and honest + bad >= 3)
+    partners = [f"h{k}" for k in range(honest)] + [f"x{k}" for k in range(bad)]
+    bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
+    latest = {}  # each honest partner's latest distance
+    # every partner judged once, then any of them in any order, any number of times
+    for p in partners + data.draw(st.lists(st.sampled_from(partners), max_size=60)):
+        d = data.draw(st.floats(1.0, 2.0) if p[0] == "h" else st.floats(0.0, 1e3))
+        bound.judge(p, d, 0.5)
+        if p[0] == "h":
+            latest[p] = d
+    for p in partners:
+        assert min(latest.values()) <= bound.reference(p, floor=0.5) <= max(latest.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), honest=st.integers(2, 8), bad=st.integers(1, 7))
+def test_far_partners_fewer_than_the_honest_ones_never_raise_a_reference(data, honest, bad):
+    """Partners further than every honest one (−θ, random weights, a push) leave every
+    reference at most the largest honest distance while they are a minority."""
+    assume(bad < honest)
+    partners = [f"h{k}" for k in range(honest)] + [f"x{k}" for k in range(bad)]
+    bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
+    latest = {}  # each honest partner's latest distance
+    for p in partners + data.draw(st.lists(st.sampled_from(partners), max_size=60)):
+        d = data.draw(st.floats(1.0, 2.0) if p[0] == "h" else st.floats(2.0, 1e3))
+        bound.judge(p, d, 0.5)
+        if p[0] == "h":
+            latest[p] = d
+    for p in partners:
+        assert bound.reference(p, floor=0.5) <= max(latest.values())
 
 
 def test_clip_towards_lands_at_the_scaled_distance_and_leaves_its_input_alone():
@@ -52,7 +129,6 @@ def test_clip_towards_lands_at_the_scaled_distance_and_leaves_its_input_alone():
     clipped = clip_towards(theirs, mine, 0.2)
     assert distance(clipped, mine) == pytest.approx(1.0)
     assert torch.equal(theirs["w"], torch.tensor([3.0, 0.0, 4.0]))
-    assert PullBound(clip_ratio=0.0, refuse_ratio=5.0).enabled is False
 
 
 def test_rounding_error_norm_follows_the_wire_dtype():
@@ -113,3 +189,16 @@ def test_a_partner_between_the_bounds_is_clipped_and_moves_phi_by_at_most_the_bo
         assert torch.allclose(policy.outer.slow_weights[name], t, atol=1e-6)
     pull = distance(policy.outer.slow_weights, local)
     assert pull == pytest.approx(hyper.progress_weight / 2 * limits.pull_clip_ratio * floor, rel=1e-4)
+
+
+def test_with_clip_ratio_0_the_bound_is_off_and_a_negated_theta_is_used(config, corpus):
+    policy, link, own, sent, phi, momentum = _round_with_partner(
+        config, corpus, lambda mine, theirs: {n: -t for n, t in theirs.items()})
+    policy.pull_bound = PullBound(clip_ratio=0.0, refuse_ratio=5.0)
+    assert not policy.pull_bound.enabled
+    outcome = policy.end_round(0)
+    assert link.refusals == [] and outcome.partner == "bad" and policy.pulls_clipped == 0
+    hyper = NoLoCoHyperParameters()
+    want, _ = noloco_update(phi, momentum, [own, theta_only_snapshot(sent, hyper)], hyper)
+    for name, t in want.items():
+        assert torch.allclose(policy.outer.slow_weights[name], t, atol=1e-6)

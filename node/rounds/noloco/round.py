@@ -21,8 +21,8 @@ it with "theta". So does the noise check (node/rounds/noise_check.py, noise_rati
 θ_j − φ_i mixes the partner's honest φ_j − φ_i into a noise sender's Δ, and honest and noise
 scores overlapped in simulation (benchmarks/NOTEBOOK.md); with "theta" it is not applied. A partner's θ is applied as the snapshot (θ, 0) (protocol/noloco.py
 theta_only_snapshot), after the pull bound (protocol/pull_bound.py): a θ further from the node's
-own than contributions.pull_clip_ratio times the median distance of its recent partners is clipped
-to that distance, and refused past pull_refuse_ratio times it, so that no pairing moves φ by more
+own than contributions.pull_clip_ratio times the median distance of its other recent partners is
+clipped to that distance, and refused past pull_refuse_ratio times it, so that no pairing moves φ by more
 than (β/2)·pull_clip_ratio of that median. No partner, or a refused one, gives the local update of
 G = {self}, counted.
 
@@ -341,12 +341,12 @@ class NoLoCoRound:
     def _bound_pull(self, peer: str, theirs: dict, mine: dict, floor: float) -> dict:
         """The pull bound (protocol/pull_bound.py) on a partner's θ: `theirs`, or it clipped, or
         ContributionRefused("distance") past the refusal bound."""
-        verdict = self.pull_bound.judge(pull_bound.distance(theirs, mine), floor)
+        verdict = self.pull_bound.judge(peer, pull_bound.distance(theirs, mine), floor)
         if verdict.refused:
             raise ContributionRefused(
                 "distance", f"NoLoCo fast weights from {peer} lie {verdict.distance:.4g} from this "
                 f"node's, more than {self.contributions.pull_refuse_ratio:g}x the median distance "
-                f"of its recent partners ({verdict.reference:.4g}); dropped")
+                f"of its recent partners ({verdict.reference:.4g}, {peer}'s own left out); dropped")
         if verdict.scale < 1.0:
             self.pulls_clipped += 1
             return pull_bound.clip_towards(theirs, mine, verdict.scale)

@@ -110,7 +110,8 @@ class DiLoCoXExchange:
         self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted,  # signs, keeps, serves, fetches
                            clock=self.clock)
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
-        self.sender = RoundSender(swarm, self.group, self.relay.sign, clock=self.clock)
+        self.sender = RoundSender(swarm, self.group, self.relay.sign, clock=self.clock,
+                                  keep=self.relay.keep_own)
         self.replay = StepReplay(swarm, self.relay, self._members)
         self.consensus = PhiConsensus(swarm, self.replay,
                                       finished=self._finished, in_round=self._in_round,
@@ -292,12 +293,13 @@ class DiLoCoXExchange:
 
     def _holders(self, round_index: int, author: str) -> list[str]:
         """Whom to ask for `author`'s message: members that finished the round first (they
-        waited for it), then the others, each in a random order."""
+        waited for it), then the others, each in a random order, and the author last (it keeps
+        its own: relay.py)."""
         finished = sorted(self._finished(round_index) - {author})
         others = sorted(set(self._members()) - set(finished) - {author})
         self.rng.shuffle(finished)
         self.rng.shuffle(others)
-        return finished + others
+        return finished + others + [author]
 
     def _rounds(self, round_index: int) -> dict[str, int]:
         """The round each member that took part in `round_index` (joined at or before it,
@@ -309,8 +311,11 @@ class DiLoCoXExchange:
                 if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
     def _finished(self, round_index: int) -> set[str]:
-        """Members that took part in `round_index` and finished it: they sent their message."""
-        return {peer for peer, at in self._rounds(round_index).items() if at > round_index}
+        """Members that took part in `round_index` and finished it: they sent their message, or
+        a member reported holding its signed version (evidence.py: records lag that report)."""
+        signed = self.evidence.authors(round_index)
+        return {peer for peer, at in self._rounds(round_index).items()
+                if at > round_index or peer in signed}
 
     def _arriving(self, round_index: int) -> set[str]:
         """Members whose message of the round is on its way to us: they finished the round,

@@ -31,8 +31,9 @@ Invariants:
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
   joined, and for the round it joined in (round 0 too) at most one of its own rounds: members
   may have sent those messages before they knew of it;
-- the message of a member that finished the round and has not come to us is asked of the
-  members that hold it (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
+- the message of a member that finished the round (its record says so, or a member reported
+  holding its signed message) and has not come to us is asked of the members that hold it,
+  its author last (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
   than the fan-out, one that went to a random subset of members): every copy is checked against
   its author's signature, and every member applies the same messages;
 - a node still training a round that a majority of its members finished a round ago (it

@@ -36,8 +36,8 @@ from node.events import Relayed
 from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
-from p2p.wire import TensorEntry
 from p2p.origin import ORIGIN, ORIGIN_DIGEST, origin_holds, sign_origin
+from p2p.wire import TensorEntry
 
 log = logging.getLogger("lowcomm.dilocox")
 RELAY = "dilocox.relay"

@@ -77,6 +77,20 @@ def assert_phi_heals(nodes, min_rounds: int = 3) -> list[int]:
     return common
 
 
+def assert_one_phi(nodes, delay: int = 1, min_rounds: int = 3) -> list[int]:
+    """DiLoCoX's consistency once the swarm has formed (docs/protocols.md §3): only the outer
+    step that applies the first round all nodes ended (that round + `delay`) may split φ (a
+    member may end that round before it knows of a node that joined late), and its split is
+    repaired at the next step; every other round has one φ on every node. Returns the rounds
+    all nodes ended."""
+    common, split, digests = phi_rounds(nodes)
+    assert len(common) >= min_rounds, common
+    first_step = common[0] + delay
+    assert not [r for r in split if r != first_step], \
+        f"φ split in rounds {split} of {common} (only round {first_step} may): {digests}"
+    return common
+
+
 def left(events: list[dict]) -> bool:
     """The node logged its clean exit (the predicate for NodeHandle.wait_for)."""
     return any(e["event"] == "left" for e in events)

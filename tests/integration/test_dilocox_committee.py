@@ -7,7 +7,7 @@ members, and φ stays one. Separate processes, real p2pd, loopback."""
 import pytest
 
 from protocol.committee import send_share, sends
-from tests.swarm_harness import DILOCOX_BENIGN, phi_rounds, run_to_the_end, small_manifest
+from tests.swarm_harness import DILOCOX_BENIGN, assert_one_phi, run_to_the_end, small_manifest
 
 pytestmark = pytest.mark.integration
 
@@ -15,11 +15,7 @@ pytestmark = pytest.mark.integration
 def test_a_committee_sends_in_its_rounds_only_and_the_swarm_holds_one_phi(harness_factory):
     m = small_manifest("t-dilocox-committee", "dilocox", rank=4, senders=2, senders_tenure=2)
     nodes = run_to_the_end(harness_factory(m), 4, 200)
-    common, split, _ = phi_rounds(nodes)
-    print(f"rounds all four ended: {common}, split: {split}")
-    assert len(common) >= 6, common
-    # the first round may split: a late joiner waits for its first round at most one round
-    assert not [r for r in split if r > common[0]], f"φ split in rounds {split} of {common}"
+    common = assert_one_phi(nodes, min_rounds=6)
     share, tenure = send_share(2, 4), m.protocol.senders_tenure
     # from the second round all four ended to the one before the last: a node whose view of the
     # swarm was not whole yet, or no longer (members leaving at the end), drew from a smaller

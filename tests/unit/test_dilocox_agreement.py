@@ -312,13 +312,14 @@ def test_among_three_voters_a_lone_digest_wins_by_rank_not_by_its_smallness():
     run_virtual(main())
 
 
-def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never_does():
+def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_once_it_heard_a_vote():
     """A resync is adopted at the outer step after its round, or dropped: a node whose checks
     are slower than its rounds (votes come with the slowest member) resynced every round and
     never healed. So a node known to be off the majority's φ waits, at most one of its rounds,
-    for the check of the round before its step; a node that agrees does not wait at all, nor
-    one whose last check heard no other vote, nor one the swarm is a round ahead of (a node
-    rounds behind the others, which waited on votes that never came, fell further behind)."""
+    for the check of the round before its step, and so does a node that agrees so far once a
+    member's φ of that round came (a step on a φ about to be repaired splits its round too);
+    not one that heard no other vote, nor one the swarm is a round ahead of (a node rounds
+    behind the others, which waited on votes that never came, fell further behind)."""
     async def main():
         loop = asyncio.get_running_loop()
         events: list = []
@@ -338,8 +339,11 @@ def test_a_diverged_node_waits_for_the_check_in_flight_and_an_agreeing_one_never
             return loop.time() - began
 
         ex._reported(Stepped(6, "f" * 32))  # round 6's votes are not in: the check waits for them
-        assert not ex.consensus.diverged and await settle_seconds(7, 5.0) == 0  # agreeing so far: no wait
-        await asyncio.wait(set(ex.consensus.checks.values()))
+        assert not ex.consensus.diverged and await settle_seconds(7, 5.0) == 0  # no other vote: no wait
+        # a's φ of round 6 came, b's vote lags its record: the check is waited for, to its end
+        ex.members.records = {r.peer_id: r for r in [*view(7, 6, "f" * 32)[:1], *view(7, 5)[1:]]}
+        assert await settle_seconds(7, 5.0) == pytest.approx(1.0) and not ex.consensus.checks
+        ex.members.records = {r.peer_id: r for r in view(6, 5)}
         await ex.consensus.check(5, "f" * 32)  # two members hold another φ of round 5
         assert ex.consensus.diverged and [e.round for e in events if isinstance(e, Diverged)] == [5]
         ex.members.records = {r.peer_id: r for r in view(8, 5)}  # their votes of 7 and 8 lag

@@ -3,22 +3,26 @@ and where it fetches a message that did not come (tests/dilocox_parts.py builds 
 
 import asyncio
 import random
+import types
 
+import numpy as np
 import pytest
 
 from node.config.manifest import ProtocolSection
 from node.events import Missing, Relayed
 from node.rounds.contributions import MISBEHAVIOUR
 from node.rounds.dilocox import exchange as exchange_module
+from node.rounds.dilocox.evidence import Version
 from node.rounds.dilocox.exchange import DiLoCoXExchange
 from node.rounds.dilocox.link import is_behind
-from node.rounds.dilocox.relay import ASK_AFTER_S
+from node.rounds.dilocox.relay import ASK_AFTER_S, AUTHOR, Relay
 from node.rounds.dilocox.sending import PGRAD
 from p2p.errors import Reason, Refusal
 from p2p.identity import NodeIdentity
+from p2p.messages import OutgoingMessage
 from protocol.committee import sends
 from tests.dilocox_parts import HoldingTransport, deliver, exchange, member, relayed_copy
-from tests.p2p_helpers import make_header
+from tests.p2p_helpers import MANIFEST, SWARM, as_received, make_header
 from tests.swarm_parts import member as live_member
 from tests.swarm_parts import unit_swarm
 from tests.virtual_time import run as run_virtual
@@ -332,4 +336,50 @@ def test_a_relay_serving_a_copy_its_author_did_not_sign_is_banned_and_another_is
         got = {g.peer: g.message for g in await ex._collect(5, 30.0)}
         assert transport.asked == [bad, good] and transport.banned == [bad]
         assert swarm.bans.is_banned(bad) and got[a].payload[0] == 0
+    run_virtual(main())
+
+
+def test_an_author_serves_its_own_signed_message_and_is_asked_for_it_after_the_members():
+    """A message no member holds (its push to them broke, or went to others beyond the fan-out)
+    is still had from its author, which keeps its own as it signed it (relay.py `keep_own`);
+    the author is asked last, so that members holding a copy carry the asking."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        author, holder = NodeIdentity.generate(), NodeIdentity.generate()
+        a, h = author.peer_id.to_base58(), holder.peer_id.to_base58()
+        authors = Relay(unit_swarm(loop, peer_id=a, transport=types.SimpleNamespace(
+            identity=author, swarm=SWARM, manifest=MANIFEST)), PGRAD, lambda *_: True, loop.time)
+        own = OutgoingMessage.from_arrays(PGRAD, 5, {"c": np.arange(16, dtype=np.uint8)})
+        authors.sign(own)
+        authors.keep_own(own)
+        served = await authors._respond(types.SimpleNamespace(round=5, meta={AUTHOR: a}))
+        transport = HoldingTransport({(a, 5, a): as_received(served, delivered_by=author)})
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=8, message_deadline_s=30.0),
+                             unit_swarm(loop, [member(a, 6), member(h, 6)], transport=transport),
+                             random.Random(0))
+        ex.last_collect_at = loop.time() - 0.5
+        deliver(ex, 5, h)  # the holder's own message came; it holds no copy of the author's
+        got = await ex._collect(5, 30.0)
+        assert sorted(g.peer for g in got) == sorted([a, h]) and transport.asked == [h, a]
+    run_virtual(main())
+
+
+def test_an_author_a_member_reported_holding_the_signed_message_of_is_finished():
+    """Its record still says it trains round 5 (records lag), but a member reported holding its
+    signed message of round 5 (evidence.py SEEN): it finished, and the message is fetched from
+    that member, not waited for one of our rounds and then given up (φ split)."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        author, holder = NodeIdentity.generate(), NodeIdentity.generate()
+        a, h = author.peer_id.to_base58(), holder.peer_id.to_base58()
+        copy = relayed_copy(author, holder, 5)
+        ex = DiLoCoXExchange(ProtocolSection(name="dilocox", fan_out=8, message_deadline_s=30.0),
+                             unit_swarm(loop, [member(a, 5), member(h, 6)],
+                                        transport=HoldingTransport({(h, 5, a): copy})),
+                             random.Random(0))
+        ex.last_collect_at = loop.time() - 0.5
+        deliver(ex, 5, h)
+        ex.evidence._see(Version.of(a, 5, copy.meta))  # as h's report of what it accepted
+        got = await ex._collect(5, 30.0)
+        assert sorted(g.peer for g in got) == sorted([a, h])
     run_virtual(main())

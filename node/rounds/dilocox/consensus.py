@@ -30,10 +30,11 @@ Invariants:
   holder that serves another φ for that round is banned; the training thread checks the state
   as a contribution;
 - a resync is due at the outer step after its round, so a node whose last check found it
-  diverged waits for that round's check at its round's end (`settle`, at most one of its
-  rounds, and not once the swarm is a round ahead): checks end with the slowest member's vote,
-  later than a short round; one that comes later still is taken at the next step, and our own
-  steps since its round are replayed over it (round.py `_adopt_round`).
+  diverged, or that heard a member's φ of that round, waits for that round's check at its
+  round's end (`settle`, at most one of its rounds, and not once the swarm is a round ahead):
+  a split is repaired at that step, not carried into it; checks end with the slowest member's
+  vote, later than a short round; one that comes later still is taken at the next step, and
+  our own steps since its round are replayed over it (round.py `_adopt_round`).
 """
 
 from __future__ import annotations
@@ -191,17 +192,19 @@ class PhiConsensus:
                                         f"announced {majority[:12]}", self.transport.ban)
 
     async def settle(self, round_index: int, wait_s: float, pace: float) -> None:
-        """While we are known to be off the majority's φ, waits at most `wait_s` and one of our
-        rounds (`pace`) for the check of the round before `round_index`: its resync is due at
-        this step (one that comes later is taken at the next, our step since replayed over it,
-        never dropped: a check slower than a round would otherwise lose every resync).
-        Never once the swarm is a round ahead: a check may wait for votes that never come
-        (members rounds ahead announce other rounds), and a node that waits then falls further
-        behind, its messages refused as stale and its φ off again: a node waits only while it
-        is at most one round behind the majority's round."""
+        """Waits at most `wait_s` and one of our rounds (`pace`) for the check of the round
+        before `round_index` while we are known to be off the majority's φ, or once a member's
+        φ of that round was heard: its resync is due at this step, and a step taken on a φ the
+        check is about to repair splits this round too (one that comes later is taken at the
+        next, our step since replayed over it, never dropped). Not while no other vote came
+        (nothing to compare yet), and never once the swarm is a round ahead: a check may wait
+        for votes that never come (members rounds ahead announce other rounds), and a node
+        that waits then falls further behind, its messages refused as stale and its φ off
+        again: a node waits only while it is at most one round behind the majority's round."""
         check = self.checks.get(round_index - 1)
-        if self.diverged and check is not None and pace > 0 \
-                and agreed_round(self.members.eligible()) <= round_index + 1:
+        members = self.members.eligible()
+        if check is not None and pace > 0 and agreed_round(members) <= round_index + 1 \
+                and (self.diverged or phi_holders(members, round_index - 1)):
             await asyncio.wait({check}, timeout=min(wait_s, pace))
 
     def pop_resync(self, round_index: int) -> Replay | Download | None:

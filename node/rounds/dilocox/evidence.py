@@ -175,6 +175,11 @@ class Equivocations:
         self._proven(Proof(held, version))
         return False
 
+    def authors(self, round_index: int) -> set[str]:
+        """The authors of the versions of `round_index` we hold: each finished the round and
+        signed its message, which we or a member that reported it hold."""
+        return {author for r, author in self.versions if r == round_index}
+
     def forget_before(self, round_index: int) -> None:
         for key in [k for k in self.versions if k[0] < round_index]:
             del self.versions[key]

@@ -31,8 +31,9 @@ Invariants:
 - a late joiner (or a node resuming while the swarm runs) never waits for the rounds before it
   joined, and for the round it joined in (round 0 too) at most one of its own rounds: members
   may have sent those messages before they knew of it;
-- the message of a member that finished the round and has not come to us is asked of the
-  members that hold it (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
+- the message of a member that finished the round (its record says so, or a member reported
+  holding its signed message) and has not come to us is asked of the members that hold it,
+  its author last (node/rounds/dilocox/relay.py: a push that broke, or, in a swarm larger
   than the fan-out, one that went to a random subset of members): every copy is checked against
   its author's signature, and every member applies the same messages;
 - a node still training a round that a majority of its members finished a round ago (it
@@ -110,7 +111,8 @@ class DiLoCoXExchange:
         self.relay = Relay(swarm, PGRAD, witness=self.evidence.accepted,  # signs, keeps, serves, fetches
                            clock=self.clock)
         self._watch: asyncio.Task | None = None  # asks for messages that did not come (relay.py)
-        self.sender = RoundSender(swarm, self.group, self.relay.sign, clock=self.clock)
+        self.sender = RoundSender(swarm, self.group, self.relay.sign, clock=self.clock,
+                                  keep=self.relay.keep_own)
         self.replay = StepReplay(swarm, self.relay, self._members)
         self.consensus = PhiConsensus(swarm, self.replay,
                                       finished=self._finished, in_round=self._in_round,
@@ -292,12 +294,13 @@ class DiLoCoXExchange:
 
     def _holders(self, round_index: int, author: str) -> list[str]:
         """Whom to ask for `author`'s message: members that finished the round first (they
-        waited for it), then the others, each in a random order."""
+        waited for it), then the others, each in a random order, and the author last (it keeps
+        its own: relay.py)."""
         finished = sorted(self._finished(round_index) - {author})
         others = sorted(set(self._members()) - set(finished) - {author})
         self.rng.shuffle(finished)
         self.rng.shuffle(others)
-        return finished + others
+        return finished + others + [author]
 
     def _rounds(self, round_index: int) -> dict[str, int]:
         """The round each member that took part in `round_index` (joined at or before it,
@@ -309,8 +312,11 @@ class DiLoCoXExchange:
                 if isinstance(r.extra.get("since"), int) and r.extra["since"] <= round_index}
 
     def _finished(self, round_index: int) -> set[str]:
-        """Members that took part in `round_index` and finished it: they sent their message."""
-        return {peer for peer, at in self._rounds(round_index).items() if at > round_index}
+        """Members that took part in `round_index` and finished it: they sent their message, or
+        a member reported holding its signed version (evidence.py: records lag that report)."""
+        signed = self.evidence.authors(round_index)
+        return {peer for peer, at in self._rounds(round_index).items()
+                if at > round_index or peer in signed}
 
     def _arriving(self, round_index: int) -> set[str]:
         """Members whose message of the round is on its way to us: they finished the round,

@@ -19,7 +19,9 @@ Invariants:
   during the round after it (the exchange looks every WATCH_S), so that the copy is here at the
   round's end; one holder at a time; a failed round of asking is repeated `ASK_AFTER_S` later;
 - the store keeps what it accepted of the last REPLAY_ROUNDS rounds (a diverged member may
-  replay as many steps, and lack their messages), at most `KEEP_BYTES`.
+  replay as many steps, and lack their messages), and our own signed messages as we sent them
+  (`keep_own`), at most `KEEP_BYTES`; a fetch asks the author last (exchange.py, replay.py):
+  members that hold a copy first, so that the asking spreads and outlives the author leaving.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from node.rounds.swarm import Swarm, failure_sentence
 from p2p.errors import P2PError, Reason, Refusal
 from p2p.messages import OutgoingMessage, OutgoingTensor, ReceivedMessage
 from p2p.origin import ORIGIN, ORIGIN_DIGEST, origin_holds, sign_origin
+from p2p.wire import TensorEntry
 
 log = logging.getLogger("lowcomm.dilocox")
 RELAY = "dilocox.relay"
@@ -72,6 +75,16 @@ class MessageStore:
             self.bytes -= len(self.messages.pop(key).payload)
 
 
+@dataclass(frozen=True)
+class OwnCopy:
+    """Our own signed message as the store serves it: the fields a received copy holds."""
+    round: int
+    meta: dict
+    tensors: tuple[TensorEntry, ...]
+    payload: memoryview
+    tensor_views = ReceivedMessage.tensor_views
+
+
 @dataclass
 class Wanted:
     """A message we lack: missing since `since` (or since our last ask of it failed), and the
@@ -104,6 +117,11 @@ class Relay:
     def sign(self, message: OutgoingMessage) -> None:
         """Puts our origin signature in `message`'s meta (hashes its payload: any thread)."""
         sign_origin(self.transport.identity, self.transport.swarm, self.transport.manifest, message)
+
+    def keep_own(self, message: OutgoingMessage) -> None:
+        """Keeps our signed `message` (loop side) to serve a member that asks us for it."""
+        self.store.keep(message.round, self.swarm.peer_id, OwnCopy(
+            message.round, message.meta, message.manifest(), memoryview(b"".join(message.segments()))))
 
     def authored_by(self, author: str, message: ReceivedMessage) -> bool:
         return origin_holds(author, self.transport.swarm, self.transport.manifest, self.kind,

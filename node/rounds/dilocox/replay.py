@@ -140,7 +140,7 @@ class StepReplay:
                       ) -> dict[str, tuple[ReceivedMessage, bool]] | None:
         """Every sender's message of round `target` but ours, with whether it was fetched: from
         the relay's store, or fetched from the holders and then the other members (the author
-        last: a member keeps what it received, not what it sent), and kept there in turn."""
+        last: relay.py), and kept there in turn."""
         own = self.swarm.peer_id
         copies = {a: (m, False) for a in senders if a != own and (m := self.relay.store.get(target, a))}
         missing = [a for a in senders if a != own and a not in copies]

@@ -35,10 +35,13 @@ RETRY_PAUSE_S = 1.0
 
 class RoundSender:
     def __init__(self, swarm: Swarm, group: Callable[[], list[str]],
-                 sign: Callable[[OutgoingMessage], None], *, clock: Callable[[], float] = time.monotonic):
+                 sign: Callable[[OutgoingMessage], None], *, clock: Callable[[], float] = time.monotonic,
+                 keep: Callable[[OutgoingMessage], None] = lambda message: None):
         """`group()`: whom a round's message goes to; `sign(message)`: our origin signature;
-        `clock()`: seconds, read from either thread."""
+        `clock()`: seconds, read from either thread; `keep(message)`: the signed message, on
+        the loop before it is pushed (the relay's store serves it)."""
         self.swarm, self.group, self.sign, self.clock = swarm, group, sign, clock
+        self.keep = keep
         self._send_called_at: float | None = None  # training thread: the last send_round
         self._send_called_round = -1  # ... and its round (a committee skips rounds between them)
         self._round_durations: tuple[float, ...] = ()  # one round, from the last send_round calls
@@ -96,6 +99,7 @@ class RoundSender:
 
     # ------------------------------------------------------------------ loop side
     async def _send_all(self, round_index: int, message: OutgoingMessage) -> None:
+        self.keep(message)
         group = self.group()
         started = self.clock()
         self._sends_in_flight = {**self._sends_in_flight, round_index: (started, message.total_bytes)}

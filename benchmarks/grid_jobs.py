@@ -27,7 +27,7 @@ import json
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -113,11 +113,16 @@ class Job:
     rounds: int | None = None        # None: STEPS // inner_steps
     model: tuple[str, ...] = ()      # node-config overrides, e.g. ("model.dim=64",); () the tiny model
     tag: str = ""                    # names the model (and rounds) in the key where they are set
+    # a shipped swarm protocol's manifest schema version (node/config/manifest.py SCHEMA_VERSIONS),
+    # named in the key as "<method>.v<n>" where set: "noloco" and "dilocox" run the manifest's
+    # defaults, which change with it, so a run of earlier defaults is never taken for today's
+    schema: int = 0
 
     @property
     def key(self) -> str:
         prefix = f"{self.tag}-" if self.tag else ""
-        return f"{prefix}N{self.workers}-H{self.inner_steps}-{self.method}-s{self.seed}"
+        method = f"{self.method}.v{self.schema}" if self.schema else self.method
+        return f"{prefix}N{self.workers}-H{self.inner_steps}-{method}-s{self.seed}"
 
     def settings(self) -> SimulationSettings:
         common = {"workers": self.workers, "seed": self.seed, "inner_steps": self.inner_steps,
@@ -140,12 +145,21 @@ class Job:
 def run_job(job: Job, out_dir: Path) -> str:
     args = convergence_args([arg for override in job.model for arg in ("--set", override)])
     config = node_config(args)
-    result = run_simulation(job.settings(), config, load_corpus(config.data))
-    data = {"job": job.__dict__, **result.to_dict()}
+    settings = job.settings()
+    result = run_simulation(settings, config, load_corpus(config.data))
+    data = {"job": job.__dict__, **result.to_dict(), "protocol_section": protocol_section(settings)}
     path = out_dir / f"{job.key}.json"
     path.with_suffix(".tmp").write_text(json.dumps(data) + "\n", encoding="utf-8")
     path.with_suffix(".tmp").rename(path)
     return f"{job.key}: {result.final_val_loss:.4f} ({result.final.wall_seconds / 60:.1f} min)"
+
+
+def protocol_section(settings: SimulationSettings) -> dict | None:
+    """The manifest [protocol] section a NoLoCo or DiLoCoX run ran (every key, defaults filled
+    in), recorded in its JSON so that a reader can check it against what the job runs now."""
+    if settings.protocol not in ("noloco", "dilocox"):
+        return None
+    return asdict(settings.validated().sections()[0])
 
 
 def run_jobs(jobs: list[Job], out_dir: Path, processes: int) -> None:

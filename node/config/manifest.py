@@ -89,15 +89,21 @@ class ProtocolSection:
     # DiLoCoX (docs/protocols.md §3)
     outer_lr: float = spec(0.7, "DiLoCoX outer learning rate η", min=0.0, max=10.0,
                            min_exclusive=True)
-    # 0.3, not DiLoCo's 0.9: with delay 1 a linear model's iteration diverges at μ = 0.9
-    # (protocol/dilocox.py); 0.3 is the NoLoCo paper's DiLoCo baseline and what the benchmarks ran
-    outer_momentum: float = spec(0.3, "DiLoCoX outer Nesterov momentum μ", min=0.0, max=1.0)
+    # 0.6, not DiLoCo's 0.9: with delay 1 a linear model's iteration diverges at μ = 0.9
+    # (protocol/dilocox.py). 0.6 took 1.7 points off 0.3 at 8 replicas (benchmarks/NOTEBOOK.md,
+    # "DiLoCoX against DiLoCo and local-only"); with 0.3, rank 4 at 8 bits and the step at the
+    # round's end, the defaults ended above local-only on three of the six held-out settings
+    # (benchmarks/RESULTS.md, "The shipped defaults on settings nobody tuned them on")
+    outer_momentum: float = spec(0.6, "DiLoCoX outer Nesterov momentum μ", min=0.0, max=1.0)
     delay: int = spec(1, "DiLoCoX: 1 applies round r's messages at the end of round r+1; 0 waits",
                       choices=(0, 1))
     codec: str = spec("lowrank", "DiLoCoX pseudo-gradient codec",
                       choices=("lowrank", "topk", "blockwise", "bf16", "fp16", "identity"))
-    rank: int = spec(4, "DiLoCoX starting rank of the low-rank codec", min=1, max=4096)
-    bits: int = spec(8, "DiLoCoX quantization bits", choices=(4, 8))
+    # rank 8 at 4 bits: about the bytes of rank 4 at 8 bits; 1.7522 against rank 4 at 4 bits'
+    # 1.8084 at 8 replicas, H 25 (benchmarks/NOTEBOOK.md, "DiLoCoX against DiLoCo and
+    # local-only", the ladder with 4 power iterations)
+    rank: int = spec(8, "DiLoCoX starting rank of the low-rank codec", min=1, max=4096)
+    bits: int = spec(4, "DiLoCoX quantization bits", choices=(4, 8))
     # the sender's compute alone: a receiver decodes P·Qᵀ whatever the iterations that found it.
     # 4, not PowerSGD's 1: at the same bytes 1.8071 against 1.8534 at 8 replicas (two seeds),
     # 2.0629 against 2.0843 in a committee at 32 (benchmarks/NOTEBOOK.md, "DiLoCoX against DiLoCo
@@ -115,9 +121,9 @@ class ProtocolSection:
                         "its next round starts from: half (λ = 1/2) or eager (the share its "
                         "message will have in the outer step; protocol/dilocox.py)",
                         choices=("half", "eager"))
-    # off until the DiLoCoX integration tests ran with it on (pilots: most of the delay's cost
-    # goes; benchmarks/NOTEBOOK.md, "pilots of the codec, the overlap and the outer step")
-    apply_on_arrival: bool = spec(False, "DiLoCoX with delay 1: take the outer step as soon as "
+    # on: most of the delay's cost goes (benchmarks/NOTEBOOK.md, "pilots of the codec, the
+    # overlap and the outer step"), and the grid's best ran with it
+    apply_on_arrival: bool = spec(True, "DiLoCoX with delay 1: take the outer step as soon as "
                                   "every member's message of the last round is here, shifting "
                                   "the weights mid-round, rather than at the round's end")
     residual_decay: float = spec(1.0, "DiLoCoX error feedback e ← β·e + Δ: β (1 keeps every "
@@ -269,7 +275,7 @@ class Manifest:
 
 # ---------------------------------------------------------------- what the digest covers
 # A protocol's schema version: bump it when one of the defaults it reads changes (module doc).
-SCHEMA_VERSIONS = {"noloco": 1, "dilocox": 1}
+SCHEMA_VERSIONS = {"noloco": 1, "dilocox": 2}
 # Keys of a section one protocol alone reads; every key not named here is read by both, so a
 # new key enters both protocols' digests (when a file sets it) until it is named here.
 READ_ONLY_BY: dict[str, dict[str, tuple[str, ...]]] = {

@@ -299,7 +299,7 @@ def test_a_send_slower_than_the_round_needs_says_in_one_sentence_that_the_link_c
         assert judged[0].text.startswith("this node's link, ")
         assert "as its last send to its group measured it, cannot carry the exchange of swarm " \
                "'local-dilocox': a dilocox round of 0.2 s moves 0.1 MB up and 0.1 MB down per node (its " \
-               "message, lowrank at rank 4 and 8 bits, to 1 members and 1 members' messages in), which " \
+               "message, lowrank at rank 8 and 4 bits, to 1 members and 1 members' messages in), which " \
                "needs 2.3 Mbit/s up and 2.3 Mbit/s down; and the protocol as configured cannot send less." \
                in judged[0].text
     run_virtual(main())

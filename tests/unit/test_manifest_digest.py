@@ -20,7 +20,7 @@ RELEASES = Path(__file__).resolve().parents[1] / "fixtures" / "releases"
 # so in CHANGELOG.md ("swarms must upgrade together"), and in each file's digest line.
 SHIPPED_DIGESTS = {
     "local": "31c4440de59c618d2a881e09414c4cb2",
-    "local-dilocox": "3ecb361e4fa8e0a4e52901506fb3be70",
+    "local-dilocox": "700a81f998202d7c47cdd5c1c3de75dc",
 }
 
 

@@ -15,9 +15,17 @@ node's own θ of the pair's round):
         differ by after a round) plus e_i, how far its θ_i would arrive from itself over the
         wire (the rounding of protocol.wire_dtype: node/rounds/wire_tensors.py
         rounding_error_norm; with int4 it outweighs a round's progress many times)
-    d_j > refuse_ratio·m_j:  refused (the caller counts it against the partner: strikes, bans);
+    d_j > refuse_ratio·m_j:  refused (the caller counts it against the partner: strikes, bans),
+                             only while m_j comes from the other partners (warmup reached);
     d_j > clip_ratio·m_j:    clipped, θ_j ← θ_i + (clip_ratio·m_j / d_j)·(θ_j − θ_i);
     else:                    used as sent.
+
+On the floor alone (fewer than `warmup` other partners: a swarm of two or three, or a node's
+first pairings) a partner is clipped, never refused: f is the node's own progress, not a
+measured honest distance, and an honest partner paired across rounds or from a φ that drifted
+lies several f away (a two-node swarm whose clocks differ by 60 s: 5.2 f); refusing it would
+strike and ban the only partner on one node's estimate. The pull stays bounded by
+(β/2)·clip_ratio·f.
 
 Invariants: partner j's own distances never enter m_j, so nothing j sends moves the reference
 it is judged by; each partner holds one entry of the history, whatever it sends and how often.
@@ -88,6 +96,10 @@ class PullBound:
     def enabled(self) -> bool:
         return self.clip_ratio > 0
 
+    def others(self, partner: Hashable) -> int:
+        """How many partners other than `partner` the history holds."""
+        return len(self.latest) - (partner in self.latest)
+
     def reference(self, partner: Hashable, floor: float) -> float:
         """m_j for `partner` j: the lower median of the other partners' latest distances once
         `warmup` others are known, at least `floor` (f)."""
@@ -100,10 +112,11 @@ class PullBound:
         """The verdict on `partner` at `partner_distance`, with f = `floor`; the distance
         becomes that partner's entry of the history whatever the verdict."""
         m = self.reference(partner, floor)
+        measured = self.others(partner) >= self.warmup  # m from other partners, not f alone
         self._record(partner, partner_distance)
         if m <= 0:  # no progress and no history (nothing trained yet): nothing to measure by
             return PullVerdict(partner_distance, m, 1.0, False)
-        if partner_distance > self.refuse_ratio * m:
+        if measured and partner_distance > self.refuse_ratio * m:
             return PullVerdict(partner_distance, m, 0.0, True)
         limit = self.clip_ratio * m
         scale = 1.0 if partner_distance <= limit else limit / partner_distance

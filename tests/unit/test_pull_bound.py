@@ -18,10 +18,12 @@ from tests.round_parts import config, corpus  # noqa: F401 (fixtures)
 from tests.round_parts import noloco, partner_of, received, train_round
 
 
-def test_before_two_other_partners_are_known_the_floor_is_the_reference():
+def test_before_two_other_partners_are_known_the_floor_is_the_reference_and_nobody_is_refused():
     bound = PullBound(clip_ratio=2.0, refuse_ratio=5.0)
-    first = bound.judge("a", 9.0, floor=1.0)  # nobody else known: m = f
-    assert first.reference == 1.0 and first.refused
+    first = bound.judge("a", 9.0, floor=1.0)  # nobody else known: m = f, clipped at 2f, not refused
+    assert first.reference == 1.0 and not first.refused and first.scale == pytest.approx(2.0 / 9.0)
+    again = bound.judge("a", 90.0, floor=1.0)  # a two-node swarm: its only partner, far away
+    assert not again.refused and again.scale == pytest.approx(2.0 / 90.0)
     second = bound.judge("b", 4.0, floor=1.0)  # one other partner: still f
     assert second.reference == 1.0 and not second.refused and second.scale == pytest.approx(0.5)
     third = bound.judge("c", 3.0, floor=1.0)  # two others: the lower median of {9, 4}
@@ -155,6 +157,7 @@ def _round_with_partner(config, corpus, bad_theta):
 def test_a_negated_theta_is_refused_as_too_far_and_counted(config, corpus):
     policy, link, own, _, phi, momentum = _round_with_partner(
         config, corpus, lambda mine, theirs: {n: -t for n, t in theirs.items()})
+    policy.pull_bound.latest.update(h1=1.0, h2=1.0)  # two honest partners already judged
     outcome = policy.end_round(0)
     assert link.refusals == [("bad", "distance")] and outcome.local_update
     assert "more than 5x the median distance of its recent partners" in outcome.refused[0]
@@ -188,6 +191,20 @@ def test_a_partner_between_the_bounds_is_clipped_and_moves_phi_by_at_most_the_bo
     for name, t in want.items():
         assert torch.allclose(policy.outer.slow_weights[name], t, atol=1e-6)
     pull = distance(policy.outer.slow_weights, local)
+    assert pull == pytest.approx(hyper.progress_weight / 2 * limits.pull_clip_ratio * floor, rel=1e-4)
+
+
+def test_a_first_partner_far_away_is_clipped_not_refused(config, corpus):
+    """With no other partner judged yet (a swarm of two) the floor alone is no evidence against a
+    partner: −θ is used clipped to 2f from θ_i and nothing is counted against it."""
+    policy, link, own, _, phi, momentum = _round_with_partner(
+        config, corpus, lambda mine, theirs: {n: -t for n, t in theirs.items()})
+    outcome = policy.end_round(0)
+    assert link.refusals == [] and outcome.partner == "bad" and policy.pulls_clipped == 1
+    local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
+    floor = math.sqrt(sum(float(d.pow(2).sum()) for d in own.local_progress.values()))
+    pull = distance(policy.outer.slow_weights, local)
+    limits, hyper = ContributionSection(), NoLoCoHyperParameters()
     assert pull == pytest.approx(hyper.progress_weight / 2 * limits.pull_clip_ratio * floor, rel=1e-4)
 
 

@@ -96,23 +96,23 @@ class PullBound:
     def enabled(self) -> bool:
         return self.clip_ratio > 0
 
-    def others(self, partner: Hashable) -> int:
-        """How many partners other than `partner` the history holds."""
-        return len(self.latest) - (partner in self.latest)
+    def measured(self, partner: Hashable) -> bool:
+        """Whether `warmup` partners other than `partner` are in the history: m_j then comes
+        from their distances, not from f alone."""
+        return len(self.latest) - (partner in self.latest) >= self.warmup
 
     def reference(self, partner: Hashable, floor: float) -> float:
         """m_j for `partner` j: the lower median of the other partners' latest distances once
         `warmup` others are known, at least `floor` (f)."""
-        others = [d for k, d in self.latest.items() if k != partner]
-        if len(others) < self.warmup:
+        if not self.measured(partner):
             return floor
+        others = [d for k, d in self.latest.items() if k != partner]
         return max(floor, statistics.median_low(others))
 
     def judge(self, partner: Hashable, partner_distance: float, floor: float) -> PullVerdict:
         """The verdict on `partner` at `partner_distance`, with f = `floor`; the distance
         becomes that partner's entry of the history whatever the verdict."""
-        m = self.reference(partner, floor)
-        measured = self.others(partner) >= self.warmup  # m from other partners, not f alone
+        m, measured = self.reference(partner, floor), self.measured(partner)
         self._record(partner, partner_distance)
         if m <= 0:  # no progress and no history (nothing trained yet): nothing to measure by
             return PullVerdict(partner_distance, m, 1.0, False)

@@ -38,7 +38,7 @@ falling below what two honest θs differ by. One pairing moves φ_i by at most
 partners all lie further away (it was cut off, or it is the outlier) takes them at the clipped
 distance, and m_j follows them as their entries replace the history's. Honest distances measured
 against m, and the harm of each adversary with and without the rule: benchmarks/RESULTS.md
-("A bound on a partner's θ"). `clip_ratio` = 0 turns the rule off.
+("What does an adversary cost the honest members?"). `clip_ratio` = 0 turns the rule off.
 """
 
 from __future__ import annotations

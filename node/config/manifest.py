@@ -225,7 +225,7 @@ class ContributionSection:
     # How far one NoLoCo pairing may pull a node (protocol/pull_bound.py): a partner's θ further
     # from the node's own than these multiples of m (the lower median of its other recent
     # partners' latest distances, at least its own progress norm) is clipped to pull_clip_ratio·m, or refused past
-    # pull_refuse_ratio·m. Measured in benchmarks/RESULTS.md ("A bound on a partner's θ").
+    # pull_refuse_ratio·m. Measured in benchmarks/RESULTS.md ("What does an adversary cost").
     pull_clip_ratio: float = spec(2.0, "NoLoCo θ snapshots: clip a partner's θ to this multiple of "
                                   "the median distance of other recent partners (at least this node's "
                                   "own progress norm) from this node's θ (0: off)", min=0.0, max=1e6)

@@ -1,4 +1,5 @@
-"""NoLoCoExchange's answer to a partner's swap, on the event loop, without a network.
+"""NoLoCoExchange's answer to a partner's swap, on the event loop, without a network, on
+virtual time (tests/virtual_time.py): a wait is read exactly, however loaded the machine.
 
 A pair's initiator opens the swap as soon as it accepts; its accept travels on another stream,
 so the swap can reach the proposer first. The proposer must hold the swap until its proposal is
@@ -12,16 +13,15 @@ from types import SimpleNamespace
 import pytest
 
 from node.config.manifest import ProtocolSection
-from node.config.settings import NodeTimeouts
 from node.rounds.noloco.exchange import NoLoCoExchange
 from p2p.errors import Reason, Refusal, RemoteRefused
 from p2p.messages import OutgoingMessage
 from protocol.matching import MatchMessage, MessageKind, ReadyAnnouncement
 from tests.swarm_parts import member, unit_swarm
+from tests.virtual_time import run_virtual
 
 ME, PEER, STRANGER = "zz-me", "aa-peer", "bb-stranger"  # PEER's id is lower: it initiates
 HIGHER = "zzz-peer"  # a higher id than ours: we initiate
-CONTROL_TIMEOUT_S = NodeTimeouts().match_message_s
 BLOCKING = ProtocolSection(timing="blocking", pair_deadline_s=30.0)
 
 
@@ -55,9 +55,9 @@ def test_a_swap_that_overtakes_the_accept_is_served_once_the_accept_lands():
         ex = proposed_and_answered_soon(loop, MessageKind.ACCEPT)
         began = loop.time()
         reply = await ex._snapshot_reply(swap_from(PEER))
-        assert reply is ex.offered and loop.time() - began < 1.0
+        assert reply is ex.offered and loop.time() - began == pytest.approx(0.05)  # the accept's
         assert ex.matching.pair is not None and ex.matching.pair.partner == PEER
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_swap_from_a_peer_that_declines_is_refused_without_waiting_the_timeout():
@@ -67,9 +67,9 @@ def test_a_swap_from_a_peer_that_declines_is_refused_without_waiting_the_timeout
         began = loop.time()
         with pytest.raises(Refusal, match="not paired"):
             await ex._snapshot_reply(swap_from(PEER))
-        assert loop.time() - began < CONTROL_TIMEOUT_S / 4
+        assert loop.time() - began == pytest.approx(0.05)  # the decline's arrival, not a timeout
         assert ex._settling == []
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_swap_from_a_peer_we_never_proposed_to_is_refused_at_once():
@@ -80,8 +80,8 @@ def test_a_swap_from_a_peer_we_never_proposed_to_is_refused_at_once():
         began = loop.time()
         with pytest.raises(Refusal, match="not paired"):
             await ex._snapshot_reply(swap_from(STRANGER))
-        assert loop.time() - began < 0.1
-    asyncio.run(main())
+        assert loop.time() - began == 0
+    run_virtual(main())
 
 
 class RefusingTransport:
@@ -123,7 +123,7 @@ def test_a_cancel_from_the_proposer_drops_our_pair_and_we_look_again():
         ex._handle(MatchMessage(MessageKind.CANCEL, STRANGER, ME, 0, 1, "m"))
         assert ex.matching.pair is None and ex.matching.wants_partner
         assert events == ["paired", "pair_cancelled"] and ex.failed_round is None
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_swap_refused_as_not_paired_drops_the_pair_without_a_failure():
@@ -137,7 +137,7 @@ def test_a_swap_refused_as_not_paired_drops_the_pair_without_a_failure():
         assert ex.matching.wants_partner
         assert events == ["paired", "pair_cancelled"]
         assert ex.failed_round is None  # blocking keeps waiting
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_snapshot_delivered_after_our_round_ended_is_counted_late_not_dropped_unseen():
@@ -150,7 +150,7 @@ def test_a_snapshot_delivered_after_our_round_ended_is_counted_late_not_dropped_
         ex._next_round(1)
         await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0))
         assert events == ["paired", "swap_late"] and ex.partners == {}
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_snapshot_that_overtakes_the_accept_is_stored_once_the_accept_lands():
@@ -161,9 +161,9 @@ def test_a_snapshot_that_overtakes_the_accept_is_stored_once_the_accept_lands():
         ex = proposed_and_answered_soon(loop, MessageKind.ACCEPT)
         began = loop.time()
         await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=0, payload=b"theta"))
-        assert loop.time() - began < 1.0
+        assert loop.time() - began == pytest.approx(0.05)  # stored when the accept landed
         assert [p.peer for p in ex.partners.values()] == [PEER] and ex.landed.is_set()
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_snapshot_that_overtakes_the_accept_waits_for_it_after_an_earlier_pair_with_that_peer():
@@ -183,7 +183,7 @@ def test_a_snapshot_that_overtakes_the_accept_waits_for_it_after_an_earlier_pair
         loop.call_later(0.05, ex._handle, MatchMessage(MessageKind.ACCEPT, PEER, ME, 1, 1, "m"))
         await ex._snapshot_delivered(SimpleNamespace(sender=PEER, round=1, payload=b"theta"))
         assert 1 in ex.partners and ex.partners[1].pair_round == 1, ex.partners
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def overlap_exchange(loop, max_swap_rounds: int = 2):
@@ -211,7 +211,7 @@ def test_overlap_keeps_a_snapshot_landing_rounds_after_its_pair_and_drops_an_old
             ex._next_round(r)
         await ex._snapshot_delivered(SimpleNamespace(sender=STRANGER, round=2, payload=b"theta"))
         assert events[-1] == "swap_late" and set(ex.partners) == set()  # round 0's aged out too
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_node_ahead_of_its_swarm_goes_back_to_its_round_once_no_pair_is_in_flight():
@@ -234,7 +234,7 @@ def test_a_node_ahead_of_its_swarm_goes_back_to_its_round_once_no_pair_is_in_fli
         assert await loop.run_in_executor(None, ex.catch_up_round, 14) == 10
         assert await loop.run_in_executor(None, ex.catch_up_round, 11) is None  # within 2
         await ex.stop()
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_member_claiming_a_round_no_one_could_have_reached_does_not_move_the_node(caplog):
@@ -255,7 +255,7 @@ def test_a_member_claiming_a_round_no_one_could_have_reached_does_not_move_the_n
         assert len(said) == 1 and STRANGER in said[0] and "(at most 5" in said[0], said  # 16 + 4 x 10 s / 1 s
         swarm.members.records[PEER] = member(PEER, 30)  # 30 rounds in 10 s: possible, honest
         assert await loop.run_in_executor(None, ex.catch_up_round, 0) == 30
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_a_node_whose_swaps_outlast_its_rounds_rests_then_pairs_again():
@@ -277,7 +277,7 @@ def test_a_node_whose_swaps_outlast_its_rounds_rests_then_pairs_again():
         assert not ex.accepting and events[-1] == "rested"
         next_round(3)  # three rounds after it last paired: it pairs again
         assert ex.accepting and events.count("rested") == 2
-    asyncio.run(main())
+    run_virtual(main())
 
 
 class BrokenTransport(RefusingTransport):
@@ -299,7 +299,7 @@ def test_a_swap_failing_with_any_error_is_a_counted_swap_failure():
         assert [e.error for e in failed] == ["ValueError: the send planner failed"]
         assert failed[0].logged and not [e for e in events if e.kind == "task_failed"]
         assert ex.open_pairs == {}  # the pacer measured it; nothing waits on it
-    asyncio.run(main())
+    run_virtual(main())
 
 
 class SlowTransport(RefusingTransport):
@@ -329,13 +329,13 @@ def test_blocking_waits_for_a_swap_under_way_past_the_partner_wait():
         await asyncio.wait_for(transport.started.wait(), 2.0)
         assert transport.need_by is None  # blocking: the transport's own need-by (its bytes)
         finishing = asyncio.create_task(ex._finish_round(0, [], 0.05, 1))
-        await asyncio.sleep(0.3)  # six partner waits: the swap is still under way
+        await asyncio.sleep(2 * BLOCKING.pair_deadline_s)  # past the pair deadline: still under way
         assert not finishing.done() and "no_partner" not in events
         transport.land.set()
         partner = await asyncio.wait_for(finishing, 2.0)
         assert partner is not None and partner.peer == HIGHER and "swapped" in events
-    asyncio.run(main())
-    asyncio.run(main())
+    run_virtual(main())
+    run_virtual(main())
 
 
 def test_overlap_gives_a_swap_the_rounds_it_may_outlast_its_own_by():
@@ -349,6 +349,7 @@ def test_overlap_gives_a_swap_the_rounds_it_may_outlast_its_own_by():
         need_by = ex._swap_need_by(0)
         assert need_by.seconds == pytest.approx(4 * 20.0 - 5.0, abs=0.5)  # to the end of round 3
         assert need_by.words.startswith("the 3 rounds it may outlast its own by (75 s")
+    run_virtual(main())
 
 
 def test_a_node_whose_swaps_outlast_its_rounds_says_once_that_its_link_is_too_slow_for_the_swarm():
@@ -388,4 +389,4 @@ def test_a_node_whose_swaps_outlast_its_rounds_says_once_that_its_link_is_too_sl
         for r in (3, 4, 5):
             next_round(r, 1.0)  # then the median of the last five swaps is 1 s
         assert [e.level for e in judged] == ["slower", "ok"]
-    asyncio.run(main())
+    run_virtual(main())

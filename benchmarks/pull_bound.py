@@ -10,12 +10,14 @@ wire dtype, overlap timing) on the convergence table's data and inner settings
   change from `off`, the partner θs clipped and refused, and the largest d/m seen (d: a
   partner's distance, m: the rule's reference);
 - harm, at --harm-cells: the last replica is an adversary sending the θ of tests/adversary.py's
-  corrupt_theta (theta-random, theta-negate, theta-target), with the bound off and on; reported:
-  the honest replicas' mean final loss against the all-honest run with the same bound and seed,
-  and the adversary's snapshots applied, clipped and refused (the simulator bans a sender after
-  contributions.ban_after refusals, as the daemon does).
+  corrupt_theta (theta-random, theta-negate, theta-target, theta-sideways), with the bound off
+  and on; reported: the honest replicas' mean final loss against the all-honest run with the
+  same bound and seed, and the adversary's snapshots applied, clipped and refused (the
+  simulator bans a sender after contributions.ban_after refusals, as the daemon does).
 Arms "refuse" (refusal at the clipping ratio: no clipping) and "clip" (no refusal) are the two
-pure forms of the rule; "bound" is the manifest's default (clip, and refuse far beyond).
+pure forms of the rule; "bound" is the manifest's default (clip, and refuse far beyond, on the
+distance and on the radial part); "distance" is the bound on the distance alone (the rule
+before the radial part).
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ BOUNDS = {"off": {"pull_clip_ratio": 0.0},
                     "pull_refuse_ratio": DEFAULT.pull_refuse_ratio},
           "refuse": {"pull_clip_ratio": DEFAULT.pull_clip_ratio,
                      "pull_refuse_ratio": DEFAULT.pull_clip_ratio},
-          "clip": {"pull_clip_ratio": DEFAULT.pull_clip_ratio, "pull_refuse_ratio": 1e6}}
+          "clip": {"pull_clip_ratio": DEFAULT.pull_clip_ratio, "pull_refuse_ratio": 1e6},
+          "distance": {"pull_clip_ratio": DEFAULT.pull_clip_ratio,
+                       "pull_refuse_ratio": DEFAULT.pull_refuse_ratio}}
+RADIAL_OFF = {"distance"}  # arms judging the distance alone (the rule before the radial part)
 
 
 def make_adversary(policy, kind: str) -> None:
@@ -81,20 +86,28 @@ def run_arm(job: dict) -> dict:
     method, bad = sim.method, replica_name(workers - 1)
     if kind:
         make_adversary(method.rounds[bad], kind)
-    seen = {"honest": [], "adversary": []}  # d/m of every partner θ an honest replica judged
+    # d/m and ρ/m_ρ of every partner θ an honest replica judged
+    seen = {"honest": [], "adversary": []}
+    seen_radial = {"honest": [], "adversary": []}
     # what honest replicas did with the snapshots of the adversary, and of honest partners
     counts = {who: {"applied": 0, "clipped": 0, "refused": 0} for who in ("honest", "adversary")}
     for name, policy in method.rounds.items():
         if kind and name == bad:
             continue
+        if bound in RADIAL_OFF:
+            policy.radial_bound = pull_bound.PullBound(0.0, 0.0)
         judge, bound_pull, checked = policy.pull_bound.judge, policy._bound_pull, policy._checked
+        judge_radial = policy.radial_bound.judge
         sender = {}
 
-        def judged(partner, distance, floor, judge=judge, sender=sender):
+        def judged(partner, distance, floor, judge=judge, sender=sender, into=seen):
             verdict = judge(partner, distance, floor)
             if verdict.reference > 0:
-                seen[sender["who"]].append(distance / verdict.reference)
+                into[sender["who"]].append(distance / verdict.reference)
             return verdict
+
+        def judged_radial(partner, distance, floor, judge=judge_radial, sender=sender):
+            return judged(partner, distance, floor, judge, sender, seen_radial)
 
         def bounded(peer, theirs, mine, floor, bound_pull=bound_pull, policy=policy,
                     sender=sender):
@@ -111,15 +124,18 @@ def run_arm(job: dict) -> dict:
                 counts[sender["who"]]["applied" if pair.used else "refused"] += 1
             return pair
         policy.pull_bound.judge, policy._bound_pull, policy._checked = judged, bounded, checked_
+        policy.radial_bound.judge = judged_radial
     started = time.time()
     sim.run()
     honest = [r for r in method.replicas if not kind or r.name != bad]
     finals = [r.trainer.evaluate() for r in honest]
-    ratios = {who: {"n": len(v), "median": statistics.median(v), "max": max(v)}
-              for who, v in seen.items() if v}
+    def summary(values):
+        return {who: {"n": len(v), "median": statistics.median(v), "max": max(v)}
+                for who, v in values.items() if v}
+    ratios, radial_ratios = summary(seen), summary(seen_radial)
     return {**job, "finals": finals, "mean": statistics.fmean(finals),
             "honest_partners": counts["honest"], "adversary": counts["adversary"] if kind else None,
-            "d_over_m": ratios,
+            "d_over_m": ratios, "rho_over_m": radial_ratios,
             "minutes": (time.time() - started) / 60}
 
 
@@ -161,20 +177,21 @@ def table(results: list[dict]) -> str:
                      and x["kind"] is None
                      and x["bound"] == ("off" if r["kind"] is None else r["bound"])), None)
     lines = ["| N | H | arm | adversary | honest final val loss | vs reference | honest θs clipped / "
-             "refused | adversary's θs applied / clipped / refused | max d/m honest (adversary) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "refused | adversary's θs applied / clipped / refused | max d/m honest (adversary) | "
+             "max ρ/m_ρ honest (adversary) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ref = reference(r)  # none for an honest bound arm run without `off`
         change = "-" if ref is None else f"{r['mean'] / ref['mean'] - 1:+.2%}"
         adv = r["adversary"]
-        ratio = r["d_over_m"]
-        spread = (f"{ratio['honest']['max']:.2f}" if "honest" in ratio else "-") + \
-            (f" ({ratio['adversary']['max']:.3g})" if "adversary" in ratio else "")
+        def spread(ratio):
+            return (f"{ratio['honest']['max']:.2f}" if "honest" in ratio else "-") + \
+                (f" ({ratio['adversary']['max']:.3g})" if "adversary" in ratio else "")
         lines.append(f"| {r['workers']} | {r['h']} | {r['bound']} | {r['kind'] or '-'} | "
                      f"{r['mean']:.4f} | {change} | "
                      f"{r['honest_partners']['clipped']} / {r['honest_partners']['refused']} | "
                      f"{'-' if adv is None else '{applied} / {clipped} / {refused}'.format(**adv)} | "
-                     f"{spread} |")
+                     f"{spread(r['d_over_m'])} | {spread(r.get('rho_over_m', {}))} |")
     return "\n".join(lines)
 
 

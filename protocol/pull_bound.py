@@ -20,6 +20,17 @@ node's own θ of the pair's round):
     d_j > clip_ratio·m_j:    clipped, θ_j ← θ_i + (clip_ratio·m_j / d_j)·(θ_j − θ_i);
     else:                    used as sent.
 
+The same rule judges a second statistic, with its own history and floor: the radial part
+ρ_j = ‖r‖, r_t = ⟨θ_j,t − θ_i,t, θ_i,t⟩ / ‖θ_i,t‖ for each tensor t (how far θ_j moves each of
+the node's tensors along itself: shrinking, growing, negating, replacing it), with floor
+f_ρ = ρ(θ_i against φ_i) + e_ρ, the node's own progress along its tensors plus the rounding's
+part along them (rounding_error_along: about e_i/√(elements a tensor), since the rounding is
+independent between elements). Two honest θs of one model differ along their own tensors by
+little, and the wire's rounding adds almost nothing there, so ρ tells −θ (ρ = 2‖θ_i‖), random
+weights of θ's norm (ρ ≈ ‖θ_i‖) or a zeroed tensor from an honest partner where d cannot:
+with int4 θ, e_i is 0.05-0.5 of ‖θ_i‖, and those lie within a few f. A partner is refused if
+either statistic refuses it and scaled by the smaller of the two scales (`stricter`).
+
 On the floor alone (fewer than `warmup` other partners: a swarm of two or three, or a node's
 first pairings) a partner is clipped, never refused: f is the node's own progress, not a
 measured honest distance, and an honest partner paired across rounds or from a φ that drifted
@@ -63,6 +74,18 @@ def distance(theirs: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor
     return math.sqrt(total)
 
 
+def radial(theirs: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor]) -> float:
+    """ρ = ‖r‖, r_t = ⟨theirs_t − mine_t, mine_t⟩ / ‖mine_t‖ over tensors t (same names; a tensor
+    of zeros in `mine` counts none): the difference's part along each of mine's tensors."""
+    total = 0.0
+    for name, t in theirs.items():
+        own = mine[name].detach().float()
+        norm = float(own.norm())
+        if norm > 0.0:
+            total += (float(((t.detach().float() - own) * own).sum()) / norm) ** 2
+    return math.sqrt(total)
+
+
 def clip_towards(theirs: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Tensor],
                  scale: float) -> dict[str, torch.Tensor]:
     """mine + scale·(theirs − mine), tensor by tensor, in theirs' dtype and device (new tensors:
@@ -75,10 +98,17 @@ def clip_towards(theirs: Mapping[str, torch.Tensor], mine: Mapping[str, torch.Te
 class PullVerdict:
     """What to do with one partner θ: `refused`, else use it scaled by `scale` (1: as sent)."""
 
-    distance: float
+    distance: float    # the statistic judged: d, or ρ for the radial part
     reference: float   # m
     scale: float
     refused: bool
+
+
+def stricter(a: PullVerdict, b: PullVerdict) -> PullVerdict:
+    """Of two verdicts on one θ, the one that refuses, else the one that scales it more."""
+    if a.refused or b.refused:
+        return a if a.refused else b
+    return a if a.scale <= b.scale else b
 
 
 @dataclass

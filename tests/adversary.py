@@ -16,6 +16,9 @@ daemon. Kinds:
               from a fixed seed) of TARGET_PUSH times the pull bound's floor f (its progress
               norm plus the wire's rounding: protocol/pull_bound.py), so that the default
               bound clips it and never refuses it: the most a partner can pull unpunished;
+  theta-sideways: the same push with its part along each of θ's own tensors taken out, so that
+              it moves no tensor's norm (the radial part the bound judges) and only the distance
+              bounds it: an adversary that knows the rule;
 - replay:     after each message it sends a peer, it sends that peer the very first signed
               message of the same kind again (same nonce, same signature: a byte-exact replay);
 - stall:      it keeps opening streams to every member and never writes a byte on them;
@@ -64,7 +67,7 @@ import signal
 import sys
 
 log = logging.getLogger("lowcomm.adversary")
-THETA_KINDS = ("theta-random", "theta-negate", "theta-target")
+THETA_KINDS = ("theta-random", "theta-negate", "theta-target", "theta-sideways")
 KINDS = ("nan", "inf", "scale", "noise", *THETA_KINDS, "slow-members", "replay", "stall", "flood",
          "ckpt-kill", "swap-kill", "push-kill", "serve-kill", "unlisted", "state-poison",
          "state-round", "equivocate", "future", "split")
@@ -105,6 +108,9 @@ def corrupt_theta(kind: str, theta: dict, floor: float, target: dict) -> dict:
             z = torch.randn(t.shape, generator=generator)
             target[name] = z * (t.norm() / z.norm().clamp_min(1e-12))
     push = {name: target[name] - t for name, t in theta.items()}
+    if kind == "theta-sideways":  # each tensor's push less its part along that tensor
+        push = {name: p - (p * theta[name]).sum() / theta[name].pow(2).sum().clamp_min(1e-30)
+                * theta[name] for name, p in push.items()}
     push_norm = float(sum(p.pow(2).sum() for p in push.values())) ** 0.5
     scale = target_push() * floor / max(push_norm, 1e-12)
     return {name: t + scale * push[name] for name, t in theta.items()}

@@ -51,24 +51,44 @@ def tensor_wire_bytes(count: int, dtype: str) -> int:
     return count * torch.empty(0, dtype=WIRE_DTYPES[dtype]).element_size()
 
 
+def _rounding_variance(t: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, v): the tensor's elements and the variance bound of each one's rounding in `dtype`,
+    broadcastable to x: for a quantized dtype x in blocks of QUANT_BLOCK (zero-padded) and
+    (s/L)²/4 a block of absmax s (stochastic rounding; to nearest, (s/L)²/12); relative 2^-8 of
+    each element in bf16 (2^-11 fp16); 0 in fp32."""
+    flat = t.detach().float().reshape(-1)
+    if dtype in QUANTIZED_BITS:
+        levels = 2 ** (QUANTIZED_BITS[dtype] - 1) - 1
+        blocks = torch.nn.functional.pad(flat, (0, -flat.numel() % QUANT_BLOCK)).reshape(-1, QUANT_BLOCK)
+        return blocks, (blocks.abs().amax(dim=1, keepdim=True) / levels).pow(2) / 4
+    relative = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}.get(dtype, 0.0)
+    return flat, (relative * flat).pow(2)
+
+
 def rounding_error_norm(tensors: Mapping[str, torch.Tensor], dtype: str) -> float:
     """How far these tensors, sent in `dtype`, typically arrive from what was sent: the root of
-    the summed per-element variance bound of their rounding, (s/L)²/4 an element of a block
-    of absmax s (stochastic rounding; to nearest, (s/L)²/12), relative 2^-8 of each element
-    in bf16 (2^-11 fp16), 0 in fp32. What two honest snapshots of one model differ by, on
-    the wire alone (protocol/pull_bound.py seeds its reference with it)."""
-    if dtype in QUANTIZED_BITS:
-        levels, total = 2 ** (QUANTIZED_BITS[dtype] - 1) - 1, 0.0
-        for t in tensors.values():
-            flat = t.detach().float().reshape(-1)
-            pad = -flat.numel() % QUANT_BLOCK
-            blocks = torch.nn.functional.pad(flat, (0, pad)).reshape(-1, QUANT_BLOCK)
-            total += float(blocks.abs().amax(dim=1).pow(2).sum()) * QUANT_BLOCK
-        return math.sqrt(total / 4) / levels
-    relative = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}.get(dtype, 0.0)
-    if relative == 0.0:
-        return 0.0
-    return relative * math.sqrt(sum(float(t.detach().float().pow(2).sum()) for t in tensors.values()))
+    the summed per-element variance bound of their rounding (`_rounding_variance`). What two
+    honest snapshots of one model differ by, on the wire alone (protocol/pull_bound.py seeds
+    its reference with it)."""
+    total = 0.0
+    for t in tensors.values():
+        x, v = _rounding_variance(t, dtype)
+        total += float(v.expand_as(x).sum())
+    return math.sqrt(total)
+
+
+def rounding_error_along(tensors: Mapping[str, torch.Tensor], dtype: str) -> float:
+    """The part of that rounding along each tensor's own direction: the root of the summed
+    variance bound of ⟨x̂_t − x_t, x_t⟩/‖x_t‖ over tensors t, Σ_k v_k·x_k²/‖x_t‖². The rounding
+    is independent between elements, so this is about 1/√(elements a tensor) of
+    `rounding_error_norm` (protocol/pull_bound.py's radial floor)."""
+    total = 0.0
+    for t in tensors.values():
+        x, v = _rounding_variance(t, dtype)
+        squared = float(x.pow(2).sum())
+        if squared > 0.0:
+            total += float((v * x.pow(2)).sum()) / squared
+    return math.sqrt(total)
 
 
 def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "",

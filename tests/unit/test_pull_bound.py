@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 
 from node.config.manifest import ContributionSection
 from node.rounds.noloco.round import PartnerSnapshot
-from node.rounds.wire_tensors import rounding_error_norm, to_wire
+from node.rounds.wire_tensors import (from_wire_quantized, rounding_error_along,
+                                      rounding_error_norm, to_wire)
 from protocol.noloco import NoLoCoHyperParameters, noloco_update, theta_only_snapshot
-from protocol.pull_bound import PullBound, clip_towards, distance
+from protocol.pull_bound import PullBound, clip_towards, distance, radial
 from tests.round_parts import config, corpus  # noqa: F401 (fixtures)
 from tests.round_parts import noloco, partner_of, received, train_round
 
@@ -133,6 +134,32 @@ def test_clip_towards_lands_at_the_scaled_distance_and_leaves_its_input_alone():
     assert torch.equal(theirs["w"], torch.tensor([3.0, 0.0, 4.0]))
 
 
+def test_the_radial_part_sees_negation_replacement_and_zeroing_and_almost_none_of_the_rounding():
+    """ρ: −θ is 2‖θ‖, random weights of each tensor's norm about ‖θ‖, a zeroed tensor its own
+    norm; θ rounded to int4 lies rounding_error_norm away but within a few rounding_error_along
+    of itself along its tensors (the rounding is independent between elements)."""
+    g = torch.Generator().manual_seed(0)
+    theta = {"w": torch.randn(64, 256, generator=g), "b": torch.randn(256, generator=g) * 0.1}
+    norm = math.sqrt(sum(float(t.pow(2).sum()) for t in theta.values()))
+    assert radial({n: -t for n, t in theta.items()}, theta) == pytest.approx(2 * norm)
+    rand = {n: torch.randn(t.shape, generator=g) for n, t in theta.items()}
+    rand = {n: r * (theta[n].norm() / r.norm()) for n, r in rand.items()}
+    assert radial(rand, theta) == pytest.approx(norm, rel=0.05)
+    zeroed = {"w": theta["w"], "b": torch.zeros(256)}
+    assert radial(zeroed, theta) == pytest.approx(float(theta["b"].norm()))
+    rounded = _int4(theta)
+    off, along = distance(rounded, theta), radial(rounded, theta)
+    assert off > 0.05 * norm  # the wire's rounding alone puts it this far away
+    assert along < 4 * rounding_error_along(theta, "int4") < 0.01 * norm  # and not along itself
+
+
+def _int4(theta: dict) -> dict:
+    """θ as it arrives over an int4 wire, rounded stochastically."""
+    sent = to_wire(theta, "int4", rounding=torch.Generator().manual_seed(1))
+    shapes = {n: tuple(t.shape) for n, t in theta.items()}
+    return from_wire_quantized(received(0, sent), "int4", shapes, [""])[""]
+
+
 def test_rounding_error_norm_follows_the_wire_dtype():
     theta = {"w": torch.randn(4096, generator=torch.Generator().manual_seed(0))}
     norm = theta["w"].norm().item()
@@ -165,6 +192,28 @@ def test_a_negated_theta_is_refused_as_too_far_and_counted(config, corpus):
     assert all(torch.equal(policy.outer.slow_weights[n], t) for n, t in local.items())
 
 
+def test_a_negated_theta_the_distance_would_only_clip_is_refused_on_its_radial_part(config, corpus):
+    """With int4 θ two honest θs lie the wire's rounding apart, so the distance's reference can
+    leave −θ within the refusal bound (here: clipped only); its part along the node's own
+    tensors, 2‖θ_i‖, lies far beyond 5x the honest partners' (the rounding adds ~nothing there)."""
+    policy, link, model = noloco(config, corpus, "blocking", wire_dtype="int4")
+    _, theirs = partner_of(config, corpus, 0)
+    train_round(model, policy, 0)
+    mine = policy.outer.snapshot(model.named_parameters()).fast_weights()
+    honest = _int4(theirs.fast_weights())
+    sent = {n: -t for n, t in honest.items()}
+    far = distance(sent, mine)
+    policy.pull_bound.latest.update(h1=far / 4, h2=far / 4)  # the distance: clip, not refuse
+    honest_radial = radial(honest, mine)
+    policy.radial_bound.latest.update(h1=honest_radial, h2=honest_radial)
+    assert radial(sent, mine) > 5 * honest_radial
+    gen = torch.Generator().manual_seed(2)
+    link.waiting[0] = PartnerSnapshot("bad", 0, received(0, to_wire(sent, "int4", "theta/", gen)))
+    outcome = policy.end_round(0)
+    assert link.refusals == [("bad", "distance")] and outcome.local_update
+    assert "along this node's own tensors" in outcome.refused[0], outcome.refused
+
+
 def test_a_partner_between_the_bounds_is_clipped_and_moves_phi_by_at_most_the_bound(config, corpus):
     """θ_j at 3.5x the floor f = ‖Δ_i‖ (fp32: no rounding) is used as θ_i + (2f/d)(θ_j − θ_i):
     the pair's φ is the exact update on that θ, (β/2)·2f from the local update."""
@@ -195,17 +244,24 @@ def test_a_partner_between_the_bounds_is_clipped_and_moves_phi_by_at_most_the_bo
 
 
 def test_a_first_partner_far_away_is_clipped_not_refused(config, corpus):
-    """With no other partner judged yet (a swarm of two) the floor alone is no evidence against a
-    partner: −θ is used clipped to 2f from θ_i and nothing is counted against it."""
-    policy, link, own, _, phi, momentum = _round_with_partner(
+    """With no other partner judged yet (a swarm of two) the floors alone are no evidence against
+    a partner: −θ is used clipped and nothing is counted against it. It is scaled by the smaller
+    of 2f/d and 2f_ρ/ρ; for −θ the radial part binds (ρ = 2‖θ_i‖ where a round moves θ little
+    along itself), so the pull is (β/2)·(2f_ρ/ρ)·d, below the distance's (β/2)·2f."""
+    policy, link, own, sent, phi, momentum = _round_with_partner(
         config, corpus, lambda mine, theirs: {n: -t for n, t in theirs.items()})
     outcome = policy.end_round(0)
     assert link.refusals == [] and outcome.partner == "bad" and policy.pulls_clipped == 1
     local, _ = noloco_update(phi, momentum, [own], NoLoCoHyperParameters())
-    floor = math.sqrt(sum(float(d.pow(2).sum()) for d in own.local_progress.values()))
-    pull = distance(policy.outer.slow_weights, local)
+    mine = own.fast_weights()
+    f = math.sqrt(sum(float(d.pow(2).sum()) for d in own.local_progress.values()))  # fp32
+    f_radial = radial(phi, mine)
+    d, rho = distance(sent, mine), radial(sent, mine)
     limits, hyper = ContributionSection(), NoLoCoHyperParameters()
-    assert pull == pytest.approx(hyper.progress_weight / 2 * limits.pull_clip_ratio * floor, rel=1e-4)
+    by_radial = limits.pull_clip_ratio * f_radial / rho
+    assert by_radial < limits.pull_clip_ratio * f / d  # the radial part is the stricter
+    pull = distance(policy.outer.slow_weights, local)
+    assert pull == pytest.approx(hyper.progress_weight / 2 * by_radial * d, rel=1e-4)
 
 
 def test_with_clip_ratio_0_the_bound_is_off_and_a_negated_theta_is_used(config, corpus):

@@ -23,7 +23,8 @@ scores overlapped in simulation (benchmarks/NOTEBOOK.md); with "theta" it is not
 theta_only_snapshot), after the pull bound (protocol/pull_bound.py): a θ further from the node's
 own than contributions.pull_clip_ratio times the median distance of its other recent partners is
 clipped to that distance, and refused past pull_refuse_ratio times it, so that no pairing moves φ by more
-than (β/2)·pull_clip_ratio of that median. No partner, or a refused one, gives the local update of
+than (β/2)·pull_clip_ratio of that median; the same rule judges the difference's part along the
+node's own tensors (radial), against its own history. No partner, or a refused one, gives the local update of
 G = {self}, counted.
 
 A node more than max_staleness rounds behind its swarm (it started late, or stalled) or ahead of
@@ -55,7 +56,7 @@ from node.rounds.contributions import ContributionRefused, check_contribution, g
 from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
-from node.rounds.wire_tensors import QUANTIZED_BITS, rounding_error_norm
+from node.rounds.wire_tensors import QUANTIZED_BITS, rounding_error_along, rounding_error_norm
 from node.train.trainer import InnerTrainer
 from protocol import pull_bound
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, theta_only_snapshot
@@ -166,6 +167,8 @@ class NoLoCoRound:
         self.noise_check = NoiseCheck(contributions.noise_ratio)
         self.pull_bound = pull_bound.PullBound(contributions.pull_clip_ratio,
                                                contributions.pull_refuse_ratio)
+        self.radial_bound = pull_bound.PullBound(contributions.pull_clip_ratio,
+                                                 contributions.pull_refuse_ratio)
         self.pulls_clipped = 0  # partner θs clipped to the pull bound (not refusals: no strike)
         self.caught_up = False  # moved to the swarm's round before (the first jump adopts its state)
         self.rounding = None  # rounding to nearest
@@ -318,11 +321,14 @@ class NoLoCoRound:
                     check_contribution(partner.peer, theirs, mine, global_norm(mine),
                                        self.contributions.max_norm_ratio, f"NoLoCo {what}", sigmas)
                 if self.config.snapshot == "theta" and self.pull_bound.enabled:
-                    # m's floor: our progress, plus what the wire alone puts between two θs
-                    seed = global_norm(reference.local_progress) \
-                        + rounding_error_norm(own_theta, self.config.wire_dtype)
+                    # the floors: our progress, plus what the wire alone puts between two θs
+                    # (all of it, and its part along our own tensors)
+                    floors = (global_norm(reference.local_progress)
+                              + rounding_error_norm(own_theta, self.config.wire_dtype),
+                              pull_bound.radial(reference.slow_weights, own_theta)
+                              + rounding_error_along(own_theta, self.config.wire_dtype))
                     groups["theta"] = self._bound_pull(partner.peer, groups["theta"], own_theta,
-                                                       seed)
+                                                       floors)
             finally:  # a norm is read on the host: the device's queue is drained by here
                 self._held["check"] += time.monotonic() - checking
             if self.config.snapshot == "theta":
@@ -338,15 +344,28 @@ class NoLoCoRound:
             self.link.refused(partner.peer, reason, str(exc))
             return _Pair(partner, [], [str(exc)])
 
-    def _bound_pull(self, peer: str, theirs: dict, mine: dict, floor: float) -> dict:
+    def _bound_pull(self, peer: str, theirs: dict, mine: dict,
+                    floors: tuple[float, float]) -> dict:
         """The pull bound (protocol/pull_bound.py) on a partner's θ: `theirs`, or it clipped, or
-        ContributionRefused("distance") past the refusal bound."""
-        verdict = self.pull_bound.judge(peer, pull_bound.distance(theirs, mine), floor)
-        if verdict.refused:
+        ContributionRefused("distance") past the refusal bound of either statistic; `floors`:
+        f for the distance, f_ρ for the radial part."""
+        by_distance = self.pull_bound.judge(peer, pull_bound.distance(theirs, mine), floors[0])
+        verdict = by_distance
+        if self.radial_bound.enabled:
+            by_radial = self.radial_bound.judge(peer, pull_bound.radial(theirs, mine), floors[1])
+            verdict = pull_bound.stricter(by_distance, by_radial)
+        ratio, m = self.contributions.pull_refuse_ratio, verdict.reference
+        if verdict.refused and verdict is by_distance:
             raise ContributionRefused(
                 "distance", f"NoLoCo fast weights from {peer} lie {verdict.distance:.4g} from this "
-                f"node's, more than {self.contributions.pull_refuse_ratio:g}x the median distance "
-                f"of its recent partners ({verdict.reference:.4g}, {peer}'s own left out); dropped")
+                f"node's, more than {ratio:g}x the median distance of its recent partners "
+                f"({m:.4g}, {peer}'s own left out); dropped")
+        if verdict.refused:
+            raise ContributionRefused(
+                "distance", f"NoLoCo fast weights from {peer} differ from this node's by "
+                f"{verdict.distance:.4g} along this node's own tensors (shrunk, grown, negated or "
+                f"replaced), more than {ratio:g}x the median of its recent partners ({m:.4g}, "
+                f"{peer}'s own left out); dropped")
         if verdict.scale < 1.0:
             self.pulls_clipped += 1
             return pull_bound.clip_towards(theirs, mine, verdict.scale)

@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from grid_jobs import Job, load_finished, run_jobs  # noqa: E402
+from node.config.manifest import SCHEMA_VERSIONS  # noqa: E402
 from node.simulator.report import human_bytes, markdown_table  # noqa: E402
 from node.simulator.settings import DEFAULT_INNER_STEPS  # noqa: E402
 
@@ -110,9 +111,13 @@ class Budget:
 
 
 def job(size: Size, method: str, seed: int, budget: Budget) -> Job:
+    """The run of `method` on `size`; NoLoCo's and DiLoCoX's at today's manifest schema version
+    of their defaults, named in the run file (`noloco.v1`), so that runs of earlier defaults
+    never stand in for today's."""
     name, h = METHODS[method]
     return Job(WORKERS, h, name, seed, rounds=size.steps(budget.tokens_per_parameter) // h,
-               model=size.overrides(budget.device), tag=f"{size.name}-T{budget.tokens_per_parameter:g}")
+               model=size.overrides(budget.device), tag=f"{size.name}-T{budget.tokens_per_parameter:g}",
+               schema=SCHEMA_VERSIONS.get(name, 0))
 
 
 def fit_power_law(points: list[tuple[float, float]]) -> tuple[float, float] | None:
@@ -153,7 +158,9 @@ def report(finished: dict[str, dict], budget: Budget) -> tuple[str, dict]:
             name, h = METHODS[method]
             rows.append({"size": f"{size.name} ({size.parameters / 1e6:.2f}M)",
                          "tokens / replica": f"{entry['tokens_per_replica']:,}",
-                         "seeds": str(len(seeds)), "method": f"{name} H={h}",
+                         "seeds": str(len(seeds)),
+                         "method": f"{name}/{SCHEMA_VERSIONS[name]} H={h}" if name in SCHEMA_VERSIONS
+                         else f"{name} H={h}",
                          "final val loss": f"{loss:.4f}",
                          "vs DiLoCo": f"{100 * (loss - diloco) / diloco:+.2f}%",
                          "vs data-parallel": f"{100 * (loss - dp) / dp:+.2f}%",

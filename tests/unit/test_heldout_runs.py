@@ -1,6 +1,7 @@
-"""benchmarks/heldout.py never takes a run of a swarm protocol's earlier defaults for today's:
-NoLoCo's and DiLoCoX's run files name the manifest schema version whose defaults they ran, and
-a file whose recorded [protocol] section differs from what its job runs now stops the table."""
+"""benchmarks/heldout.py and ladder.py never take a run of a swarm protocol's earlier defaults
+for today's: NoLoCo's and DiLoCoX's run files name the manifest schema version whose defaults
+they ran, and (heldout.py) a file whose recorded [protocol] section differs from what its job
+runs now stops the table."""
 
 import sys
 from pathlib import Path
@@ -45,3 +46,14 @@ def test_a_run_file_that_ran_other_protocol_values_than_its_name_says_is_refused
     with pytest.raises(SystemExit, match=r"ran other \[protocol\] values than dilocox/\d+'s defaults "
                                           r"\(outer_momentum\)"):
         heldout.check_current({job.key: {"protocol_section": recorded}})
+
+
+def test_the_ladders_runs_name_the_schema_version_of_noloco_and_dilocox_too(heldout):
+    import ladder  # benchmarks/ is on the path while `heldout` is in use
+    budget = ladder.Budget()
+    for method, (name, _) in ladder.METHODS.items():
+        key = ladder.job(ladder.SIZES[0], method, 0, budget).key
+        if name in SCHEMA_VERSIONS:
+            assert f"-{name}.v{SCHEMA_VERSIONS[name]}-" in key, key
+        else:
+            assert ".v" not in key, key

@@ -129,6 +129,7 @@ def run_arm(job: dict) -> dict:
     sim.run()
     honest = [r for r in method.replicas if not kind or r.name != bad]
     finals = [r.trainer.evaluate() for r in honest]
+
     def summary(values):
         return {who: {"n": len(v), "median": statistics.median(v), "max": max(v)}
                 for who, v in values.items() if v}
@@ -184,6 +185,7 @@ def table(results: list[dict]) -> str:
         ref = reference(r)  # none for an honest bound arm run without `off`
         change = "-" if ref is None else f"{r['mean'] / ref['mean'] - 1:+.2%}"
         adv = r["adversary"]
+
         def spread(ratio):
             return (f"{ratio['honest']['max']:.2f}" if "honest" in ratio else "-") + \
                 (f" ({ratio['adversary']['max']:.3g})" if "adversary" in ratio else "")

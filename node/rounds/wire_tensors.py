@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -65,30 +66,35 @@ def _rounding_variance(t: torch.Tensor, dtype: str) -> tuple[torch.Tensor, torch
     return flat, (relative * flat).pow(2)
 
 
-def rounding_error_norm(tensors: Mapping[str, torch.Tensor], dtype: str) -> float:
-    """How far these tensors, sent in `dtype`, typically arrive from what was sent: the root of
-    the summed per-element variance bound of their rounding (`_rounding_variance`). What two
-    honest snapshots of one model differ by, on the wire alone (protocol/pull_bound.py seeds
-    its reference with it)."""
-    total = 0.0
+class RoundingErrors(NamedTuple):
+    """How far tensors sent in a wire dtype typically arrive from what was sent (`rounding_errors`)."""
+
+    norm: float    # all of it: the root of the summed per-element variance bounds
+    along: float   # its part along each tensor's own direction
+
+
+def rounding_errors(tensors: Mapping[str, torch.Tensor], dtype: str) -> RoundingErrors:
+    """Both in one pass over the tensors (`_rounding_variance` gives each element's bound v_k):
+    norm = √(Σ_k v_k), what two honest snapshots of one model differ by on the wire alone
+    (protocol/pull_bound.py's floor f); along = the root of the summed variance bound of
+    ⟨x̂_t − x_t, x_t⟩/‖x_t‖ over tensors t, Σ_k v_k·x_k²/‖x_t‖², about norm/√(elements a
+    tensor) since the rounding is independent between elements (the radial floor f_ρ)."""
+    total, along = 0.0, 0.0
     for t in tensors.values():
         x, v = _rounding_variance(t, dtype)
         total += float(v.expand_as(x).sum())
-    return math.sqrt(total)
+        squared = float(x.pow(2).sum())
+        if squared > 0.0:
+            along += float((v * x.pow(2)).sum()) / squared
+    return RoundingErrors(math.sqrt(total), math.sqrt(along))
+
+
+def rounding_error_norm(tensors: Mapping[str, torch.Tensor], dtype: str) -> float:
+    return rounding_errors(tensors, dtype).norm
 
 
 def rounding_error_along(tensors: Mapping[str, torch.Tensor], dtype: str) -> float:
-    """The part of that rounding along each tensor's own direction: the root of the summed
-    variance bound of ⟨x̂_t − x_t, x_t⟩/‖x_t‖ over tensors t, Σ_k v_k·x_k²/‖x_t‖². The rounding
-    is independent between elements, so this is about 1/√(elements a tensor) of
-    `rounding_error_norm` (protocol/pull_bound.py's radial floor)."""
-    total = 0.0
-    for t in tensors.values():
-        x, v = _rounding_variance(t, dtype)
-        squared = float(x.pow(2).sum())
-        if squared > 0.0:
-            total += float((v * x.pow(2)).sum()) / squared
-    return math.sqrt(total)
+    return rounding_errors(tensors, dtype).along
 
 
 def to_wire(tensors: Mapping[str, torch.Tensor], dtype: str, prefix: str = "",

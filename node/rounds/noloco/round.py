@@ -56,7 +56,7 @@ from node.rounds.contributions import ContributionRefused, check_contribution, g
 from node.rounds.noise_check import NoiseCheck
 from node.rounds.noloco import payload
 from node.rounds.policy import RoundOutcome
-from node.rounds.wire_tensors import QUANTIZED_BITS, rounding_error_along, rounding_error_norm
+from node.rounds.wire_tensors import QUANTIZED_BITS, rounding_errors
 from node.train.trainer import InnerTrainer
 from protocol import pull_bound
 from protocol.noloco import NoLoCo, NoLoCoHyperParameters, NoLoCoSnapshot, theta_only_snapshot
@@ -323,10 +323,9 @@ class NoLoCoRound:
                 if self.config.snapshot == "theta" and self.pull_bound.enabled:
                     # the floors: our progress, plus what the wire alone puts between two θs
                     # (all of it, and its part along our own tensors)
-                    floors = (global_norm(reference.local_progress)
-                              + rounding_error_norm(own_theta, self.config.wire_dtype),
-                              pull_bound.radial(reference.slow_weights, own_theta)
-                              + rounding_error_along(own_theta, self.config.wire_dtype))
+                    wire = rounding_errors(own_theta, self.config.wire_dtype)
+                    floors = (global_norm(reference.local_progress) + wire.norm,
+                              pull_bound.radial(reference.slow_weights, own_theta) + wire.along)
                     groups["theta"] = self._bound_pull(partner.peer, groups["theta"], own_theta,
                                                        floors)
             finally:  # a norm is read on the host: the device's queue is drained by here
